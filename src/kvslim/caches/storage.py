@@ -1,0 +1,111 @@
+"""Token-indexed tensor stores: the bytes every cache layer keeps, plain or quantized.
+
+A store holds one tensor family of shape (B, H, capacity, D) in token slots. Cache layers decide *which*
+slot a token goes to (append, ring); stores decide *how* it is kept (as is, or grouped int8/int4 codes
+plus scales, quantized once at write time and never re-quantized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.quant import check_quant_args, codes_width, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """How a store keeps values: ``bits`` 0 (as is), 8 or 4; ``group_size`` and ``scale_dtype`` for quantized."""
+
+    bits: int = 0
+    group_size: int = 64
+    scale_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.bits not in (0, 4, 8):
+            raise ValueError(f"bits must be 0, 4 or 8, got {self.bits!r}")
+        if self.scale_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"scale_dtype must be float32, float16 or bfloat16, got {self.scale_dtype}")
+
+    def bytes_per_value_row(self, dim: int, dtype: torch.dtype) -> int:
+        """Exact bytes to keep one row of ``dim`` values (one token, one head)."""
+        if self.bits == 0:
+            return dim * dtype.itemsize
+        check_quant_args(dim, self.bits, self.group_size)
+        return codes_width(dim, self.bits) + (dim // self.group_size) * self.scale_dtype.itemsize
+
+
+class TensorStore:
+    """Plain storage (B, H, capacity, D) in the model's dtype."""
+
+    def __init__(self, spec: StoreSpec, batch: int, heads: int, capacity: int, dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.spec, self.dtype, self.dim = spec, dtype, dim
+        self.data = torch.empty(batch, heads, capacity, dim, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
+    def set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        (self.data,) = tensors
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        """Write ``x`` (B, H, S, D) into slots [start, start+S)."""
+        self.data[:, :, start:start + x.shape[2]] = x
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Slots [start, end) as (B, H, end-start, D) in the model dtype (a view when possible)."""
+        return self.data[:, :, start:end]
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as it would read back after a write (identity for plain storage)."""
+        return x
+
+    def nbytes(self, used_slots: int) -> int:
+        b, h = self.data.shape[:2]
+        return b * h * used_slots * self.spec.bytes_per_value_row(self.dim, self.dtype)
+
+
+class QuantizedStore(TensorStore):
+    """Grouped symmetric int8/int4 storage: codes (B, H, capacity, D or D/2) and scales (B, H, capacity, D/G)."""
+
+    def __init__(self, spec: StoreSpec, batch: int, heads: int, capacity: int, dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        check_quant_args(dim, spec.bits, spec.group_size)
+        self.spec, self.dtype, self.dim = spec, dtype, dim
+        code_dtype = torch.int8 if spec.bits == 8 else torch.uint8
+        self.data = torch.empty(batch, heads, capacity, codes_width(dim, spec.bits), dtype=code_dtype, device=device)
+        self.scale = torch.empty(batch, heads, capacity, dim // spec.group_size, dtype=spec.scale_dtype,
+                                 device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.scale]
+
+    def set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        self.data, self.scale = tensors
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        codes, scale = quantize(x, self.spec.bits, self.spec.group_size, self.spec.scale_dtype)
+        end = start + x.shape[2]
+        self.data[:, :, start:end] = codes
+        self.scale[:, :, start:end] = scale
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        return dequantize(self.data[:, :, start:end], self.scale[:, :, start:end], self.spec.bits,
+                          self.spec.group_size, self.dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize(x, self.spec.bits, self.spec.group_size, self.spec.scale_dtype)
+        return dequantize(codes, scale, self.spec.bits, self.spec.group_size, x.dtype)
+
+
+def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStore:
+    """A store for tensors shaped like ``like`` (B, H, S, D) with ``capacity`` token slots."""
+    b, h, _, d = like.shape
+    cls = TensorStore if spec.bits == 0 else QuantizedStore
+    return cls(spec, b, h, capacity, d, like.dtype, like.device)

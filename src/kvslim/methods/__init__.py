@@ -1,0 +1,8 @@
+"""Registry of techniques: ``METHODS[name]`` is a :class:`~kvslim.methods.base.Method`."""
+
+from .base import Method
+from .storage import DENSE, INT4, INT8, WINDOW
+
+METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4)}
+
+__all__ = ["METHODS", "Method"]

@@ -1,0 +1,113 @@
+"""Per-layer cache plans: what each layer stores, its exact bytes per token, and how exact it is."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's choice.
+
+    Attributes:
+        index: decoder layer index.
+        technique: what the layer caches (``"dense"``, ``"window"``, ``"int8"``, ``"slim-k"``, ``"mla-latent"``…).
+        bytes_per_token: exact bytes stored per token at batch 1 (scales included).
+        window: ring capacity in tokens, or ``None`` for an unbounded layer.
+        exactness: ``"exact"``, ``"lossy"`` or ``"approximate"`` plus, where measured, the dtype and error.
+        error: measured relative error of this layer's choice, when measured.
+        note: free text shown in the plan table.
+        fixed_bytes: bytes per sequence that do not grow with context (e.g. a shared encoder-output cache).
+        factory: builds the ``CacheLayerMixin`` for this layer; called with ``max_length`` (or ``None``).
+    """
+
+    index: int
+    technique: str
+    bytes_per_token: int
+    window: int | None = None
+    exactness: str = "exact"
+    error: float | None = None
+    note: str = ""
+    fixed_bytes: int = 0
+    factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
+
+    def cache_bytes(self, context: int, batch: int = 1) -> int:
+        tokens = context if self.window is None else min(context, self.window)
+        return batch * (tokens * self.bytes_per_token + self.fixed_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model's cache plan: one :class:`LayerPlan` per layer and the dense baseline to compare with."""
+
+    method: str
+    model_type: str
+    family: str
+    dtype: str
+    layers: tuple[LayerPlan, ...]
+    dense_bytes_per_token: int
+    options: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    dense_fixed_bytes: int = 0
+
+    def cache_bytes(self, context: int, batch: int = 1) -> int:
+        """Exact bytes the planned cache holds after ``context`` tokens for ``batch`` sequences."""
+        return sum(lp.cache_bytes(context, batch) for lp in self.layers)
+
+    def dense_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes of the model's ordinary K+V cache in the same dtype."""
+        return batch * (context * self.dense_bytes_per_token + self.dense_fixed_bytes)
+
+    def ratio(self, context: int) -> float:
+        return self.cache_bytes(context) / max(1, self.dense_bytes(context))
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method, "model_type": self.model_type, "family": self.family, "dtype": self.dtype,
+            "options": {k: str(v) for k, v in self.options.items()}, "notes": list(self.notes),
+            "dense_bytes_per_token": self.dense_bytes_per_token,
+            "layers": [{"index": lp.index, "technique": lp.technique, "bytes_per_token": lp.bytes_per_token,
+                        "window": lp.window, "exactness": lp.exactness, "error": lp.error, "note": lp.note,
+                        "fixed_bytes": lp.fixed_bytes} for lp in self.layers],
+        }
+
+    def table(self, context: int = 4096) -> Table:
+        t = Table(title=f"kvslim plan: {self.method} on {self.model_type} ({self.family}, {self.dtype}), "
+                        f"{context} tokens: {self.cache_bytes(context):,} B = {self.ratio(context):.3f} × dense")
+        for col in ("layers", "technique", "bytes/token", "window", "exactness", "error", "note"):
+            t.add_column(col)
+        for group in _group_layers(self.layers):
+            lp = group[0]
+            span = f"{group[0].index}" if len(group) == 1 else f"{group[0].index}-{group[-1].index}"
+            err = "" if lp.error is None else f"{lp.error:.2e}"
+            t.add_row(span, lp.technique, f"{lp.bytes_per_token:,}", str(lp.window or "-"), lp.exactness, err,
+                      lp.note)
+        return t
+
+    def __str__(self) -> str:
+        buf = io.StringIO()
+        console = Console(file=buf, width=140, force_terminal=False)
+        console.print(self.table())
+        for n in self.notes:
+            console.print(f"note: {n}")
+        return buf.getvalue()
+
+
+def _group_layers(layers: tuple[LayerPlan, ...]) -> list[list[LayerPlan]]:
+    """Consecutive layers with identical choices, for a compact table."""
+    groups: list[list[LayerPlan]] = []
+    for lp in layers:
+        if groups and groups[-1][-1].index == lp.index - 1 and _key(groups[-1][-1]) == _key(lp):
+            groups[-1].append(lp)
+        else:
+            groups.append([lp])
+    return groups
+
+
+def _key(lp: LayerPlan) -> tuple:
+    return (lp.technique, lp.bytes_per_token, lp.window, lp.exactness, lp.error, lp.note)
