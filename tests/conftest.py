@@ -1,0 +1,56 @@
+"""Tiny Hugging Face models built from configs (nothing downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              max_position_embeddings=512)
+
+
+def tiny_model(kind: str, *, kv_heads: int = 2, seed: int = 0, dtype=torch.float32, **overrides):
+    """A random-init tiny decoder of family ``kind`` (llama, mistral, qwen2, qwen2-mixed, phi3)."""
+    torch.manual_seed(seed)
+    kw = dict(COMMON, num_key_value_heads=kv_heads, **overrides)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": 8, **kw}))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**{"sliding_window": 8, "use_sliding_window": True,
+                                                "max_window_layers": 0, **kw}))
+    elif kind == "qwen2-mixed":
+        model = Qwen2ForCausalLM(Qwen2Config(**{"sliding_window": 8, "use_sliding_window": True,
+                                                "max_window_layers": 1, **kw}))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**{"pad_token_id": 0, **kw}))
+    else:
+        raise ValueError(kind)
+    return model.to(dtype).eval()
+
+
+def padded_batch(batch: int = 2, length: int = 12, vocab: int = 128, seed: int = 1):
+    """Random prompts, left-padded: sequence b has b·3 padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : 3 * b] = 0
+        ids[b, : 3 * b] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model

@@ -1,0 +1,31 @@
+"""The one table of tolerances, keyed by dtype, and the error-ratio rule for half precision (STYLE §7)."""
+
+from __future__ import annotations
+
+import torch
+
+#: max |Δ| allowed between an exact kvslim path and its reference, per dtype
+ATOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+#: end-to-end logits against the same HF model with its ordinary cache (issue contracts: fp32 ≤ 1e-4)
+LOGIT_ATOL = {torch.float32: 1e-4}
+#: absolute floor added to the error-ratio rule so that exact-zero baselines do not demand exact zero
+RATIO_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+#: the error-ratio factor: optimized error ≤ FACTOR · baseline error (same dtype) + floor
+RATIO_FACTOR = 2.0
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    err = max_err(actual, expected)
+    assert err <= ATOL[dtype], f"{what}: max|Δ| {err:.3e} > {ATOL[dtype]:.1e} ({dtype})"
+
+
+def assert_error_ratio(optimized: torch.Tensor, baseline: torch.Tensor, reference64: torch.Tensor,
+                       dtype: torch.dtype, what: str = "") -> None:
+    """``max|opt − ref64| ≤ 2·max|baseline − ref64| + floor`` (baseline: the plain path in the same dtype)."""
+    e_opt, e_base = max_err(optimized, reference64), max_err(baseline, reference64)
+    bound = RATIO_FACTOR * e_base + RATIO_FLOOR[dtype]
+    assert e_opt <= bound, f"{what}: error {e_opt:.3e} > {RATIO_FACTOR}×{e_base:.3e} + floor ({dtype})"
