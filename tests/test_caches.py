@@ -1,0 +1,146 @@
+"""Cache layers against a naive concatenating reference; ring-buffer bounds; exact byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import assert_close
+
+from kvslim.caches import AppendLayer, RingLayer, StoreSpec
+from kvslim.ops.quant import dequantize, quantize
+
+
+def _chunks(total: int, sizes: list[int]) -> list[int]:
+    out, left = [], total
+    for s in sizes:
+        if left <= 0:
+            break
+        out.append(min(s, left))
+        left -= out[-1]
+    if left > 0:
+        out.append(left)
+    return out
+
+
+def _nan_fill(layer) -> None:
+    """Poison every preallocated slot so any read of an unwritten slot shows up as NaN."""
+    for store in layer._stores():
+        for t in store.tensors():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.integers(1, 9), min_size=1, max_size=8), chunk=st.integers(1, 16),
+       heads=st.integers(1, 3), dim=st.sampled_from([4, 8]))
+def test_append_layer_matches_concatenation(steps, chunk, heads, dim):
+    layer = AppendLayer(StoreSpec(), chunk=chunk)
+    ref_k = ref_v = None
+    for i, s in enumerate(steps):
+        k, v = torch.randn(2, heads, s, dim), torch.randn(2, heads, s, dim)
+        if i == 0:
+            layer.lazy_initialization(k, v)
+            _nan_fill(layer)
+        ok, ov = layer.update(k, v)
+        ref_k = k if ref_k is None else torch.cat((ref_k, k), 2)
+        ref_v = v if ref_v is None else torch.cat((ref_v, v), 2)
+        assert torch.equal(ok, ref_k) and torch.equal(ov, ref_v)
+    assert layer.get_seq_length() == sum(steps)
+    assert layer.nbytes == 2 * 2 * heads * sum(steps) * dim * 4
+
+
+def _window_reference(all_k: torch.Tensor, c: int, s: int, w: int) -> torch.Tensor:
+    """Keys visible to queries at positions [c, c+s): the last min(c, w-1) past ones plus the new ones."""
+    past = min(c, w - 1)
+    return all_k[:, :, c - past: c + s]
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.integers(1, 12), min_size=1, max_size=10), window=st.integers(1, 10))
+def test_ring_layer_returns_visible_tokens_in_temporal_order(steps, window):
+    layer = RingLayer(window)
+    total = sum(steps)
+    all_k, all_v = torch.randn(1, 2, total, 4), torch.randn(1, 2, total, 4)
+    c = 0
+    for i, s in enumerate(steps):
+        k, v = all_k[:, :, c:c + s], all_v[:, :, c:c + s]
+        if i == 0:
+            layer.lazy_initialization(k, v)
+            _nan_fill(layer)
+        kv_len, kv_off = layer.get_mask_sizes(s)
+        ok, ov = layer.update(k, v)
+        ref_k = _window_reference(all_k, c, s, window)
+        assert torch.equal(ok, ref_k)
+        assert torch.equal(ov, _window_reference(all_v, c, s, window))
+        assert (kv_len, kv_off) == (ref_k.shape[2], c - min(c, window - 1))
+        c += s
+        assert layer.get_seq_length() == c
+        assert layer.stored_tokens() == min(c, window)
+
+
+def test_ring_memory_is_flat_after_window_for_ten_windows():
+    w = 16
+    layer = RingLayer(w, StoreSpec(bits=8, group_size=4))
+    sizes = []
+    for _ in range(10 * w):
+        layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+        sizes.append((layer.nbytes, layer.allocated_nbytes))
+    assert len({s for s in sizes[w - 1:]}) == 1, "bytes must not grow after W tokens"
+    assert sizes[-1][0] == sizes[-1][1]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_append_never_requantizes_history(bits):
+    layer = AppendLayer(StoreSpec(bits=bits, group_size=8), chunk=4)
+    first = torch.randn(1, 2, 5, 16) * 10
+    layer.update(first, first)
+    codes0 = layer.k_store.data[:, :, :5].clone()
+    scale0 = layer.k_store.scale[:, :, :5].clone()
+    for _ in range(20):  # many appends, forcing buffer growth, with much larger magnitudes
+        x = torch.randn(1, 2, 1, 16) * 1000
+        k, _ = layer.update(x, x)
+    assert torch.equal(layer.k_store.data[:, :, :5], codes0)
+    assert torch.equal(layer.k_store.scale[:, :, :5], scale0)
+    c, s = quantize(first, bits, 8)
+    assert torch.equal(k[:, :, :5], dequantize(c, s, bits, 8))
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 0.27), (4, 0.15)])
+def test_quantized_bytes_against_fp32_dense(bits, limit):
+    """Group 64, fp32 scales: 1.0625 (int8) and 0.5625 (int4) bytes per value vs 4 for fp32."""
+    x = torch.randn(2, 4, 100, 64)
+    dense, quant = AppendLayer(), AppendLayer(StoreSpec(bits=bits, group_size=64))
+    dense.update(x, x)
+    quant.update(x, x)
+    per_value = quant.nbytes / (2 * x.numel())
+    assert per_value == {8: 1.0625, 4: 0.5625}[bits]
+    assert quant.nbytes / dense.nbytes <= limit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantized_read_matches_roundtrip(dtype):
+    layer = AppendLayer(StoreSpec(bits=8, group_size=16, scale_dtype=torch.float16))
+    x = torch.randn(1, 3, 7, 32).to(dtype)
+    k, _ = layer.update(x, x)
+    c, s = quantize(x, 8, 16, torch.float16)
+    assert k.dtype == dtype
+    assert_close(k, dequantize(c, s, 8, 16, dtype), dtype, "int8 read")
+
+
+def test_layer_refuses_mismatched_update_and_changes_nothing():
+    layer = AppendLayer()
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    before = layer.k_store.data.clone()
+    with pytest.raises(ValueError, match="key_states"):
+        layer.update(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8))
+    with pytest.raises(ValueError, match="key_states"):
+        layer.update(torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64))
+    assert layer.get_seq_length() == 3 and torch.equal(before[:, :, :3], layer.k_store.data[:, :, :3])
+    with pytest.raises(ValueError, match="window"):
+        RingLayer(0)
+    with pytest.raises(ValueError, match="bits"):
+        StoreSpec(bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        AppendLayer(StoreSpec(bits=8, group_size=5)).update(torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8))

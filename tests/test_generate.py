@@ -1,0 +1,119 @@
+"""kvslim caches inside Hugging Face ``generate``: same tokens and logits as HF's own cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_model
+from tolerances import LOGIT_ATOL, max_err
+
+import kvslim
+from kvslim.caches import KVSlimCache
+
+NEW = 64
+
+
+def _generate(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+def _logit_err(a, b) -> float:
+    return max(max_err(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-mixed", "phi3"])
+def test_dense_is_exact_in_fp32_with_left_padding(kind):
+    model = tiny_model(kind)
+    ids, mask = padded_batch()
+    ref = _generate(model, ids, mask)
+    plan = kvslim.apply(model, "dense")
+    out = _generate(model, ids, mask)
+    assert isinstance(out.past_key_values, KVSlimCache), "plain generate must use the kvslim cache after apply"
+    assert torch.equal(out.sequences, ref.sequences)
+    assert _logit_err(out, ref) <= LOGIT_ATOL[torch.float32]
+    assert out.past_key_values.nbytes == plan.cache_bytes(ids.shape[1] + NEW - 1, batch=ids.shape[0])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen2-mixed"])
+@pytest.mark.parametrize("prompt_len", [5, 20])  # shorter and longer than the window (8)
+def test_window_ring_buffer_is_exact_against_hf_sliding_window(kind, prompt_len):
+    model = tiny_model(kind)
+    ids, mask = padded_batch(length=prompt_len)
+    ref = _generate(model, ids, mask)
+    plan = kvslim.apply(model, "window")
+    out = _generate(model, ids, mask)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert _logit_err(out, ref) <= LOGIT_ATOL[torch.float32]
+    cache = out.past_key_values
+    assert cache.nbytes == plan.cache_bytes(prompt_len + NEW - 1, batch=2)
+    ring = [lp for lp in plan.layers if lp.window is not None]
+    assert ring and all(lp.window == 8 and lp.exactness == "exact" for lp in ring)
+
+
+def test_window_memory_flat_over_ten_windows():
+    model = tiny_model("mistral")
+    kvslim.apply(model, "window")
+    cache = kvslim.make_cache(model)
+    ids = torch.randint(1, 128, (1, 3))
+    model.generate(ids, max_new_tokens=8 * 10, do_sample=False, past_key_values=cache, pad_token_id=0)
+    per_layer = 2 * 2 * 16 * 4  # K+V, 2 kv heads, head_dim 16, fp32
+    assert cache.nbytes == cache.allocated_nbytes == 3 * 8 * per_layer
+
+
+@pytest.mark.parametrize("method,opts,limit", [("int8", {"group_size": 8}, 5e-2), ("int4", {"group_size": 8}, 1.0),
+                                               ("int8", {"group_size": 16, "window": 8}, 5e-2)])
+def test_quantized_caches_run_in_generate_and_stay_close(method, opts, limit):
+    model = tiny_model("mistral")
+    ids, mask = padded_batch()
+    ref = model(ids, attention_mask=mask).logits
+    plan = kvslim.apply(model, method, **opts)
+    cache = kvslim.make_cache(model)
+    logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    err = max_err(logits, ref)
+    assert 0 < err < limit, f"{method}: prefill logit error {err}"
+    assert cache.nbytes == plan.cache_bytes(ids.shape[1], batch=2)
+    out = _generate(model, ids, mask)
+    assert out.sequences.shape == (2, ids.shape[1] + NEW)
+
+
+def test_window_on_full_attention_model_is_marked_approximate():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="window"):
+        kvslim.apply(model, "window")  # no sliding_window in a Llama config: W is required
+    plan = kvslim.apply(model, "window", window=8)
+    assert {lp.exactness for lp in plan.layers} == {"approximate"}
+    assert "approximate" in str(plan)
+
+
+def test_apply_refuses_bad_input_and_changes_nothing():
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cases = [(("bogus",), {}, "method"), (("window",), {"window": 0}, "window"),
+             (("window",), {"window": -3}, "window"), (("int8",), {"group_size": 5}, "group_size"),
+             (("int8",), {"bits": 3}, "bits"), (("int4",), {"scale_dtype": "int8"}, "scale_dtype"),
+             (("dense",), {"window": 4}, "window")]
+    for args, opts, word in cases:
+        with pytest.raises(ValueError, match=word):
+            kvslim.apply(model, *args, **opts)
+        assert kvslim.get_plan(model) is None and "generate" not in vars(model)
+    with pytest.raises(ValueError, match="max_length"):
+        kvslim.make_cache(model, max_length=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_apply_refuses_unsupported_model_with_reason():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="model_type 'bert'.*supported"):
+        kvslim.apply(model, "dense")
+
+
+def test_restore_and_reapply():
+    model = tiny_model("llama")
+    kvslim.apply(model, "int8", group_size=8)
+    kvslim.apply(model, "dense")
+    assert kvslim.get_plan(model).method == "dense"
+    kvslim.restore(model)
+    assert kvslim.get_plan(model) is None and "generate" not in vars(model)
