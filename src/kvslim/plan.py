@@ -61,8 +61,8 @@ class Plan:
         return sum(lp.cache_bytes(context, batch) for lp in self.layers)
 
     def dense_bytes(self, context: int, batch: int = 1) -> int:
-        """Bytes of the model's ordinary K+V cache in the same dtype."""
-        return batch * (context * self.dense_bytes_per_token + self.dense_fixed_bytes)
+        """Bytes of the model's ordinary K+V cache in the same dtype (``dense_bytes_per_token`` is per layer)."""
+        return batch * (context * self.dense_bytes_per_token * len(self.layers) + self.dense_fixed_bytes)
 
     def ratio(self, context: int) -> float:
         return self.cache_bytes(context) / max(1, self.dense_bytes(context))
