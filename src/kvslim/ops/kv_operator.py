@@ -52,8 +52,8 @@ def allocate_kv_cache(max_batch: int, num_layer: int, max_seq: int, num_heads: i
                         ("num_heads", num_heads), ("head_dim", head_dim)):
         if _as_int(value, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {value!r}")
-    _check_choice(quant_bit, "quant_bit", QUANT_BITS)
-    _check_choice(cache_layout, "cache_layout", CACHE_LAYOUTS)
+    quant_bit = _check_choice(quant_bit, "quant_bit", QUANT_BITS)
+    cache_layout = _check_choice(cache_layout, "cache_layout", CACHE_LAYOUTS)
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     dims = (max_batch, num_layer, max_seq, num_heads, head_dim)
@@ -103,6 +103,8 @@ def key_value_cache(current_key: torch.Tensor, current_value: torch.Tensor,
     start, positions = _validate(current_key, current_value, start_pos, cache, scale, num_layer=num_layer,
                                  layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                                  num_repeat=num_repeat, cache_layout=cache_layout)
+    quant_bit, num_repeat, layer_idx, cache_layout = map(int, (quant_bit, num_repeat, layer_idx, cache_layout))
+    quant_group = int(quant_group) if quant_bit else quant_group
     batch, seq = current_key.shape[:2]
     dtype = current_key.dtype
     cache_view = _layer_view(cache, layer_idx, batch, cache_layout)  # (B, 2, MaxS, H, Dc)
@@ -186,9 +188,13 @@ def _as_int(value: object, name: str) -> int:
 
 
 def _check_choice(value: object, name: str, choices: tuple[int, ...]) -> int:
-    if isinstance(value, bool) or value not in choices:
+    try:
+        ok = _as_int(value, name) in choices
+    except ValueError:
+        ok = False
+    if not ok:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return _as_int(value, name)
+    return operator.index(value)
 
 
 def _normalize_start_pos(start_pos: object, batch: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
@@ -210,8 +216,8 @@ def _validate(current_key: torch.Tensor, current_value: torch.Tensor, start_pos:
               quant_bit: int, quant_group: int, num_repeat: int,
               cache_layout: int) -> tuple[int, torch.Tensor | None]:
     """Check every argument before anything is written; return the normalized start position(s)."""
-    _check_choice(quant_bit, "quant_bit", QUANT_BITS)
-    _check_choice(cache_layout, "cache_layout", CACHE_LAYOUTS)
+    quant_bit = _check_choice(quant_bit, "quant_bit", QUANT_BITS)
+    cache_layout = _check_choice(cache_layout, "cache_layout", CACHE_LAYOUTS)
     if _as_int(num_layer, "num_layer") < 1:
         raise ValueError(f"num_layer must be >= 1, got {num_layer!r}")
     if not 0 <= _as_int(layer_idx, "layer_idx") < num_layer:
