@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -107,11 +108,13 @@ def _check_rows(w: torch.Tensor, n_head: int) -> None:
     if n_head <= 0:
         raise ValueError(f"n_head must be positive, got {n_head}")
     if w.ndim == 0 or w.shape[0] % (2 * n_head):
-        raise ValueError(f"w must have a first dimension divisible by 2 * n_head = {2 * n_head}, "
-                         f"got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"w must have a first dimension divisible by 2 * n_head = {2 * n_head}, "
+            f"got shape {tuple(w.shape)}"
+        )
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
@@ -122,16 +125,19 @@ def _config_from_reader(reader: gguf.GGUFReader) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"path must hold a llama-architecture GGUF, got general.architecture={arch!r}")
 
-    def need(key: str) -> object:
+    def need(key: str) -> Any:
         value = _field(reader, f"llama.{key}")
         if value is None:
             raise ValueError(f"GGUF metadata lacks llama.{key}")
         return value
 
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"path holds a model with RoPE scaling {scaling!r}, which is not supported")
     n_head = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens else 0))
+    vocab = len(tokens.data) if tokens is not None else int(need("vocab_size"))
     names = {t.name for t in reader.tensors}
     return LlamaConfig(
         vocab_size=vocab,
@@ -140,7 +146,7 @@ def _config_from_reader(reader: gguf.GGUFReader) -> LlamaConfig:
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", n_head)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // n_head)),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // n_head)),
         max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
         rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters={
@@ -168,26 +174,46 @@ def _hf_name(gguf_name: str) -> str:
     return f"{_GLOBAL_NAMES[stem]}.{kind}"
 
 
-def _state_dict(reader: gguf.GGUFReader, config: LlamaConfig, unpermute: bool) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 and map it to its Hugging Face name and layout."""
+def _state_dict(
+    reader: gguf.GGUFReader, config: LlamaConfig, dtype: torch.dtype, unpermute: bool
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor (in float32), map it to its Hugging Face name and layout, cast to dtype."""
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         # GGUF lists dims fastest-first; the dequantized array is already in torch order (out, in).
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if not values.flags.writeable:  # F32 tensors are views of the read-only memory map
+            values = values.copy()
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(values.astype(np.float32, copy=False)).reshape(shape)
         name = _hf_name(tensor.name)
         if unpermute and ".self_attn.q_proj." in name:
             w = llamacpp_unpermute(w, config.num_attention_heads)
         elif unpermute and ".self_attn.k_proj." in name:
             w = llamacpp_unpermute(w, config.num_key_value_heads)
-        state[name] = w
+        state[name] = w.to(dtype)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
+def _build_model(config: LlamaConfig, state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    """Build the model without a random init: parameters come straight from ``state``."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    # The rotary tables are non-persistent buffers, absent from ``state``: build them for real.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # assign=True gave lm_head its own Parameter object
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"GGUF state left tensors unset: {meta[:5]}")
+    return model
+
+
 def _finish_tokenizer(tokenizer: PreTrainedTokenizerFast, reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
+    """Fix the pre-tokenizer where transformers' GGUF conversion misses it; set pad and padding side."""
     # transformers keeps GPT-2's split for "smollm"; llama.cpp (and the original tokenizer.json)
     # also split every digit apart first.
     if _field(reader, "tokenizer.ggml.pre") == "smollm":
@@ -219,20 +245,16 @@ def load_gguf_llama(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not a llama GGUF, or holds tensors that do not fit the config.
+        ValueError: the file is not a plain llama GGUF, or holds tensors with unknown names.
+        RuntimeError: tensor shapes do not fit the metadata (raised by ``load_state_dict``).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} does not exist or is not a file")
     reader = gguf.GGUFReader(path)
     config = _config_from_reader(reader)
-    state = _state_dict(reader, config, unpermute=_unpermute)
-
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(state, strict=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    model = model.to(dtype).eval()
+    state = _state_dict(reader, config, dtype, unpermute=_unpermute)
+    model = _build_model(config, state).eval()
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True
