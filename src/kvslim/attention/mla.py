@@ -81,8 +81,9 @@ def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax in float32 (as HF's eager attention), back in ``dtype``."""
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    """Softmax in float32 or better (as HF's eager attention), back in ``dtype``."""
+    acc = scores.dtype if scores.dtype == torch.float64 else torch.float32
+    return torch.softmax(scores, dim=-1, dtype=acc).to(dtype)
 
 
 # -- reference ---------------------------------------------------------------------------------------------------
