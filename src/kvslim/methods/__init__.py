@@ -6,5 +6,6 @@ from .storage import DENSE, INT4, INT8, WINDOW
 
 METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4)}
 METHODS[MLA.name] = MLA
+METHODS["slim"] = __import__(f"{__package__}.slim", fromlist=["SLIM"]).SLIM
 
 __all__ = ["METHODS", "Method"]

@@ -1,0 +1,132 @@
+"""Slim attention math (SPEC §3): attention over a cache that holds one tensor per token.
+
+What is cached per technique (row of ``c`` values per token, shared by all heads):
+``k`` — the keys (e values; RoPE either not yet applied, "raw", or applied, "rotated"), optionally followed
+by r conditioning coordinates ``z = x P``; ``v`` — the values; ``x`` — the layer input. Memory 0.5× of K+V
+for e = d (``k``+r: (e+r)/2e). Exact in exact arithmetic; rounding is amplified by the rebuilding map
+(measured by the plan). Paper: Graef & Wasielewski 2025. :func:`reference_attention` is the plain path
+every optimized one is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.rope import rotate, unrotate
+
+
+@dataclass(frozen=True)
+class SlimLayerWeights:
+    """Precomputed (float64 → fp32) maps of one layer.
+
+    Attributes:
+        technique: ``"k"``, ``"v"`` or ``"x"``.
+        num_heads, head_dim: h and dk (e = h·dk).
+        width: cached values per token (c).
+        value_map: (h, c, dk) — head i's value ``v_i = C value_map[i]`` (minus its constant), ``k``/``x``.
+        value_map_full: (c, e) — the same maps side by side (decode option 1).
+        score_map: (h, c, dk) — ``k_i = C score_map[i]`` up to a constant per query, ``v``/``x``.
+        proj: (d, r) conditioning directions (``k`` with r > 0), else ``None``.
+        out_bias: folded output bias ``b_O + c_V W_O`` (d,) for the decode path, or ``None`` if the o-projection
+            has no bias and the rebuilt values need no constant.
+        rope: whether keys carry RoPE (``k`` only); ``rope_storage`` is ``"raw"`` or ``"rotated"``.
+        decode: ``"option2"`` (``u = softmax·C`` then ``u·W``) or ``"option1"`` (rebuild V, then attention).
+    """
+
+    technique: str
+    num_heads: int
+    head_dim: int
+    width: int
+    value_map: torch.Tensor | None = None
+    value_map_full: torch.Tensor | None = None
+    score_map: torch.Tensor | None = None
+    proj: torch.Tensor | None = None
+    out_bias: torch.Tensor | None = None
+    rope: bool = False
+    rope_storage: str = "raw"
+    decode: str = "option2"
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.proj is None else self.proj.shape[1]
+
+
+def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """HF attention mask (bool: True = visible, or additive float; (B|1, 1, T, n)) as an fp32 additive mask.
+
+    ``None`` means causal without padding: the T queries are the last T of the n positions.
+    """
+    if mask is None:
+        if q_len == 1:
+            return None
+        i = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        j = torch.arange(kv_len, device=device)[None, :]
+        return torch.zeros(q_len, kv_len, device=device).masked_fill(j > i, torch.finfo(torch.float32).min)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask[..., -kv_len:].float().clamp_min(torch.finfo(torch.float32).min)
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scaling: float) -> torch.Tensor:
+    """Plain attention: q (B, h, T, dk), k/v (B, h, n, dk), fp32 softmax -> (B, h, T, dk) in q's dtype."""
+    s = _softmax((q @ k.transpose(-1, -2)).float() * scaling, mask)
+    return (s.to(v.dtype) @ v).to(q.dtype)
+
+
+def split_heads(c: torch.Tensor, h: int) -> torch.Tensor:
+    """(B, n, h·dk) -> (B, h, n, dk)."""
+    b, n, _ = c.shape
+    return c.view(b, n, h, -1).transpose(1, 2)
+
+
+def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None,
+                   scaling: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Attention of queries over a slim cache.
+
+    Args:
+        q: (B, h, T, dk) queries, RoPE already applied.
+        cache: (B, n, c) cached rows in the model dtype.
+        w: the layer's :class:`SlimLayerWeights`.
+        mask: fp32 additive mask broadcastable to (B, h, T, n) (see :func:`additive_mask`), or ``None``.
+        scaling: score scale (``dk**-0.5`` or the model's own).
+        cos, sin: (B|1, n, R) RoPE table of the cached positions (``k`` with RoPE).
+
+    Returns:
+        (B, h, T, dk) head outputs in q's dtype, *without* the rebuilt values' constant (it is folded into
+        ``w.out_bias``).
+    """
+    b, h, t, dk = q.shape
+    n, e = cache.shape[1], h * dk
+    # -- scores ---------------------------------------------------------------------------------------------
+    if w.technique == "k":
+        keys = split_heads(cache[..., :e], h)  # (B, h, n, dk)
+        if w.rope and w.rope_storage == "raw":
+            keys = rotate(keys, cos[:, None], sin[:, None])
+        scores = (q @ keys.transpose(-1, -2)).float() * scaling
+    else:  # absorbed query: q̃_i = q_i score_map_i^T, scores over the shared rows
+        qt = torch.matmul(q.float(), w.score_map.transpose(-1, -2))  # (B, h, T, c)
+        scores = (qt.reshape(b, h * t, -1) @ cache.float().transpose(1, 2)).view(b, h, t, n) * scaling
+    s = _softmax(scores, mask)  # (B, h, T, n) fp32
+    # -- values ---------------------------------------------------------------------------------------------
+    if w.technique == "v":
+        return (s @ split_heads(cache, h).float()).to(q.dtype)
+    src = cache.float()
+    if w.technique == "k" and w.rope and w.rope_storage == "rotated":  # un-rotate before rebuilding V
+        raw = unrotate(split_heads(src[..., :e], h), cos[:, None].float(), sin[:, None].float())
+        src = torch.cat((raw.transpose(1, 2).reshape(b, n, e), src[..., e:]), dim=-1)
+    if w.decode == "option1":  # rebuild V = C W (n·c·e per step), then ordinary attention
+        v = split_heads(src @ w.value_map_full, h)  # (B, h, n, dk)
+        return (s @ v).to(q.dtype)
+    # option 2: u = softmax·C for all heads as one matrix product, then one small map per head
+    u = (s.reshape(b, h * t, n) @ src).view(b, h, t, -1)  # "bhtn,bnc->bhtc"
+    return torch.matmul(u, w.value_map).to(q.dtype)  # "bhtc,hcd->bhtd"
