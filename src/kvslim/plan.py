@@ -51,7 +51,7 @@ class Plan:
     family: str
     dtype: str
     layers: tuple[LayerPlan, ...]
-    dense_bytes_per_token: int
+    dense_bytes_per_token: int  # per layer, batch 1: the model's ordinary K+V cache
     options: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     dense_fixed_bytes: int = 0

@@ -44,7 +44,8 @@ def compute_scale(x: torch.Tensor, bits: int, group_size: int,
     """Per-group scales of ``x`` (..., D) -> (..., D // group_size) in ``scale_dtype``."""
     groups = x.float().unflatten(-1, (-1, group_size))  # (..., D/G, G)
     scale = groups.abs().amax(dim=-1) / qmax(bits)
-    return scale.clamp_min(torch.finfo(scale_dtype).tiny).to(scale_dtype)
+    info = torch.finfo(scale_dtype)  # clamp high too: an fp16 scale must not overflow to inf (codes saturate)
+    return scale.clamp(info.tiny, info.max).to(scale_dtype)
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:

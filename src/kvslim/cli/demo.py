@@ -1,0 +1,124 @@
+"""Generate with each method on the built-in model and print one comparison table (no download).
+
+``kvslim demo [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from .. import api
+from ..evaluate import chunked_perplexity, greedy_decode
+
+# (label, method, options) on SmolLM2-135M-Instruct (GQA: 9 query heads share 3 KV heads)
+DEFAULT_RUNS = (("dense", "dense", {}), ("int8 g64", "int8", {"group_size": 64}),
+                ("int4 g64", "int4", {"group_size": 64}), ("int4 g32", "int4", {"group_size": 32}),
+                ("window 256", "window", {"window": 256}), ("int8 g64 + window 256", "int8",
+                                                              {"group_size": 64, "window": 256}))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.",
+                   help="user message (chat-templated)")
+    p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per method (default 48)")
+    p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for demo.json and the PNG plot")
+
+
+def eval_ids(tokenizer) -> torch.Tensor:
+    text = resources.files("kvslim").joinpath("data/eval_text.txt").read_text()
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def measure(model, tokenizer, runs, prompt: str, new_tokens: int) -> list[dict]:
+    """Run each (label, method, options) and compare with the dense run (teacher-forced for logits)."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    text_ids = eval_ids(tokenizer)
+    rows, dense = [], None
+    for label, method, opts in track(runs, description="methods"):
+        plan = api.apply(model, method, **opts)
+        free = greedy_decode(model, ids, new_tokens, api.make_cache(model))
+        if dense is None:
+            dense = free
+        forced = greedy_decode(model, ids, new_tokens, api.make_cache(model), forced=dense.tokens)
+        agree = (free.tokens == dense.tokens).float().mean().item()
+        ppl = chunked_perplexity(model, text_ids, lambda: api.make_cache(model))
+        context = ids.shape[1] + new_tokens - 1
+        rows.append({"label": label, "method": method, "options": opts,
+                     "cache_bytes": free.cache.nbytes, "planned_bytes": plan.cache_bytes(context),
+                     "ratio": free.cache.nbytes / dense.cache.nbytes,
+                     "decode_tokens_per_s": free.decode_tokens_per_s, "greedy_agreement": agree,
+                     "max_abs_dlogit": (forced.logits - dense.logits).abs().max().item(),
+                     "perplexity": ppl, "text": tokenizer.decode(free.tokens[0], skip_special_tokens=True),
+                     "exactness": sorted({lp.exactness for lp in plan.layers}), "plan": plan})
+    api.restore(model)
+    base_ppl = rows[0]["perplexity"]
+    for r in rows:
+        r["perplexity_increase"] = r["perplexity"] / base_ppl - 1
+    return rows
+
+
+def plot_bytes(rows: list[dict], path: Path, max_context: int = 8192) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = list(range(0, max_context + 1, 128))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        ax.plot(contexts, [r["plan"].cache_bytes(c) / 2**20 for c in contexts], label=r["label"])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("cache size (MiB, batch 1)")
+    ax.set_title("SmolLM2-135M-Instruct: KV-cache bytes by method")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be at least 2, got {args.new_tokens}")
+    runs = DEFAULT_RUNS
+    if args.methods:
+        wanted = [m.strip() for m in args.methods.split(",")]
+        unknown = [w for w in wanted if w not in {r[0] for r in DEFAULT_RUNS}]
+        if unknown:
+            raise ValueError(f"--methods: unknown {unknown}; choose from {[r[0] for r in DEFAULT_RUNS]}")
+        runs = tuple(r for r in DEFAULT_RUNS if r[0] in wanted or r[0] == "dense")
+    from ..models import load_smollm2
+
+    torch.manual_seed(0)
+    model, tokenizer = load_smollm2(torch.float32)
+    rows = measure(model, tokenizer, runs, args.prompt, args.new_tokens)
+    table = Table(title=f"SmolLM2-135M-Instruct (fp32, CPU), {args.new_tokens} new tokens, prompt "
+                        f"{args.prompt!r}")
+    for col in ("method", "cache bytes", "× dense", "decode tok/s", "greedy agree", "max |Δlogit|",
+                "perplexity", "Δppl", "exactness"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["label"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
+                      f"{r['greedy_agreement']:.0%}", f"{r['max_abs_dlogit']:.2e}", f"{r['perplexity']:.3f}",
+                      f"{r['perplexity_increase']:+.2%}", ", ".join(r["exactness"]))
+    console = Console()
+    console.print(table)
+    console.print(f"dense output: {rows[0]['text']!r}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_bytes(rows, out / "demo_cache_bytes.png")
+    records = [{k: v for k, v in r.items() if k != "plan"} for r in rows]
+    (out / "demo.json").write_text(json.dumps(records, indent=2))
+    console.print(f"wrote {out / 'demo.json'} and {out / 'demo_cache_bytes.png'}")
+    return 0

@@ -1,0 +1,99 @@
+"""Bytes per method for any Hugging Face config, loading no weights.
+
+``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..adapters.shape import shape_from_config
+from ..api import plan_config
+from ..methods import METHODS
+from ..methods.base import parse_dtype
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="config.json of a HF model, or a folder holding one")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16 (default bfloat16)")
+    p.add_argument("--window", type=int, default=None, help="ring-buffer window for 'window' and int8/int4")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+
+
+def load_config(path: str | Path):
+    """An HF config object from a config.json (or a folder with one), without weights or network."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"--config: no such file {str(p)!r}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config: {p} is not valid JSON ({exc})") from None
+    if "model_type" not in data:
+        raise ValueError(f"--config: {p} has no 'model_type' field")
+    try:
+        return AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"--config: transformers cannot read model_type {data['model_type']!r}: {exc}") from None
+
+
+def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int) -> list[dict]:
+    """One record per registered method: bytes, ratio, or the reason it does not apply."""
+    shape = shape_from_config(config)
+    records = []
+    for name in METHODS:
+        opts = {}
+        if name in ("int8", "int4"):
+            opts = {"group_size": group_size} | ({"window": window} if window else {})
+        elif name == "window" and window:
+            opts = {"window": window}
+        rec = {"method": name, "model_type": shape.model_type, "family": shape.family, "context": context,
+               "batch": batch, "dtype": str(dtype).replace("torch.", "")}
+        try:
+            plan = plan_config(config, name, dtype, **opts)
+        except ValueError as exc:
+            rec |= {"applies": False, "reason": str(exc)}
+        else:
+            rec |= {"applies": True, "cache_bytes": plan.cache_bytes(context, batch),
+                    "dense_bytes": plan.dense_bytes(context, batch), "ratio": round(plan.ratio(context), 6),
+                    "exactness": sorted({lp.exactness for lp in plan.layers}), "notes": list(plan.notes)}
+        records.append(rec)
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context <= 0:
+        raise ValueError(f"--context must be a positive int, got {args.context}")
+    if args.batch <= 0:
+        raise ValueError(f"--batch must be a positive int, got {args.batch}")
+    dtype = parse_dtype(args.dtype, "--dtype")
+    config = load_config(args.config)
+    records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size)
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    shape = shape_from_config(config)
+    table = Table(title=f"{shape.model_type} ({shape.family}, {shape.num_layers} layers), {args.context} tokens × "
+                        f"{args.batch}, {args.dtype}")
+    for col in ("method", "cache bytes", "× dense", "exactness", "note"):
+        table.add_column(col)
+    for r in records:
+        if r["applies"]:
+            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", ", ".join(r["exactness"]),
+                          "; ".join(r["notes"]))
+        else:
+            table.add_row(r["method"], "-", "-", "not applicable", r["reason"])
+    Console().print(table)
+    return 0
