@@ -1,13 +1,98 @@
-"""Decode benchmark: kvslim methods against HF DynamicCache and StaticCache in the same run."""
+"""Decode benchmark: kvslim methods against HF DynamicCache and StaticCache in the same run.
+
+``kvslim bench [--models mha-100m,smollm2] [--contexts 1024,4096,8192] [--batches 1,8] [--methods ...]``
+Writes ``bench_decode.json``, ``bench_decode.png`` and ``bench_decode.md`` under ``--out``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from ..bench.decode import ALL_KINDS, measure_point, mha_100m
+from ..bench.report import markdown_table, plot, write_json
+from ..bench.roofline import measure_bandwidth
+from ..methods.base import parse_dtype
+
+MODELS = ("mha-100m", "smollm2")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"{name} must be comma-separated positive ints, got {text!r}")
+    return values
+
+
+def _names(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"{name}: unknown {bad or text!r}; choose from {', '.join(allowed)}")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--models", default="mha-100m,smollm2", help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--contexts", default="1024,4096,8192", help="context lengths (tokens)")
+    p.add_argument("--batches", default="1,8", help="batch sizes")
+    p.add_argument("--methods", default=",".join(ALL_KINDS), help=f"from {', '.join(ALL_KINDS)}")
+    p.add_argument("--steps", type=int, default=5, help="timed decode steps per point (median reported)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--out", default="benchmarks/results", help="output folder")
+    p.add_argument("--name", default="bench_decode", help="base name of the output files")
+
+
+def load_model(name: str, dtype: torch.dtype, device: str):
+    if name == "mha-100m":
+        return mha_100m(dtype).to(device)
+    from ..models import load_smollm2
+
+    return load_smollm2(dtype)[0].to(device)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ValueError("not yet")
+    models = _names(args.models, MODELS, "--models")
+    contexts, batches = _ints(args.contexts, "--contexts"), _ints(args.batches, "--batches")
+    kinds = _names(args.methods, ALL_KINDS, "--methods")
+    if args.steps <= 0:
+        raise ValueError(f"--steps must be a positive int, got {args.steps}")
+    dtype = parse_dtype(args.dtype, "--dtype")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    console = Console()
+    bandwidth = measure_bandwidth(args.device)
+    console.print(f"measured bandwidth: read {bandwidth['read_gbps']:.1f} GB/s, copy {bandwidth['copy_gbps']:.1f} "
+                  f"GB/s (roofline {bandwidth['roofline_gbps']:.1f} GB/s), {torch.get_num_threads()} threads")
+    records = []
+    total = len(models) * len(contexts) * len(batches) * len(kinds)
+    with Progress(console=console) as progress:
+        task = progress.add_task("decode points", total=total)
+        for model_name in models:
+            model = load_model(model_name, dtype, args.device)
+            for batch in batches:
+                for context in contexts:
+                    for kind in kinds:
+                        rec = measure_point(model, model_name, kind, batch, context, args.steps,
+                                            bandwidth["roofline_gbps"])
+                        records.append(rec)
+                        progress.console.print(
+                            f"{model_name:9s} b{batch:<3d} ctx {context:6d} {kind:13s} {rec['tokens_per_s']:8.2f} tok/s "
+                            f"{rec['gbps']:6.1f} GB/s ({100 * rec['roofline_fraction']:.0f}% roofline)")
+                        progress.advance(task)
+            del model
+    out = Path(args.out)
+    write_json(out / f"{args.name}.json", records, bandwidth)
+    plot(records, out / f"{args.name}.png", bandwidth["roofline_gbps"])
+    table = markdown_table(records)
+    (out / f"{args.name}.md").write_text(table + "\n")
+    console.print(table)
+    return 0

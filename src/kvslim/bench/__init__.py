@@ -1,0 +1,1 @@
+"""Benchmark harness behind ``kvslim bench`` (measurements, not tests)."""

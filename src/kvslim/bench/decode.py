@@ -1,0 +1,122 @@
+"""Decode throughput of one (model, cache kind, context, batch) point, against baselines in the same run.
+
+The cache is filled with ``context`` synthetic tokens through each cache's own ``update`` (a real prefill of
+8k tokens × batch 8 would take minutes on a CPU and does not change decode speed), then ``steps`` greedy decode
+steps are timed one by one; the median step time gives tokens/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+from .. import api
+from ..adapters.shape import shape_from_config
+
+#: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments)
+KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {"group_size": 64}),
+                "kvslim-int4": ("int4", {"group_size": 64})}
+HF_KINDS = ("hf-dynamic", "hf-static")
+ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
+
+
+def mha_100m(dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausalLM:
+    """A ~100M-parameter random Llama-MHA: d 768, 12 layers, 12 heads (head_dim 64), vocab 32000."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=16384)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@dataclass
+class Point:
+    model: str
+    kind: str
+    context: int
+    batch: int
+
+
+def make_filled_cache(model, kind: str, batch: int, context: int, steps: int):
+    """A cache of ``kind`` holding ``context`` random tokens per sequence, room for ``steps`` more."""
+    shape = shape_from_config(model.config)
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    api.restore(model)
+    if kind == "hf-dynamic":
+        cache = DynamicCache(config=model.config)
+    elif kind == "hf-static":
+        cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
+    elif kind in KVSLIM_KINDS:
+        method, opts = KVSLIM_KINDS[kind]
+        api.apply(model, method, **opts)
+        cache = api.make_cache(model, max_length=context + steps + 1)
+    else:
+        raise ValueError(f"kind must be one of {ALL_KINDS}, got {kind!r}")
+    g = torch.Generator(device=device).manual_seed(0)
+    for i in range(shape.num_layers):
+        k = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, generator=g, device=device).to(dtype)
+        cache.update(k, k.clone(), i)
+        del k
+    return cache
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters read per decode step (tied embeddings counted once; the input embedding row is
+    negligible, the LM head reads the whole matrix)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+@torch.inference_mode()
+def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int = 1) -> list[float]:
+    """Seconds per decode step (``warmup`` steps dropped)."""
+    device = next(model.parameters()).device
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    times = []
+    for i in range(warmup + steps):
+        pos = torch.full((batch, 1), context + i, dtype=torch.long, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def measure_point(model, model_name: str, kind: str, batch: int, context: int, steps: int,
+                  roofline_gbps: float) -> dict:
+    """One JSON record: median tokens/s, cache bytes, bytes read per step, effective GB/s."""
+    cache = make_filled_cache(model, kind, batch, context, steps)
+    cache_bytes = _cache_bytes(cache, context)
+    times = time_decode(model, cache, batch, context, steps)
+    api.restore(model)
+    step = statistics.median(times)
+    bytes_per_step = weight_bytes(model) + cache_bytes
+    gbps = bytes_per_step / step / 1e9
+    return {"method": kind, "model": model_name, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "context": context, "batch": batch, "steps": steps, "step_s_median": step,
+            "step_s_all": times, "tokens_per_s": batch / step, "cache_bytes": cache_bytes,
+            "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
+            "roofline_fraction": gbps / roofline_gbps}
+
+
+def _cache_bytes(cache, context: int) -> int:
+    """Live bytes after ``context`` tokens (HF caches: K and V tensors up to ``context``)."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            per_token = t.numel() // t.shape[2] * t.element_size()
+            total += per_token * context
+    return total

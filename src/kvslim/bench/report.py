@@ -1,0 +1,74 @@
+"""Write benchmark records: one JSON file (environment + records), PNG plots, and a Markdown table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def environment() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "commit": commit}
+
+
+def write_json(path: Path, records: list[dict], bandwidth: dict, extra: dict | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"environment": environment(), "bandwidth": bandwidth, **(extra or {}), "records": records}
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
+    """One row per (model, context, batch, method) with tokens/s, ratio to ``baseline`` and to hf-dynamic."""
+    index = {(r["model"], r["context"], r["batch"], r["method"]): r for r in records}
+    lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | cache MiB | GB/s | % roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        base = index.get((r["model"], r["context"], r["batch"], baseline))
+        dyn = index.get((r["model"], r["context"], r["batch"], "hf-dynamic"))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        dratio = f"{r['tokens_per_s'] / dyn['tokens_per_s']:.2f}" if dyn else "-"
+        lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+                     f"{ratio} | {dratio} | {r['cache_bytes'] / 2**20:.0f} | {r['gbps']:.1f} | "
+                     f"{100 * r['roofline_fraction']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path, roofline_gbps: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["batch"]) for r in records})
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.6 * len(groups), 7.5), squeeze=False)
+    for col, (model, batch) in enumerate(groups):
+        rows = [r for r in records if r["model"] == model and r["batch"] == batch]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["context"], r["tokens_per_s"], r["gbps"]) for r in rows if r["method"] == method)
+            ctx = [p[0] for p in pts]
+            axes[0][col].plot(ctx, [p[1] for p in pts], marker="o", label=method)
+            axes[1][col].plot(ctx, [p[2] for p in pts], marker="o", label=method)
+        axes[1][col].axhline(roofline_gbps, color="k", ls="--", lw=1, label="measured bandwidth")
+        axes[0][col].set_title(f"{model}, batch {batch}")
+        axes[0][col].set_ylabel("decode tokens/s")
+        axes[1][col].set_ylabel("effective GB/s")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
