@@ -20,8 +20,9 @@ from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
 
 #: new tokens at or above which a prefill expands per-head K/V once instead of scoring absorbed queries:
-#: the measured crossover on CPU for V2-Lite shapes (h=16, dc=512) lies at 128-256 tokens (benchmarks/bench_mla.py)
-DEFAULT_PREFILL_THRESHOLD = 192
+#: measured crossover on CPU for V2-Lite shapes (h=16, dc=512, fp32, 1 thread) between 64 and 128 tokens
+#: (benchmarks/bench_mla.py: S=T=64 elided 12.6 ms vs expanded 16.8 ms; S=T=128 elided 48 ms vs expanded 38 ms)
+DEFAULT_PREFILL_THRESHOLD = 128
 
 
 @dataclass(frozen=True)
