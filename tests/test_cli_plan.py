@@ -1,0 +1,80 @@
+"""``kvslim plan``: figures from the config alone equal the bytes measured in a real cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_model
+
+import kvslim
+from kvslim.cli.main import main
+
+
+def _plan_json(capsys, path, *extra) -> dict:
+    assert main(["plan", "--config", str(path), "--json", *extra]) == 0
+    return {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2-mixed", "llama"])
+def test_planner_bytes_equal_measured_nbytes(tmp_path, capsys, kind):
+    model = tiny_model(kind)
+    model.config.save_pretrained(tmp_path)
+    ids, mask = padded_batch(batch=2, length=20)
+    records = _plan_json(capsys, tmp_path / "config.json", "--context", "20", "--batch", "2", "--dtype",
+                         "float32", "--window", "8", "--group-size", "8")
+    for method in ("dense", "window", "int8", "int4"):
+        rec = records[method]
+        assert rec["applies"], rec
+        opts = {"window": 8} if method == "window" else {"group_size": 8, "window": 8} if method != "dense" else {}
+        kvslim.apply(model, method, **opts)
+        cache = kvslim.make_cache(model)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        assert cache.nbytes == rec["cache_bytes"], method
+    assert records["dense"]["ratio"] == 1.0
+
+
+def test_plan_lists_methods_that_do_not_apply_with_reason(tmp_path, capsys):
+    cfg = {"model_type": "deepseek_v2", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+           "q_lora_rank": None, "intermediate_size": 512, "moe_intermediate_size": 128, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    records = _plan_json(capsys, tmp_path / "config.json")
+    assert not records["dense"]["applies"] and "mla" in records["dense"]["reason"]
+
+
+def test_plan_table_output_and_bad_input(tmp_path, capsys):
+    model = tiny_model("llama")
+    model.config.save_pretrained(tmp_path)
+    assert main(["plan", "--config", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "int8" in out and "window" in out and "not applicable" in out  # window needs --window on Llama
+    assert main(["plan", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "--config" in capsys.readouterr().err
+    assert main(["plan", "--config", str(tmp_path), "--dtype", "int3"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    assert main(["plan", "--config", str(tmp_path), "--context", "0"]) == 2
+    assert "--context" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["plan", "--config", str(tmp_path / "bad.json")]) == 2
+    assert "JSON" in capsys.readouterr().err
+
+
+def test_bench_refuses_bad_arguments(capsys):
+    assert main(["bench", "--contexts", "0,5"]) == 2
+    assert "--contexts" in capsys.readouterr().err
+    assert main(["bench", "--methods", "hf-dynamic,nope"]) == 2
+    assert "--methods" in capsys.readouterr().err
+
+
+def test_bench_point_measures_real_decode():
+    from kvslim.bench.decode import measure_point
+
+    model = tiny_model("llama")
+    for kind in ("hf-dynamic", "hf-static", "kvslim-dense"):
+        rec = measure_point(model, "tiny", kind, 2, 32, 2, 10.0)
+        assert rec["tokens_per_s"] > 0 and rec["cache_bytes"] == 3 * 2 * 2 * 2 * 16 * 4 * 32
+    assert kvslim.get_plan(model) is None
+    with torch.no_grad():
+        assert model(torch.ones(1, 3, dtype=torch.long)).logits.shape == (1, 3, 128)
