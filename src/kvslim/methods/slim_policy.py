@@ -116,11 +116,11 @@ class LayerNumerics:
     def basis(self, r: int, kind: str) -> torch.Tensor:
         key = kind
         if key not in self._basis_cache:
-            self._basis_cache[key] = conditioned_basis(self.wk, self.d, kind, self.sigma, self.k_rms)
+            self._basis_cache[key] = conditioned_basis(self.wk, self.d, kind, self.sigma, self.k_rms, self.wv)
         full = self._basis_cache[key]  # all d directions, least-represented last
         return full[:, self.d - r:]
 
-    def k_weights(self, r: int = 0, basis: str = "act"):
+    def k_weights(self, r: int = 0, basis: str = "svd"):
         if self.e < self.d:
             raise ValueError(f"K has {self.e} < d={self.d} values per token and cannot rebuild V")
         if r:
@@ -160,7 +160,7 @@ class LayerNumerics:
                                 out_bias=self._out_bias(self.bv), decode=self.decode)
 
     # -- measurement -----------------------------------------------------------------------------------------
-    def measure_k(self, r: int = 0, basis: str = "act") -> Candidate:
+    def measure_k(self, r: int = 0, basis: str = "svd") -> Candidate:
         w, m, c_v = self.k_weights(r, basis)
         keys = self.k_plain  # (N, e) as stored, fp32
         if self.rope is not None and self.rope_storage == "rotated":  # stored rotated, un-rotated in fp32

@@ -22,7 +22,7 @@ def _64(w: torch.Tensor) -> torch.Tensor:
 
 def cond(w: torch.Tensor) -> float:
     """2-norm condition number ``σ_max / σ_min`` of ``w`` (inf when rank-deficient)."""
-    s = torch.linalg.svdvals(_64(w))
+    s = torch.linalg.svd(_64(w), full_matrices=False).S  # (svdvals takes a much slower LAPACK path here)
     return float("inf") if s[-1] == 0 else float(s[0] / s[-1])
 
 
@@ -50,8 +50,17 @@ def reconstruction_map(w_src: torch.Tensor, w_dst: torch.Tensor, scale: torch.Te
     if scale is None and c == d:
         return torch.linalg.solve(a, b)
     s = torch.ones(c, dtype=F64) if scale is None else _64(scale).clamp_min(1e-30)
-    y = torch.linalg.lstsq(a / s, b, driver="gelsd").solution  # min-norm: y = diag(s) M
-    return y / s[:, None]
+    return min_norm_solve(a / s, b) / s[:, None]  # y = diag(s) M has the least norm
+
+
+def min_norm_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Least-norm ``x`` with ``a x = b`` for a wide full-row-rank ``a`` (d, c ≥ d): QR of ``a^T``, no normal
+    equations; falls back to LAPACK ``gelsd`` when ``a`` is rank-deficient."""
+    q, r = torch.linalg.qr(a.T)  # a^T = Q R, so a = R^T Q^T and x = Q R^{-T} b
+    diag = r.diagonal().abs()
+    if diag.min() > 1e-13 * diag.max():
+        return q @ torch.linalg.solve_triangular(r.T, b, upper=False)
+    return torch.linalg.lstsq(a, b, driver="gelsd").solution
 
 
 def activation_stats(x: torch.Tensor) -> torch.Tensor:
@@ -75,15 +84,16 @@ def _sqrt_psd(m: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, t
     return (q * lam.sqrt()) @ q.T, (q / lam.sqrt()) @ q.T
 
 
-def conditioned_basis(w_k: torch.Tensor, r: int, kind: str = "act", second_moment: torch.Tensor | None = None,
-                      k_rms: torch.Tensor | None = None) -> torch.Tensor:
+def conditioned_basis(w_k: torch.Tensor, r: int, kind: str = "svd", second_moment: torch.Tensor | None = None,
+                      k_rms: torch.Tensor | None = None, w_v: torch.Tensor | None = None) -> torch.Tensor:
     """The r input directions ``P`` (d, r) whose coordinates ``z = x P`` the conditioned K-cache stores.
 
     Args:
         w_k: (d, e) key projection.
         r: number of extra coordinates (0 ≤ r ≤ d).
         kind: ``"svd"`` — the left singular vectors of ``W_K`` with the r smallest singular values (the
-            directions ``X = K W_K⁻¹`` amplifies most); ``"act"`` — the same in the space of the real
+            directions ``X = K W_K⁻¹`` amplifies most); ``"svdv"`` — the same vectors ranked by how much
+            they reach V, ``‖u_j^T W_V‖ / σ_j`` (needs ``w_v``); ``"act"`` — the same in the space of the real
             activations: whiten x by its second moment Σ and K by its column RMS, take the smallest singular
             directions of ``Σ^{1/2} W_K diag(1/k_rms)`` and map them back with ``Σ^{-1/2}``.
         second_moment: (d, d) ``X^T X / N`` of calibration activations (``"act"``).
@@ -96,10 +106,14 @@ def conditioned_basis(w_k: torch.Tensor, r: int, kind: str = "act", second_momen
     d = w.shape[0]
     if not 0 <= r <= d:
         raise ValueError(f"rank r must be in [0, {d}], got {r}")
-    if kind == "svd" or second_moment is None or k_rms is None:
-        if kind not in ("svd", "act"):
-            raise ValueError(f"basis must be 'act' or 'svd', got {kind!r}")
-        u = torch.linalg.svd(w, full_matrices=True).U  # (d, d), singular values descending
+    if kind not in ("svd", "svdv", "act"):
+        raise ValueError(f"basis must be 'svd', 'svdv' or 'act', got {kind!r}")
+    if kind != "act" or second_moment is None or k_rms is None:
+        u, sv, _ = torch.linalg.svd(w, full_matrices=True)  # (d, d), singular values descending
+        if kind == "svdv" and w_v is not None:
+            sv = torch.cat((sv, sv.new_zeros(d - sv.shape[0])))
+            reach = (u.T @ _64(w_v)).norm(dim=1) / sv.clamp_min(1e-300)
+            u = u[:, reach.argsort()]  # ascending: the most amplified last
         p = u[:, d - r:]
         if second_moment is not None and k_rms is not None:  # scale to the keys' magnitude
             z_rms = (p * (_64(second_moment) @ p)).sum(0).clamp_min(1e-300).sqrt()
