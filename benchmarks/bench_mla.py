@@ -195,15 +195,17 @@ def plot(rec: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    ctx = list(rec["end_to_end"]["decode"])
+    dec = {int(c): r for c, r in rec["end_to_end"]["decode"].items()}  # int keys (str after a JSON round trip)
+    ctx = sorted(dec)
     for who in ("hf", "kvslim", "kvslim-int8"):
-        a.plot(ctx, [rec["end_to_end"]["decode"][c][who]["tokens_per_s"] for c in ctx], "o-", label=who)
+        a.plot(ctx, [dec[c][who]["tokens_per_s"] for c in ctx], "o-", label=who)
     a.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode tokens/s",
           title="V2-Lite-shaped (4 layers), fp32, CPU")
     a.set_xticks(ctx, [str(c) for c in ctx])
+    a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     a.legend()
-    pre = rec["attention"]["prefill_ms_per_layer"]
-    s = list(pre)
+    pre = {int(k): v for k, v in rec["attention"]["prefill_ms_per_layer"].items()}
+    s = sorted(pre)
     for n in ("expanded", "elided"):
         b.plot(s, [pre[x][n] for x in s], "o-", label=n)
     b.set(xscale="log", yscale="log", xlabel="prefill tokens (S = T)", ylabel="ms per layer",
