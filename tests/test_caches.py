@@ -144,3 +144,24 @@ def test_layer_refuses_mismatched_update_and_changes_nothing():
         StoreSpec(bits=3)
     with pytest.raises(ValueError, match="group_size"):
         AppendLayer(StoreSpec(bits=8, group_size=5)).update(torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8))
+
+
+def test_key_smoothing_bounds_error_with_outlier_channels_and_survives_batch_ops():
+    """Keys with one huge channel: per-channel smoothing keeps the other channels' error small."""
+    torch.manual_seed(0)
+    k = torch.randn(2, 2, 40, 64)
+    k[..., 3] *= 200.0  # an outlier channel, as in RoPE'd keys of trained models
+    errs = {}
+    for smooth in (False, True):
+        layer = AppendLayer(StoreSpec(bits=4, group_size=64, smooth=smooth))
+        out, _ = layer.update(k[:, :, :30], k[:, :, :30])
+        out, _ = layer.update(k[:, :, 30:], k[:, :, 30:])
+        errs[smooth] = (out - k)[..., torch.arange(64) != 3].abs().max().item()
+        if smooth:
+            assert layer.k_store.channel.shape == (2, 2, 1, 64) and layer.v_store.spec.smooth is False
+            assert layer.nbytes == 2 * 2 * 40 * (32 + 4) * 2 + 2 * 2 * 64 * 4
+            layer.reorder_cache(torch.tensor([1, 0]))
+            again, _ = layer.update(k[1:2].expand(2, -1, -1, -1)[:, :, :1].contiguous(),
+                                    k[:, :, :1].contiguous())
+            assert torch.allclose(again[0, :, :40], out[1, :, :40])
+    assert errs[True] < errs[False] / 1.5, errs  # sqrt smoothing: ~1.8x here, outlier 200x

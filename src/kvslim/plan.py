@@ -38,6 +38,8 @@ class LayerPlan:
     factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
+        if context == 0:
+            return 0
         tokens = context if self.window is None else min(context, self.window)
         return batch * (tokens * self.bytes_per_token + self.fixed_bytes)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -34,7 +36,7 @@ class KVStoreLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cap = self._initial_capacity(key_states.shape[2])
         self.k_store = make_store(self.spec, key_states, cap)
-        self.v_store = make_store(self.spec, value_states, cap)
+        self.v_store = make_store(replace(self.spec, smooth=False), value_states, cap)  # smoothing: keys only
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -62,7 +64,7 @@ class KVStoreLayer(CacheLayerMixin):
 
     def _map_batch(self, fn) -> None:
         for store in self._stores():
-            store.set_tensors([fn(t) for t in store.tensors()])
+            store.map_sequences(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -93,4 +95,4 @@ class KVStoreLayer(CacheLayerMixin):
     @property
     def allocated_nbytes(self) -> int:
         """Bytes of the preallocated buffers (>= ``nbytes``)."""
-        return sum(t.numel() * t.element_size() for s in self._stores() for t in s.tensors())
+        return sum(s.allocated_nbytes() for s in self._stores())

@@ -16,11 +16,18 @@ from ..ops.quant import check_quant_args, codes_width, dequantize, quantize
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """How a store keeps values: ``bits`` 0 (as is), 8 or 4; ``group_size`` and ``scale_dtype`` for quantized."""
+    """How a store keeps values: ``bits`` 0 (as is), 8 or 4; ``group_size`` and ``scale_dtype`` for quantized.
+
+    ``smooth`` (quantized only) divides each channel by a per-sequence, per-head factor before the grouped
+    quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the prefill),
+    kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set every group's
+    scale; on SmolLM2 int4 (group 64) keys alone raised perplexity by 31 % without it and ~5 % with it.
+    """
 
     bits: int = 0
     group_size: int = 64
     scale_dtype: torch.dtype = torch.float32
+    smooth: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (0, 4, 8):
@@ -66,6 +73,13 @@ class TensorStore:
         """``x`` as it would read back after a write (identity for plain storage)."""
         return x
 
+    def allocated_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map_sequences(self, fn) -> None:
+        """Apply ``fn`` (a batch-axis reindexing) to every tensor held per sequence."""
+        self.set_tensors([fn(t) for t in self.tensors()])
+
     def nbytes(self, used_slots: int) -> int:
         b, h = self.data.shape[:2]
         return b * h * used_slots * self.spec.bytes_per_value_row(self.dim, self.dtype)
@@ -82,6 +96,7 @@ class QuantizedStore(TensorStore):
         self.data = torch.empty(batch, heads, capacity, codes_width(dim, spec.bits), dtype=code_dtype, device=device)
         self.scale = torch.empty(batch, heads, capacity, dim // spec.group_size, dtype=spec.scale_dtype,
                                  device=device)
+        self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 smoothing factors, set by the first write
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
@@ -89,19 +104,48 @@ class QuantizedStore(TensorStore):
     def set_tensors(self, tensors: list[torch.Tensor]) -> None:
         self.data, self.scale = tensors
 
+    def _channel_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The smoothing factors in force, fixed from ``x`` by the first write (or roundtrip) of this store."""
+        if self.spec.smooth and self.channel is None:
+            amax = x.float().abs().amax(dim=2, keepdim=True)  # (B, H, 1, D)
+            floor = amax.amax(dim=-1, keepdim=True) * 1e-3 + torch.finfo(torch.float32).tiny
+            self.channel = torch.maximum(amax, floor).sqrt()
+        return self.channel
+
+    def _encode(self, x: torch.Tensor, channel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize(x if channel is None else x.float() / channel, self.spec.bits, self.spec.group_size,
+                        self.spec.scale_dtype)
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, channel: torch.Tensor | None) -> torch.Tensor:
+        if channel is None:
+            return dequantize(codes, scale, self.spec.bits, self.spec.group_size, self.dtype)
+        return (dequantize(codes, scale, self.spec.bits, self.spec.group_size) * channel).to(self.dtype)
+
     def write(self, start: int, x: torch.Tensor) -> None:
-        codes, scale = quantize(x, self.spec.bits, self.spec.group_size, self.spec.scale_dtype)
+        channel = self._channel_for(x)
+        codes, scale = self._encode(x, channel)
         end = start + x.shape[2]
         self.data[:, :, start:end] = codes
         self.scale[:, :, start:end] = scale
 
     def read(self, start: int, end: int) -> torch.Tensor:
-        return dequantize(self.data[:, :, start:end], self.scale[:, :, start:end], self.spec.bits,
-                          self.spec.group_size, self.dtype)
+        return self._decode(self.data[:, :, start:end], self.scale[:, :, start:end], self.channel)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale = quantize(x, self.spec.bits, self.spec.group_size, self.spec.scale_dtype)
-        return dequantize(codes, scale, self.spec.bits, self.spec.group_size, x.dtype)
+        channel = self._channel_for(x)
+        return self._decode(*self._encode(x, channel), channel)
+
+    def map_sequences(self, fn) -> None:
+        super().map_sequences(fn)
+        if self.channel is not None:
+            self.channel = fn(self.channel)
+
+    def allocated_nbytes(self) -> int:
+        return super().allocated_nbytes() + (0 if self.channel is None else self.channel.numel() * 4)
+
+    def nbytes(self, used_slots: int) -> int:
+        fixed = 0 if self.channel is None or used_slots == 0 else self.channel.numel() * 4
+        return super().nbytes(used_slots) + fixed
 
 
 def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStore:

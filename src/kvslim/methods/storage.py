@@ -28,6 +28,7 @@ class StorageOptions:
     group_size: int = 64
     scale_dtype: torch.dtype = torch.float32
     chunk: int = 256
+    smooth_keys: bool = True
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -37,6 +38,8 @@ class StorageOptions:
             raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
         if not isinstance(self.chunk, int) or self.chunk <= 0:
             raise ValueError(f"chunk must be a positive int, got {self.chunk!r}")
+        if not isinstance(self.smooth_keys, bool):
+            raise ValueError(f"smooth_keys must be True or False, got {self.smooth_keys!r}")
         object.__setattr__(self, "scale_dtype", parse_dtype(self.scale_dtype, "scale_dtype"))
         StoreSpec(self.bits, self.group_size, self.scale_dtype)
 
@@ -56,7 +59,7 @@ class StorageMethod(Method):
         return None
 
     def options(self, **options) -> StorageOptions:
-        allowed = {"window", "group_size", "scale_dtype", "chunk"} if self.bits else {"window", "chunk"}
+        allowed = {"window", "group_size", "scale_dtype", "chunk", "smooth_keys"} if self.bits else {"window", "chunk"}
         if self.name == "dense":
             allowed = {"chunk"}
         unknown = set(options) - allowed
@@ -70,9 +73,10 @@ class StorageMethod(Method):
         if reason:
             raise ValueError(f"method {self.name!r} does not apply: {reason}")
         opts = self.options(**options)
-        spec = StoreSpec(opts.bits, opts.group_size, opts.scale_dtype)
+        spec = StoreSpec(opts.bits, opts.group_size, opts.scale_dtype, smooth=bool(opts.bits and opts.smooth_keys))
         row = spec.bytes_per_value_row(shape.head_dim, dtype)  # validates group_size against head_dim
         per_token = 2 * shape.num_kv_heads * row
+        fixed = shape.num_kv_heads * shape.head_dim * 4 if spec.smooth else 0  # fp32 key smoothing factors
         window, explicit = opts.window, opts.window is not None
         if self.windowed and window is None:
             if shape.sliding_window is None:
@@ -83,7 +87,8 @@ class StorageMethod(Method):
         for i, sliding in enumerate(shape.is_sliding):
             lossy = "lossy" if opts.bits else "exact"
             if window is None or not (sliding or explicit):
-                layers.append(LayerPlan(i, self.name, per_token, None, lossy, factory=_append(spec, opts.chunk)))
+                layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed,
+                                        factory=_append(spec, opts.chunk)))
                 continue
             if sliding and window >= shape.sliding_window:
                 w, exactness = window, lossy
@@ -93,7 +98,8 @@ class StorageMethod(Method):
                 note = ("model trained with full attention here" if not sliding
                         else f"window < model's {shape.sliding_window}")
             name = f"{self.name}+window" if self.bits else "window"
-            layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, factory=_ring(spec, w)))
+            layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, fixed_bytes=fixed,
+                                    factory=_ring(spec, w)))
         if any(lp.exactness == "approximate" for lp in layers):
             notes.append("a ring buffer on layers the model runs with full attention drops old tokens: "
                          "outputs differ from the model once the context exceeds the window (measure with "
