@@ -1,0 +1,132 @@
+"""Per-instance patching of encoder-decoder attention for slim attention (the only HF-aware glue).
+
+Decoder self-attention: prefill runs the model's own forward (no cache) and stores the slim row (X, K or V);
+decode runs :func:`~kvslim.attention.slim.slim_attention` over the stored rows, with T5's relative position
+bias added to the scores. Cross-attention: the first call keeps the encoder output E once in the shared
+:class:`~kvslim.caches.encdec.EncoderOutputLayer`; every layer attends over it with
+:func:`~kvslim.attention.encdec.shared_cross_attention`. Any other cache (none, HF's own) falls back to the
+original forward, so outputs stay correct in every case.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.encdec import CrossWeights, additive_bias, shared_cross_attention
+from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
+from ..caches.encdec import EncDecSlimCache, SharedEncoderCache
+from ..caches.slim import SlimLayer
+
+_ORIG = "_kvslim_original_forward"
+
+
+def _pack(adapter, out: torch.Tensor, position_bias):
+    return (out, position_bias, None) if adapter.returns_position_bias else (out, None)
+
+
+def _rows(adapter, attn, w: SlimLayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The row a slim layer stores for inputs x (B, T, d): (B, T, c)."""
+    lin = adapter.linears(attn)
+    if w.technique == "x":
+        return x
+    if w.technique == "v":
+        return lin["v"](x)
+    rows = lin["k"](x)
+    if w.proj is not None:
+        rows = torch.cat((rows, (x.float() @ w.proj).to(x.dtype)), dim=-1)
+    return rows
+
+
+def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, *args, **kwargs):
+    """Replacement ``forward`` of a decoder self-attention module (bound per instance)."""
+    original = getattr(self, _ORIG)
+    past = kwargs.get("past_key_values")
+    layer = past.self_attention_cache.layers[self.layer_idx] if isinstance(past, EncDecSlimCache) else None
+    if args or not isinstance(layer, SlimLayer) or kwargs.get("key_value_states") is not None:
+        return original(hidden_states, *args, **kwargs)
+    n_past = layer.get_seq_length()
+    rows = _rows(adapter, self, w, hidden_states)
+    if n_past == 0:  # prefill: the model's own attention, uncached; then keep the slim rows
+        out = original(hidden_states, **{**kwargs, "past_key_values": None})
+        layer.write(rows)
+        return out
+    b, t, _ = hidden_states.shape
+    q = adapter.query(self, hidden_states)  # (B, h, T, dk)
+    layer.write(rows)
+    cached = layer.read()  # (B, n, c)
+    n = cached.shape[1]
+    position_bias = None
+    if adapter.returns_position_bias:
+        position_bias = kwargs.get("position_bias")
+        if position_bias is None:
+            position_bias = (self.compute_bias(t, n, device=q.device, past_seen_tokens=n_past)
+                             if self.has_relative_attention_bias
+                             else torch.zeros(1, q.shape[1], t, n, device=q.device, dtype=q.dtype))
+    bias = additive_mask(kwargs.get(adapter.mask_kwarg), t, n, q.device)
+    if position_bias is not None:
+        bias = additive_bias(bias, position_bias, n)
+    out = slim_attention(q, cached, w, bias, adapter.score_scaling(self))  # (B, h, T, dk)
+    out = out.transpose(1, 2).reshape(b, t, -1)
+    o = adapter.linears(self)["o"]
+    out = F.linear(out, o.weight, None if w.out_bias is None else w.out_bias.to(out.dtype))
+    return _pack(adapter, out, position_bias)
+
+
+def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *args, **kwargs):
+    """Replacement ``forward`` of a decoder cross-attention module (bound per instance)."""
+    original = getattr(self, _ORIG)
+    past = kwargs.get("past_key_values")
+    enc_in = kwargs.get("key_value_states")
+    if (args or enc_in is None or not isinstance(past, EncDecSlimCache)
+            or not isinstance(past.cross_attention_cache, SharedEncoderCache)):
+        return original(hidden_states, *args, **kwargs)
+    store = past.encoder
+    if store.enc is None or store.enc.shape[0] != enc_in.shape[0]:
+        store.write(enc_in)  # once per generation, shared by every layer
+    enc = store.read()  # (B, n, d)
+    b, t, _ = hidden_states.shape
+    n = enc.shape[1]
+    q = adapter.query(self, hidden_states)  # (B, h, T, dk)
+    position_bias = None
+    if adapter.returns_position_bias:
+        position_bias = kwargs.get("position_bias")
+        if position_bias is None:
+            position_bias = torch.zeros(1, q.shape[1], t, n, device=q.device, dtype=q.dtype)
+    bias = additive_bias(kwargs.get(adapter.mask_kwarg), position_bias, n)
+    out = shared_cross_attention(q, enc, w, bias)  # (B, h, T, dk)
+    out = adapter.linears(self)["o"](out.transpose(1, 2).reshape(b, t, -1))
+    return _pack(adapter, out, position_bias)
+
+
+def _bind(fn, adapter, w):
+    def forward(self, hidden_states, *args, **kwargs):
+        return fn(self, adapter, w, hidden_states, *args, **kwargs)
+    return forward
+
+
+def _patch_one(attn, fn, adapter, w) -> None:
+    if not hasattr(attn, _ORIG):
+        setattr(attn, _ORIG, attn.forward)
+    attn.forward = types.MethodType(_bind(fn, adapter, w), attn)
+
+
+def patch(model, adapter, self_weights: dict[int, SlimLayerWeights], cross_weights: dict[int, CrossWeights]
+          ) -> None:
+    """Patch decoder self-attention of the layers in ``self_weights`` and cross-attention in ``cross_weights``."""
+    for i, layer in enumerate(adapter.decoder_layers(model)):
+        if i in self_weights:
+            _patch_one(adapter.self_attention(layer), self_forward, adapter, self_weights[i])
+        if i in cross_weights:
+            _patch_one(adapter.cross_attention(layer), cross_forward, adapter, cross_weights[i])
+
+
+def unpatch(model, adapter) -> None:
+    """Undo :func:`patch` (no-op on modules that were not patched)."""
+    for layer in adapter.decoder_layers(model):
+        for attn in (adapter.self_attention(layer), adapter.cross_attention(layer)):
+            if hasattr(attn, _ORIG):
+                del attn.forward
+                delattr(attn, _ORIG)
