@@ -71,6 +71,8 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimC
     if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
     plan = get_plan(model) or METHODS["dense"].plan_model(model)
+    if hasattr(plan, "make_cache"):  # plans with their own cache class (encoder-decoder slim attention)
+        return plan.make_cache(max_length)
     return KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
 
 

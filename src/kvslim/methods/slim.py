@@ -24,6 +24,7 @@ from ..caches import AppendLayer, StoreSpec
 from ..caches.slim import SlimLayer
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
+from .slim_encdec import ENCDEC
 from .slim_policy import Candidate, LayerNumerics, rank_ladder
 
 ADAPTERS = {"gpt2": GPT2Adapter(), "llama": LlamaAdapter(), "phi3": Phi3Adapter()}
@@ -103,6 +104,8 @@ class SlimMethod(Method):
     model_types = tuple(ADAPTERS)
 
     def not_applicable(self, shape: ModelShape) -> str | None:
+        if shape.family == "encoder-decoder":  # Whisper/T5/BART: methods/slim_encdec.py
+            return ENCDEC.not_applicable(shape)
         if shape.family != "mha":
             return (f"slim attention needs multi-head attention: with {shape.num_kv_heads} KV heads for "
                     f"{shape.num_heads} query heads ({shape.family}), K holds {shape.num_kv_heads * shape.head_dim} "
@@ -123,6 +126,8 @@ class SlimMethod(Method):
 
     # -- config-only plan ------------------------------------------------------------------------------------
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
+        if shape.family == "encoder-decoder":
+            return ENCDEC.plan(shape, dtype, **options)
         reason = self.not_applicable(shape)
         if reason:
             raise ValueError(f"method 'slim' does not apply: {reason}")
@@ -154,6 +159,8 @@ class SlimMethod(Method):
 
     # -- measured plan ---------------------------------------------------------------------------------------
     def plan_model(self, model, **options) -> Plan:
+        if getattr(model.config, "is_encoder_decoder", False):
+            return ENCDEC.plan_model(model, **options)
         shape = self.check_model(model)
         opts = self.options(**options)
         adapter = ADAPTERS[shape.model_type]
@@ -201,6 +208,8 @@ class SlimMethod(Method):
         return plan
 
     def prepare(self, model, plan: Plan) -> None:
+        if plan.family == "encoder-decoder":
+            return ENCDEC.prepare(model, plan)
         weights = getattr(plan, "_slim_weights", None)
         if weights is None:
             raise ValueError("prepare() needs a plan from plan_model() (it carries the precomputed maps)")
@@ -209,6 +218,8 @@ class SlimMethod(Method):
         patch(model, ADAPTERS[model.config.model_type], moved)
 
     def restore(self, model) -> None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            return ENCDEC.restore(model)
         adapter = ADAPTERS.get(getattr(model.config, "model_type", None))
         if adapter is not None:
             unpatch(model, adapter)
