@@ -63,7 +63,7 @@ def shared_cross_attention(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights,
         bias: fp32 additive term broadcastable to (B, h, T, n) (padding mask, T5 position bias), or ``None``.
 
     Returns:
-        (B, h, T, dk) head outputs (value bias included) in q's dtype. Compute in fp32 (or wider), softmax fp32.
+        (B, h, T, dk) head outputs (value bias included) in q's dtype. Compute in fp32 (or wider), softmax in the same (fp32 or fp64).
     """
     b, h, t, dk = q.shape
     n, d = enc.shape[1], enc.shape[2]
@@ -73,10 +73,9 @@ def shared_cross_attention(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights,
     scores = torch.bmm(qt.reshape(b, h * t, d), e_c.transpose(1, 2)).view(b, h, t, n)  # all heads, one product
     if w.scaling != 1.0:
         scores = scores * w.scaling
-    scores = scores.float()
     if bias is not None:
         scores = scores + bias
-    s = torch.softmax(scores, dim=-1).to(ct)  # (B, h, T, n)
+    s = torch.softmax(scores, dim=-1)  # (B, h, T, n)
     u = torch.bmm(s.reshape(b, h * t, n), e_c).view(b, h, t, d)  # "bhtn,bnc->bhtc"
     out = torch.matmul(u, w.w_v.transpose(1, 2))  # "bhtc,hck->bhtk"
     if w.b_v is not None:
@@ -96,10 +95,10 @@ def reference_cross_attention(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Ten
     k = torch.nn.functional.linear(enc.to(ct), w_k.to(ct), None if b_k is None else b_k.to(ct))
     v = torch.nn.functional.linear(enc.to(ct), w_v.to(ct), None if b_v is None else b_v.to(ct))
     k, v = (z.view(b, -1, h, dk).transpose(1, 2) for z in (k, v))  # (B, h, n, dk)
-    scores = (q.to(ct) @ k.transpose(-1, -2) * scaling).float()
+    scores = q.to(ct) @ k.transpose(-1, -2) * scaling
     if bias is not None:
         scores = scores + bias
-    return (torch.softmax(scores, dim=-1).to(ct) @ v).to(q.dtype)
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
 def additive_bias(mask: torch.Tensor | None, position_bias: torch.Tensor | None, kv_len: int
