@@ -112,7 +112,8 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
         keys = split_heads(cache[..., :e], h)  # (B, h, n, dk)
         if w.rope and w.rope_storage == "raw":
             keys = rotate(keys, cos[:, None], sin[:, None])
-        scores = (q @ keys.transpose(-1, -2)).float() * scaling
+        # (keys @ q^T)^T: a plain GEMV over the stored rows (q @ keys^T takes a far slower path on CPU)
+        scores = (keys @ q.transpose(-1, -2)).transpose(-1, -2).float() * scaling
     else:  # absorbed query: q̃_i = q_i score_map_i^T, scores over the shared rows
         qt = torch.matmul(q.float(), w.score_map.transpose(-1, -2))  # (B, h, T, c)
         scores = (qt.reshape(b, h * t, -1) @ cache.float().transpose(1, 2)).view(b, h, t, n) * scaling

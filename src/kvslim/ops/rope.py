@@ -28,7 +28,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         x: (..., T, D) with ``cos``/``sin`` broadcastable to (..., T, R), R ≤ D even.
     """
     xr, xp = _split(x, cos.shape[-1])
-    out = xr * cos + rotate_half(xr) * sin
+    # rotate_half(x)·sin == roll(x, R/2)·[−sin₁, sin₂] (sin has equal halves): same values, fewer passes
+    half = cos.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    out = xr * cos + xr.roll(half, dims=-1) * signed
     return out if xp is None else torch.cat((out, xp), dim=-1)
 
 
