@@ -106,6 +106,9 @@ class SlimMethod(Method):
     def not_applicable(self, shape: ModelShape) -> str | None:
         if shape.family == "encoder-decoder":  # Whisper/T5/BART: methods/slim_encdec.py
             return ENCDEC.not_applicable(shape)
+        if shape.family == "mla":
+            return ("MLA already caches a shared latent (kv_lora_rank + rope dim per token), far smaller than a "
+                    "slim K-cache; use method 'mla'")
         if shape.family != "mha":
             return (f"slim attention needs multi-head attention: with {shape.num_kv_heads} KV heads for "
                     f"{shape.num_heads} query heads ({shape.family}), K holds {shape.num_kv_heads * shape.head_dim} "
