@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.rope import rotate, unrotate
+from ..kernels import slim_decode as kernel
+from ..ops.rope import rotate_heads
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SlimLayerWeights:
             has no bias and the rebuilt values need no constant.
         rope: whether keys carry RoPE (``k`` only); ``rope_storage`` is ``"raw"`` or ``"rotated"``.
         decode: ``"option2"`` (``u = softmax·C`` then ``u·W``) or ``"option1"`` (rebuild V, then attention).
+        kernel: decode ``"k"``/option 2 with one query token through the fused C kernel
+            (:mod:`kvslim.kernels.slim_decode`: CPU, fp32) when it applies and builds (``"auto"``), always
+            through the torch path (``"torch"``), or insist on the kernel (``"c"``: still falls back, with a
+            warning, where it cannot run).
     """
 
     technique: str
@@ -47,6 +52,7 @@ class SlimLayerWeights:
     rope: bool = False
     rope_storage: str = "raw"
     decode: str = "option2"
+    kernel: str = "auto"
 
     @property
     def rank(self) -> int:
@@ -107,13 +113,21 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
     """
     b, h, t, dk = q.shape
     n, e = cache.shape[1], h * dk
+    rope = w.technique == "k" and w.rope
+    rotated = rope and w.rope_storage == "rotated"
+    if w.technique == "k" and w.decode == "option2" and w.kernel != "torch" and kernel.supported(q, cache) \
+            and (mask is None or mask.shape[1] == 1):
+        lib = kernel.load()
+        if lib is not None:  # fused: one pass over the rows per step (scores, softmax, u = softmax·C)
+            u = kernel.slim_decode(lib, q, cache, mask, scaling, cos if rope else None, sin if rope else None,
+                                   rotated)
+            return torch.matmul(u, w.value_map).to(q.dtype)  # "bhtc,hcd->bhtd"
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":
-        keys = split_heads(cache[..., :e], h)  # (B, h, n, dk)
-        if w.rope and w.rope_storage == "raw":
-            keys = rotate(keys, cos[:, None], sin[:, None])
-        # (keys @ q^T)^T: a plain GEMV over the stored rows (q @ keys^T takes a far slower path on CPU)
-        scores = (keys @ q.transpose(-1, -2)).transpose(-1, -2).float() * scaling
+        keys = cache[..., :e]  # (B, n, e) head-interleaved
+        if rope and not rotated:
+            keys = rotate_heads(keys, h, dk, cos, sin)  # (B, n, e) contiguous
+        scores = _key_scores(q, keys) * scaling
     else:  # absorbed query: q̃_i = q_i score_map_i^T, scores over the shared rows
         qt = torch.matmul(q.float(), w.score_map.transpose(-1, -2))  # (B, h, T, c)
         scores = (qt.reshape(b, h * t, -1) @ cache.float().transpose(1, 2)).view(b, h, t, n) * scaling
@@ -122,12 +136,28 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
     if w.technique == "v":
         return (s @ split_heads(cache, h).float()).to(q.dtype)
     src = cache.float()
-    if w.technique == "k" and w.rope and w.rope_storage == "rotated":  # un-rotate before rebuilding V
-        raw = unrotate(split_heads(src[..., :e], h), cos[:, None].float(), sin[:, None].float())
-        src = torch.cat((raw.transpose(1, 2).reshape(b, n, e), src[..., e:]), dim=-1)
+    if rotated:  # un-rotate before rebuilding V
+        raw = rotate_heads(src, h, dk, cos.float(), sin.float(), inverse=True)  # (B, n, e)
+        src = raw if src.shape[-1] == e else torch.cat((raw, src[..., e:]), dim=-1)
     if w.decode == "option1":  # rebuild V = C W (n·c·e per step), then ordinary attention
         v = split_heads(src @ w.value_map_full, h)  # (B, h, n, dk)
         return (s @ v).to(q.dtype)
     # option 2: u = softmax·C for all heads as one matrix product, then one small map per head
     u = (s.reshape(b, h * t, n) @ src).view(b, h, t, -1)  # "bhtn,bnc->bhtc"
     return torch.matmul(u, w.value_map).to(q.dtype)  # "bhtc,hcd->bhtd"
+
+
+def _key_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Raw scores q·kᵀ (B, h, T, n) fp32 of queries (B, h, T, dk) over head-interleaved keys (B, n, h·dk).
+
+    One query token: a single GEMM of the rows with a block-diagonal (h·dk, h) query matrix — reads the keys
+    once, in storage order (a batched GEMV over the (B, h, n, dk) view makes torch copy the whole cache). The
+    zero blocks add exact zeros, so the scores equal the per-head dot products.
+    """
+    b, h, t, dk = q.shape
+    if t != 1:
+        k = split_heads(keys, h)  # (B, h, n, dk)
+        return (k @ q.transpose(-1, -2)).transpose(-1, -2).float()
+    eye = torch.eye(h, dtype=q.dtype, device=q.device)
+    qbd = (q[:, :, 0, :, None] * eye[:, None, :]).reshape(b, h * dk, h)  # "bhd,hj->(bhd)j" block-diagonal
+    return torch.bmm(keys, qbd.to(keys.dtype)).transpose(1, 2).unsqueeze(2).float()  # (B, h, 1, n)

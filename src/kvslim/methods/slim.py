@@ -10,7 +10,7 @@ Exact in exact arithmetic; rounding is measured per layer on calibration text an
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files
 
 import torch
@@ -56,6 +56,8 @@ class SlimOptions:
         max_calibration_tokens: cap on calibration tokens.
         bits / group_size: int8/int4 storage of the cache rows (0 = the model dtype).
         chunk: growth step of the cache in tokens.
+        kernel: decode of K-caches (option 2, one token, CPU fp32) through the fused C kernel compiled with gcc
+            on first use (``"auto"``, falls back to torch with a warning if it cannot build), or ``"torch"``.
     """
 
     cache: str = "auto"
@@ -72,10 +74,11 @@ class SlimOptions:
     bits: int = 0
     group_size: int = 32
     chunk: int = 256
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in (("cache", CACHES), ("decode", ("option2", "option1")),
-                              ("rope_storage", ("raw", "rotated")), ("basis", ("svd", "svdv", "act"))):
+                              ("rope_storage", ("raw", "rotated")), ("kernel", ("auto", "c", "torch")), ("basis", ("svd", "svdv", "act"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.budget, (int, float)) or self.budget < 1:
@@ -217,7 +220,8 @@ class SlimMethod(Method):
         if weights is None:
             raise ValueError("prepare() needs a plan from plan_model() (it carries the precomputed maps)")
         dev = next(model.parameters()).device
-        moved = {i: _to_device(w, dev) for i, w in weights.items()}
+        kernel = plan.options.get("kernel", "auto")
+        moved = {i: replace(_to_device(w, dev), kernel=kernel) for i, w in weights.items()}
         patch(model, ADAPTERS[model.config.model_type], moved)
 
     def restore(self, model) -> None:
