@@ -45,7 +45,9 @@ def reference(kind: str):
 CASES = [("llama", {"cache": "k", "rank": 0}, NEW), ("phi3", {"cache": "k", "rank": 0}, NEW),
          ("gpt2", {}, NEW), ("gpt2", {"cache": "k", "rank": 0}, 24), ("gpt2", {"cache": "v"}, 24),
          ("llama", {"cache": "k", "rank": 0, "rope_storage": "rotated"}, 24),
-         ("llama", {"cache": "k", "rank": 0, "decode": "option1"}, 24), ("llama", {"cache": "k", "rank": 16}, 24)]
+         ("llama", {"cache": "k", "rank": 0, "decode": "option1"}, 24), ("llama", {"cache": "k", "rank": 16}, 24),
+         ("llama", {"cache": "k", "rank": 0, "kernel": "torch"}, 24),
+         ("llama", {"cache": "k", "rank": 0, "rope_storage": "rotated", "kernel": "torch"}, 24)]
 
 
 @pytest.mark.filterwarnings("ignore:slim layer")
