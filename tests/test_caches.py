@@ -165,3 +165,23 @@ def test_key_smoothing_bounds_error_with_outlier_channels_and_survives_batch_ops
                                     k[:, :, :1].contiguous())
             assert torch.allclose(again[0, :, :40], out[1, :, :40])
     assert errs[True] < errs[False] / 1.5, errs  # sqrt smoothing: ~1.8x here, outlier 200x
+
+
+@pytest.mark.parametrize("bits,smooth", [(8, False), (4, False), (8, True), (4, True)])
+@torch.no_grad()  # scratch reads are for inference; with autograd on the cache allocates as usual
+def test_scratch_reads_are_bit_identical_and_reuse_one_buffer(bits, smooth):
+    from kvslim.caches import KVSlimCache
+
+    torch.manual_seed(0)
+    spec = StoreSpec(bits=bits, group_size=16, smooth=smooth)
+    plain = [AppendLayer(spec, chunk=8) for _ in range(2)]
+    pooled = KVSlimCache([AppendLayer(spec, chunk=8) for _ in range(2)])
+    for step in (5, 1, 1, 9):
+        for i in range(2):
+            k, v = torch.randn(2, 3, step, 32), torch.randn(2, 3, step, 32)
+            rk, rv = plain[i].update(k, v)
+            pk, pv = pooled.update(k, v, i)
+            assert torch.equal(pk, rk) and torch.equal(pv, rv)
+    buffers = pooled.layers[0].scratch_pool.buffers
+    assert set(buffers) == {"k", "v"} and pooled.layers[1].scratch_pool is pooled.layers[0].scratch_pool
+    assert pk.untyped_storage().data_ptr() == buffers["k"].untyped_storage().data_ptr()

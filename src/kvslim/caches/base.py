@@ -25,6 +25,7 @@ class KVStoreLayer(CacheLayerMixin):
         self.k_store: TensorStore | None = None
         self.v_store: TensorStore | None = None
         self.cumulative_length = 0
+        self.scratch_pool = None  # set by KVSlimCache: shared buffers for dequantized reads
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bits={self.spec.bits}, seen={self.cumulative_length})"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .storage import ScratchPool
+
 
 class KVSlimCache(Cache):
     """A ``transformers.Cache`` of kvslim layers; ``nbytes`` is the exact size of everything stored."""
@@ -11,6 +13,10 @@ class KVSlimCache(Cache):
     def __init__(self, layers: list[CacheLayerMixin], plan=None):
         super().__init__(layers=layers)
         self.plan = plan
+        pool = ScratchPool()
+        for layer in layers:
+            if hasattr(layer, "scratch_pool"):
+                layer.scratch_pool = pool
 
     @property
     def nbytes(self) -> int:

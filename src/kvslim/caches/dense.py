@@ -48,7 +48,9 @@ class AppendLayer(KVStoreLayer):
         self.k_store.write(start, key_states)
         self.v_store.write(start, value_states)
         self.cumulative_length = end
-        return self.k_store.read(0, end), self.v_store.read(0, end)
+        pool = self.scratch_pool
+        return (self.k_store.read(0, end, None if pool is None else (pool, "k")),
+                self.v_store.read(0, end, None if pool is None else (pool, "v")))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.quant import check_quant_args, codes_width, dequantize, quantize
+from ..ops.quant import check_quant_args, codes_width, dequantize, dequantize_into, quantize
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,30 @@ class StoreSpec:
         return codes_width(dim, self.bits) + (dim // self.group_size) * self.scale_dtype.itemsize
 
 
+class ScratchPool:
+    """Reusable float32 buffers for dequantized reads, shared by the layers of one cache.
+
+    A decoder consumes layer ℓ's keys and values before it asks for layer ℓ+1's, so one K and one V buffer
+    serve every layer: a decode step then dequantizes the history without allocating (and page-faulting)
+    gigabytes of fresh memory. The price: a tensor returned by a quantized read is valid until the next read
+    of the same role.
+    """
+
+    def __init__(self, chunk: int = 256):
+        self.chunk = chunk
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def view(self, role: str, batch: int, heads: int, tokens: int, dim: int, device: torch.device) -> torch.Tensor:
+        buf = self.buffers.get(role)
+        if buf is None or buf.shape[0] != batch or buf.shape[1] < heads or buf.shape[2] < tokens \
+                or buf.shape[3] != dim or buf.device != device:
+            cap = -(-tokens // self.chunk) * self.chunk
+            if buf is not None and buf.shape[:2] == (batch, heads) and buf.shape[3] == dim:
+                cap = max(cap, buf.shape[2] + buf.shape[2] // 2)
+            buf = self.buffers[role] = torch.empty(batch, heads, cap, dim, dtype=torch.float32, device=device)
+        return buf[:, :heads, :tokens]
+
+
 class TensorStore:
     """Plain storage (B, H, capacity, D) in the model's dtype."""
 
@@ -65,8 +89,11 @@ class TensorStore:
         """Write ``x`` (B, H, S, D) into slots [start, start+S)."""
         self.data[:, :, start:start + x.shape[2]] = x
 
-    def read(self, start: int, end: int) -> torch.Tensor:
-        """Slots [start, end) as (B, H, end-start, D) in the model dtype (a view when possible)."""
+    def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
+        """Slots [start, end) as (B, H, end-start, D) in the model dtype (a view when possible).
+
+        ``scratch``: a pool and a role under which a quantized store may write its dequantized output.
+        """
         return self.data[:, :, start:end]
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +134,7 @@ class QuantizedStore(TensorStore):
     def _channel_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The smoothing factors in force, fixed from ``x`` by the first write (or roundtrip) of this store."""
         if self.spec.smooth and self.channel is None:
-            amax = x.float().abs().amax(dim=2, keepdim=True)  # (B, H, 1, D)
+            amax = x.detach().float().abs().amax(dim=2, keepdim=True)  # (B, H, 1, D)
             floor = amax.amax(dim=-1, keepdim=True) * 1e-3 + torch.finfo(torch.float32).tiny
             self.channel = torch.maximum(amax, floor).sqrt()
         return self.channel
@@ -128,8 +155,15 @@ class QuantizedStore(TensorStore):
         self.data[:, :, start:end] = codes
         self.scale[:, :, start:end] = scale
 
-    def read(self, start: int, end: int) -> torch.Tensor:
-        return self._decode(self.data[:, :, start:end], self.scale[:, :, start:end], self.channel)
+    def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
+        codes, scale = self.data[:, :, start:end], self.scale[:, :, start:end]
+        if scratch is None or self.dtype != torch.float32 or torch.is_grad_enabled():
+            return self._decode(codes, scale, self.channel)
+        pool, role = scratch
+        b, h = codes.shape[:2]
+        out = dequantize_into(codes, scale, self.spec.bits, self.spec.group_size,
+                              pool.view(role, b, h, end - start, self.dim, codes.device))
+        return out if self.channel is None else out.mul_(self.channel)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         channel = self._channel_for(x)

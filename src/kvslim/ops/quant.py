@@ -71,6 +71,21 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, group_size: 
     return (groups * scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
+def dequantize_into(codes: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize` into a preallocated float32 ``out`` (..., D) (a view is fine): no temporaries the
+    size of the output, bit-identical to :func:`dequantize` in float32."""
+    if out.dtype != torch.float32:
+        raise ValueError(f"out must be float32, got {out.dtype}")
+    if bits == 8:
+        out.copy_(codes)
+    else:  # sign-extend each nibble straight into the even / odd columns
+        out[..., 0::2].copy_(((codes & 0xF).to(torch.int8) ^ 8) - 8)
+        out[..., 1::2].copy_(((codes >> 4).to(torch.int8) ^ 8) - 8)
+    out.unflatten(-1, (-1, group_size)).mul_(scale.unsqueeze(-1))
+    return out
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int8 codes in [-8, 7] (..., D) into uint8 (..., D/2): element 2i in the low nibble, 2i+1 high."""
     nib = (q.to(torch.int16) & 0xF).to(torch.uint8)  # two's-complement nibbles
