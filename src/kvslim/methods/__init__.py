@@ -2,10 +2,9 @@
 
 from .base import Method
 from .mla import MLA
+from .slim import SLIM
 from .storage import DENSE, INT4, INT8, WINDOW
 
-METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4)}
-METHODS[MLA.name] = MLA
-METHODS["slim"] = __import__(f"{__package__}.slim", fromlist=["SLIM"]).SLIM
+METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4, MLA, SLIM)}
 
 __all__ = ["METHODS", "Method"]
