@@ -25,8 +25,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvslim
-from kvslim.attention.slim import split_heads
-from kvslim.ops.rope import rotate
+from kvslim.attention.slim import _key_scores, split_heads
+from kvslim.kernels import slim_decode as kernel
+from kvslim.ops.rope import rotate_heads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,6 +71,7 @@ def decode(model, cache, batch: int, context: int, steps: int, warmup: int = 1) 
 
 
 def run_config(name: str, model, batch: int, context: int, steps: int) -> dict:
+    """One configuration: ``hf-static``, ``dense``, or ``slim-option{1,2}[-torch]`` (``-torch``: no C kernel)."""
     if name == "hf-static":
         kvslim.restore(model)
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 2)
@@ -79,7 +81,8 @@ def run_config(name: str, model, batch: int, context: int, steps: int) -> dict:
         else:  # random weights: the fp32 K-cache error is over the default floor; it is measured, not hidden
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                kvslim.apply(model, "slim", cache="k", rank=0, decode=name.split("-")[1])
+                kvslim.apply(model, "slim", cache="k", rank=0, decode=name.split("-")[1],
+                             kernel="torch" if name.endswith("-torch") else "auto")
         cache = kvslim.make_cache(model, max_length=context + steps + 2)
     fill(cache, model, batch, context, slim=name.startswith("slim"))
     nbytes = getattr(cache, "nbytes", None)
@@ -104,7 +107,8 @@ def _timed(fn, reps: int = 3) -> float:
 
 @torch.no_grad()
 def breakdown(batch: int, context: int, h: int = 12, dk: int = 64) -> dict:
-    """Where one layer's decode time goes (one query token, fp32), slim option 1/2 vs dense SDPA."""
+    """Where one layer's decode time goes (one query token, fp32): the torch path of slim option 2 step by step,
+    the fused kernel (the whole of option 2 before the output map), option 1's rebuild, and dense SDPA."""
     e = h * dk
     g = torch.Generator().manual_seed(2)
     c = torch.randn(batch, context, e, generator=g)  # stored raw keys
@@ -112,21 +116,27 @@ def breakdown(batch: int, context: int, h: int = 12, dk: int = 64) -> dict:
     q = torch.randn(batch, h, 1, dk, generator=g)
     w = torch.randn(h, e, dk, generator=g) / e ** 0.5
     wfull = torch.randn(e, e, generator=g) / e ** 0.5
-    cos, sin = torch.randn(1, 1, context, dk), torch.randn(1, 1, context, dk)
-    keys = split_heads(c, h)
-    rot = rotate(keys, cos, sin)
-    s = torch.softmax((q @ rot.transpose(-1, -2)) * dk ** -0.5, -1)
+    inv = 1.0 / (10000 ** (torch.arange(0, dk, 2).float() / dk))
+    ang = torch.arange(context).float()[:, None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos()[None], torch.cat((ang, ang), -1).sin()[None]  # (1, n, dk)
+    rot = rotate_heads(c, h, dk, cos, sin)
+    scores = _key_scores(q, rot)
+    s = torch.softmax(scores * dk ** -0.5, -1)
     u = (s.reshape(batch, h, context) @ c).view(batch, h, 1, e)
     out = {
-        "rope_rotate_keys": _timed(lambda: rotate(keys, cos, sin)),
-        "scores_qK": _timed(lambda: rot @ q.transpose(-1, -2)),
-        "softmax": _timed(lambda: torch.softmax(rot @ q.transpose(-1, -2), -2)),
-        "u_softmax_times_K": _timed(lambda: s.reshape(batch, h, context) @ c),
+        "torch_rope_rotate_keys": _timed(lambda: rotate_heads(c, h, dk, cos, sin)),
+        "torch_scores_qK": _timed(lambda: _key_scores(q, rot)),
+        "torch_softmax": _timed(lambda: torch.softmax(scores * dk ** -0.5, -1)),
+        "torch_u_softmax_times_K": _timed(lambda: s.reshape(batch, h, context) @ c),
         "u_times_W_KV": _timed(lambda: torch.matmul(u, w)),
         "option1_rebuild_V": _timed(lambda: c @ wfull, reps=1),
-        "dense_sdpa_attention": _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, rot, v)),
+        "dense_sdpa_attention": _timed(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, split_heads(rot, h), v)),
     }
-    out["softmax"] = max(0.0, out["softmax"] - out["scores_qK"])
+    lib = kernel.load()
+    if lib is not None:
+        out["kernel_fused_rope_scores_softmax_u"] = _timed(
+            lambda: kernel.slim_decode(lib, q, c, None, dk ** -0.5, cos, sin, False))
     return out
 
 
@@ -136,7 +146,7 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.5))
     rows = record["results"]
     a.bar([r["config"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
@@ -160,7 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     model = build_model()
     results = []
-    for name in ("hf-static", "dense", "slim-option2", "slim-option1"):
+    for name in ("hf-static", "dense", "slim-option2", "slim-option2-torch", "slim-option1"):
         steps = 1 if name == "slim-option1" else args.steps
         t = time.perf_counter()
         results.append(run_config(name, model, args.batch, args.context, steps))
@@ -179,6 +189,10 @@ def main() -> None:
             "slim_option2_vs_dense_tokens": by["slim-option2"]["tokens_per_s"] / by["dense"]["tokens_per_s"],
             "slim_option2_vs_hf_static_tokens": by["slim-option2"]["tokens_per_s"] / by["hf-static"]["tokens_per_s"],
             "option2_over_option1_speed": by["slim-option2"]["tokens_per_s"] / by["slim-option1"]["tokens_per_s"],
+            "option2_torch_path_over_option1_speed":
+                by["slim-option2-torch"]["tokens_per_s"] / by["slim-option1"]["tokens_per_s"],
+            "slim_option2_kernel_over_torch_path_speed":
+                by["slim-option2"]["tokens_per_s"] / by["slim-option2-torch"]["tokens_per_s"],
             "slim_cache_bytes_vs_dense": by["slim-option2"]["cache_bytes"] / by["dense"]["cache_bytes"],
         },
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
