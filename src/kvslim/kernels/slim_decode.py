@@ -34,7 +34,7 @@ SOURCE = r"""
 #define TILE 48
 
 /* one (sequence b, chunk [t0, t1)) task: scores, local softmax, partial u; out = (h, width + 2): m, l, acc */
-static void chunk_task(const float *C, int64_t width, const float *q, int64_t h, int64_t dk, int64_t R,
+static inline __attribute__((always_inline)) void chunk_task(const float *C, int64_t width, const float *q, int64_t h, int64_t dk, int64_t R,
                        const float *cs, const float *sn, const float *mask, float scaling, int rotated,
                        int64_t t0, int64_t t1, float *out, float *sc, float *rowbuf) {
     const int64_t m = t1 - t0, half = R / 2;
@@ -144,10 +144,19 @@ int kvslim_slim_decode(const float *C, int64_t B, int64_t n, int64_t width, int6
             #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < B * nc; ++task) {
                 const int64_t b = task / nc, ck = task % nc, t0 = ck * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
-                chunk_task(C + b * stride_b, width, q + b * h * dk, h, dk, R,
-                           cs ? cs + b * tab_stride_b : 0, sn ? sn + b * tab_stride_b : 0,
-                           mask ? mask + b * mask_stride_b : 0, scaling, rotated, t0, t1,
-                           work + task * h * rw, sc, rowbuf);
+                const float *Cb = C + b * stride_b, *qb = q + b * h * dk;
+                const float *cb = cs ? cs + b * tab_stride_b : 0, *sb = sn ? sn + b * tab_stride_b : 0;
+                const float *mb = mask ? mask + b * mask_stride_b : 0;
+                float *ob = work + task * h * rw;
+                /* constant head sizes let the compiler unroll the short per-head loops */
+                if (dk == 64 && R == 64)
+                    chunk_task(Cb, width, qb, h, 64, 64, cb, sb, mb, scaling, rotated, t0, t1, ob, sc, rowbuf);
+                else if (dk == 128 && R == 128)
+                    chunk_task(Cb, width, qb, h, 128, 128, cb, sb, mb, scaling, rotated, t0, t1, ob, sc, rowbuf);
+                else if (dk == 64 && R == 0)
+                    chunk_task(Cb, width, qb, h, 64, 0, cb, sb, mb, scaling, rotated, t0, t1, ob, sc, rowbuf);
+                else
+                    chunk_task(Cb, width, qb, h, dk, R, cb, sb, mb, scaling, rotated, t0, t1, ob, sc, rowbuf);
             }
         }
         free(sc);
