@@ -44,8 +44,10 @@ def _lib():
     return lib
 
 
-# (B, h, dk, R, extra columns, n): partial rotary, conditioning columns, h % 4 != 0, n % CHUNK != 0, no RoPE
-SHAPES = [(2, 4, 16, 16, 0, 300), (3, 6, 32, 16, 8, 700), (1, 5, 8, 8, 3, 257), (2, 4, 16, 0, 0, 513)]
+# (B, h, dk, R, extra columns, n): partial rotary, conditioning columns, h % 4 != 0, n % CHUNK != 0, no RoPE;
+# the last three hit the kernel's specialised head sizes (dk, R) = (64, 64), (128, 128), (64, 0)
+SHAPES = [(2, 4, 16, 16, 0, 300), (3, 6, 32, 16, 8, 700), (1, 5, 8, 8, 3, 257), (2, 4, 16, 0, 0, 513),
+          (2, 5, 64, 64, 0, 300), (1, 2, 128, 128, 4, 260), (1, 3, 64, 0, 0, 270)]
 
 
 @pytest.mark.parametrize("rotated", [False, True])
