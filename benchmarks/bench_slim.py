@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvslim
-from kvslim.attention.slim import _key_scores, split_heads
+from kvslim.attention.slim import _key_scores, _per_head_map, split_heads
 from kvslim.kernels import slim_decode as kernel
 from kvslim.ops.rope import rotate_heads
 
@@ -128,7 +128,7 @@ def breakdown(batch: int, context: int, h: int = 12, dk: int = 64) -> dict:
         "torch_scores_qK": _timed(lambda: _key_scores(q, rot)),
         "torch_softmax": _timed(lambda: torch.softmax(scores * dk ** -0.5, -1)),
         "torch_u_softmax_times_K": _timed(lambda: s.reshape(batch, h, context) @ c),
-        "u_times_W_KV": _timed(lambda: torch.matmul(u, w)),
+        "u_times_W_KV": _timed(lambda: _per_head_map(u, w)),
         "option1_rebuild_V": _timed(lambda: c @ wfull, reps=1),
         "dense_sdpa_attention": _timed(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, split_heads(rot, h), v)),

@@ -121,7 +121,7 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
         if lib is not None:  # fused: one pass over the rows per step (scores, softmax, u = softmax·C)
             u = kernel.slim_decode(lib, q, cache, mask, scaling, cos if rope else None, sin if rope else None,
                                    rotated)
-            return torch.matmul(u, w.value_map).to(q.dtype)  # "bhtc,hcd->bhtd"
+            return _per_head_map(u, w.value_map).to(q.dtype)
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":
         keys = cache[..., :e]  # (B, n, e) head-interleaved
@@ -144,7 +144,14 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
         return (s @ v).to(q.dtype)
     # option 2: u = softmax·C for all heads as one matrix product, then one small map per head
     u = (s.reshape(b, h * t, n) @ src).view(b, h, t, -1)  # "bhtn,bnc->bhtc"
-    return torch.matmul(u, w.value_map).to(q.dtype)  # "bhtc,hcd->bhtd"
+    return _per_head_map(u, w.value_map).to(q.dtype)
+
+
+def _per_head_map(u: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    """"bhtc,hcd->bhtd" as one bmm batched over heads (``matmul`` would copy the maps once per sequence)."""
+    b, h, t, c = u.shape
+    out = torch.bmm(u.permute(1, 0, 2, 3).reshape(h, b * t, c), maps)  # (h, B·T, dk)
+    return out.view(h, b, t, -1).permute(1, 0, 2, 3)
 
 
 def _key_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
