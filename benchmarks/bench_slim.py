@@ -151,6 +151,7 @@ def plot(record: dict, path: Path) -> None:
     a.bar([r["config"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
         a.text(i, r["tokens_per_s"], f"{r['cache_bytes'] / 2**30:.2f} GiB", ha="center", va="bottom", fontsize=8)
+    a.tick_params(axis="x", labelrotation=20)
     a.set_ylabel("tokens/s (batch total)")
     a.set_title(f"decode at {record['context']} ctx, batch {record['batch']}, fp32, 12×768 MHA Llama")
     bd = record["breakdown_s"]
