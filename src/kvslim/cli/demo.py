@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         runs = tuple(r for r in DEFAULT_RUNS if r[0] in wanted or r[0] == "dense")
     from ..models import load_smollm2, load_tiny_mha
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=170)  # piped: don't wrap the table
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(torch.float32)
     rows = measure(model, tokenizer, runs, chat_ids(tokenizer, args.prompt), eval_ids(tokenizer), args.new_tokens)
