@@ -51,6 +51,15 @@ def padded_batch(batch: int = 2, length: int = 12, vocab: int = 128, seed: int =
     return ids, mask
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny():
     return tiny_model

@@ -13,13 +13,7 @@ from kvslim.attention import mla
 H, DK, DR, DV, DC = 4, 16, 8, 12, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(b=2, s=3, t=7, dtype=torch.float64, seed=0):

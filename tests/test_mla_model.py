@@ -36,13 +36,7 @@ SHAPES = {
 IMPLS = ("decompressed", "compressed", "absorbed", "elided")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two fighting over a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def deepseek(name: str, *, dtype=torch.float32, seed: int = 0, **overrides):

@@ -10,7 +10,30 @@ from transformers.cache_utils import CacheLayerMixin
 from .storage import StoreSpec, TensorStore, make_store
 
 
-class KVStoreLayer(CacheLayerMixin):
+class BatchOpsMixin:
+    """HF's beam-search / batch-editing entry points in terms of one ``_map_batch(fn)`` over the tensors a
+    layer holds per sequence (axis 0). Offloading is not supported: the layer owns its tensors."""
+
+    def _map_batch(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
     """A cache layer keeping keys and values in two :class:`TensorStore` objects.
 
     Subclasses choose slots (append or ring). ``keys``/``values`` of the HF mixin stay ``None``: the stores own
@@ -66,21 +89,6 @@ class KVStoreLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         for store in self._stores():
             store.map_sequences(fn)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def offload(self) -> None:  # the stores own the tensors; offloading is not supported
-        return None
-
-    def prefetch(self) -> None:
-        return None
 
     # -- accounting ------------------------------------------------------------------------------------------
     def stored_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
+from .base import BatchOpsMixin
 from .cache import KVSlimCache
 
 
@@ -29,7 +30,7 @@ def hf_cache_nbytes(cache: Cache) -> int:
     return total
 
 
-class EncoderOutputLayer(CacheLayerMixin):
+class EncoderOutputLayer(BatchOpsMixin, CacheLayerMixin):
     """Holds the encoder output E (B, n_enc, d) once; every cross-attention layer reads it.
 
     E is kept by reference (no copy): ``generate`` keeps the encoder output alive anyway, so the bytes counted
@@ -89,24 +90,9 @@ class EncoderOutputLayer(CacheLayerMixin):
         self.enc = None
         self.is_initialized = False
 
-    def _map(self, fn) -> None:
+    def _map_batch(self, fn) -> None:
         if self.enc is not None:
             self.enc = fn(self.enc)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
-
-    def offload(self) -> None:
-        return None
-
-    def prefetch(self) -> None:
-        return None
 
 
 class SharedEncoderCache(Cache):
