@@ -117,3 +117,34 @@ def test_restore_and_reapply():
     assert kvslim.get_plan(model).method == "dense"
     kvslim.restore(model)
     assert kvslim.get_plan(model) is None and "generate" not in vars(model)
+
+
+def test_gqa_decode_uses_packed_queries_and_restore_puts_sdpa_back():
+    model = tiny_model("llama")  # 4 query heads, 2 KV heads
+    assert model.config._attn_implementation == "sdpa"
+    kvslim.apply(model, "int8", group_size=8)
+    assert model.config._attn_implementation == "kvslim_sdpa"
+    kvslim.apply(model, "dense")  # re-apply: restore first, then switch again
+    assert model.config._attn_implementation == "kvslim_sdpa"
+    kvslim.restore(model)
+    assert model.config._attn_implementation == "sdpa"
+    mha = tiny_model("llama", kv_heads=4)
+    kvslim.apply(mha, "dense")
+    assert mha.config._attn_implementation == "sdpa"  # nothing to pack for MHA
+
+
+def test_packed_gqa_attention_matches_hf_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvslim.adapters.sdpa import packed_gqa_sdpa_forward
+
+    class Mod(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    ours, _ = packed_gqa_sdpa_forward(Mod(), q, k, v, None, scaling=0.25)
+    ref, _ = sdpa_attention_forward(Mod(), q, k, v, None, scaling=0.25)
+    assert ours.shape == ref.shape == (2, 1, 6, 16)
+    assert max_err(ours, ref) <= 1e-6

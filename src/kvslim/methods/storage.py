@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapters.sdpa import restore_attention, use_packed_sdpa
 from ..adapters.shape import ModelShape
 from ..caches import AppendLayer, RingLayer, StoreSpec
 from ..plan import LayerPlan, Plan
@@ -57,6 +58,13 @@ class StorageMethod(Method):
             other = "mla" if shape.family == "mla" else "slim"
             return f"{shape.family} attention keeps a different cache; use method={other!r} for it"
         return None
+
+    def prepare(self, model, plan: Plan) -> None:
+        """HF's own attention keeps running; GQA decode gets packed queries (see ``adapters/sdpa.py``)."""
+        model._kvslim_attn_previous = use_packed_sdpa(model)
+
+    def restore(self, model) -> None:
+        restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))
 
     def options(self, **options) -> StorageOptions:
         allowed = {"window", "group_size", "scale_dtype", "chunk", "smooth_keys"} if self.bits else {"window", "chunk"}

@@ -1,0 +1,56 @@
+"""A drop-in for HF's ``sdpa`` attention that decodes GQA with packed queries.
+
+With an exact-length kvslim cache, HF needs no attention mask in decode and calls SDPA with
+``enable_gqa=True``; torch's CPU kernel runs that ~4× slower than the same attention with the query heads of
+each KV group packed as extra query rows (measured: 9.7 ms vs 2.6 ms per layer, SmolLM2 shapes, 8k × 8). HF
+itself packs queries when a mask is present (a StaticCache always has one). This registers HF's own SDPA path
+under another name, changing one case: a single query token, no mask, GQA → packed queries. Same mathematics;
+registered through HF's public ``AttentionInterface`` / ``AttentionMaskInterface`` when a method is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+NAME = "kvslim_sdpa"
+
+
+def packed_gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention; decode steps of GQA models without a mask run with packed queries.
+
+    Shapes as HF: query (B, H, S, D), key/value (B, Hkv, T, D); returns (B, S, H, D).
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups > 1 and query.shape[2] == 1 and attention_mask is None and dropout == 0.0
+            and kwargs.get("position_bias") is None and key.shape[1] * groups == query.shape[1]):
+        b, h, _, d = query.shape
+        packed = query.reshape(b, h // groups, groups, d)  # head h -> (h // G, h % G), HF's repeat_kv order
+        out = F.scaled_dot_product_attention(packed, key, value, scale=scaling)  # (B, Hkv, G, D)
+        return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def use_packed_sdpa(model) -> str | None:
+    """Switch an ``sdpa`` GQA model to :func:`packed_gqa_sdpa_forward`; returns the previous implementation
+    name to restore, or ``None`` when nothing was changed."""
+    previous = getattr(model.config, "_attn_implementation", None)
+    cfg = model.config
+    groups = getattr(cfg, "num_attention_heads", 1) // max(1, getattr(cfg, "num_key_value_heads", None) or 1)
+    if previous != "sdpa" or groups <= 1:
+        return None
+    AttentionInterface.register(NAME, packed_gqa_sdpa_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return previous
+
+
+def restore_attention(model, previous: str | None) -> None:
+    if previous is not None and getattr(model.config, "_attn_implementation", None) == NAME:
+        model.set_attn_implementation(previous)
