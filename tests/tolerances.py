@@ -6,6 +6,8 @@ import torch
 
 #: max |Δ| allowed between an exact kvslim path and its reference, per dtype
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+#: max |Δ| / max(1, max|reference|) between two exact fp32 paths that only reorder the same arithmetic
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 #: end-to-end logits against the same HF model with its ordinary cache (issue contracts: fp32 ≤ 1e-4)
 LOGIT_ATOL = {torch.float32: 1e-4}
 #: absolute floor added to the error-ratio rule so that exact-zero baselines do not demand exact zero
@@ -21,6 +23,13 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     err = max_err(actual, expected)
     assert err <= ATOL[dtype], f"{what}: max|Δ| {err:.3e} > {ATOL[dtype]:.1e} ({dtype})"
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """``max|Δ| ≤ RTOL[dtype] · max(1, max|expected|)``: for paths that differ only in summation order."""
+    bound = RTOL[dtype] * max(1.0, expected.double().abs().max().item())
+    err = max_err(actual, expected)
+    assert err <= bound, f"{what}: max|Δ| {err:.3e} > {bound:.1e} ({dtype})"
 
 
 def assert_error_ratio(optimized: torch.Tensor, baseline: torch.Tensor, reference64: torch.Tensor,
