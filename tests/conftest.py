@@ -33,6 +33,19 @@ def tiny_model(kind: str, *, kv_heads: int = 2, seed: int = 0, dtype=torch.float
     elif kind == "qwen2-mixed":
         model = Qwen2ForCausalLM(Qwen2Config(**{"sliding_window": 8, "use_sliding_window": True,
                                                 "max_window_layers": 1, **kw}))
+    elif kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **kw}))
+    elif kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=512))
+    elif kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                   "sliding_window": None, **kw}))
     elif kind == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**{"pad_token_id": 0, **kw}))
     else:

@@ -22,7 +22,7 @@ def _logit_err(a, b) -> float:
     return max(max_err(x, y) for x, y in zip(a.logits, b.logits))
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-mixed", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-mixed", "qwen3", "phi3", "gpt2", "mixtral"])
 def test_dense_is_exact_in_fp32_with_left_padding(kind):
     model = tiny_model(kind)
     ids, mask = padded_batch()
