@@ -81,7 +81,10 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         return self.cumulative_length
 
     def reset(self) -> None:
+        """Forget the stored tokens (buffers are kept and overwritten); key smoothing is fitted anew."""
         self.cumulative_length = 0
+        for store in self._stores():
+            store.reset()
 
     def _stores(self) -> list[TensorStore]:
         return [s for s in (self.k_store, self.v_store) if s is not None]

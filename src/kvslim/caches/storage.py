@@ -103,6 +103,9 @@ class TensorStore:
     def allocated_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def reset(self) -> None:
+        """Called when the owning layer forgets its tokens."""
+
     def map_sequences(self, fn) -> None:
         """Apply ``fn`` (a batch-axis reindexing) to every tensor held per sequence."""
         self.set_tensors([fn(t) for t in self.tensors()])
@@ -176,6 +179,9 @@ class QuantizedStore(TensorStore):
 
     def allocated_nbytes(self) -> int:
         return super().allocated_nbytes() + (0 if self.channel is None else self.channel.numel() * 4)
+
+    def reset(self) -> None:
+        self.channel = None
 
     def nbytes(self, used_slots: int) -> int:
         fixed = 0 if self.channel is None or used_slots == 0 else self.channel.numel() * 4
