@@ -148,3 +148,22 @@ def test_packed_gqa_attention_matches_hf_sdpa():
     ref, _ = sdpa_attention_forward(Mod(), q, k, v, None, scaling=0.25)
     assert ours.shape == ref.shape == (2, 1, 6, 16)
     assert max_err(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("method,opts", [("window", {}), ("int8", {"group_size": 16, "window": 8})])
+def test_unpadded_window_decode_reads_the_ring_in_slot_order(method, opts):
+    """Without padding, generate lets ring layers skip the temporal-order copy; results match the copy path."""
+    model = tiny_model("mistral")
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ref = _generate(model, ids, mask)
+    kvslim.apply(model, method, **opts)
+    out = _generate(model, ids, mask)
+    assert all(layer.slot_order_ok for layer in out.past_key_values.layers)
+    copy_path = kvslim.make_cache(model)  # not declared unpadded: temporal order
+    slow = _generate(model, ids, mask, past_key_values=copy_path)
+    assert not any(layer.slot_order_ok for layer in copy_path.layers)
+    assert torch.equal(out.sequences, slow.sequences)
+    assert _logit_err(out, slow) <= LOGIT_ATOL[torch.float32]
+    if method == "window":
+        assert torch.equal(out.sequences, ref.sequences) and _logit_err(out, ref) <= LOGIT_ATOL[torch.float32]

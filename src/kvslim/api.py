@@ -38,7 +38,10 @@ def apply(model: torch.nn.Module, method: str, **options) -> Plan:
     @functools.wraps(original)
     def generate(*args, **kwargs):
         if kwargs.get("past_key_values") is None:
-            kwargs["past_key_values"] = make_cache(model, max_length=_max_length(args, kwargs, model))
+            cache = make_cache(model, max_length=_max_length(args, kwargs, model))
+            if _unpadded(args, kwargs, model) and hasattr(cache, "declare_unpadded"):
+                cache.declare_unpadded()
+            kwargs["past_key_values"] = cache
         return original(*args, **kwargs)
 
     model.generate = generate
@@ -84,6 +87,17 @@ def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **op
     if reason:
         raise ValueError(f"method {method!r} does not apply to this {shape.model_type} model: {reason}")
     return m.plan(shape, parse_dtype(dtype), **options)
+
+
+def _unpadded(args, kwargs, model) -> bool:
+    """True when no prompt of this ``generate`` call is padded (so no position will ever be masked)."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        return bool(mask.bool().all())
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
+    return isinstance(ids, torch.Tensor) and (pad is None or not bool((ids == pad).any()))
 
 
 def _max_length(args, kwargs, model) -> int | None:

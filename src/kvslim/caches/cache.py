@@ -18,6 +18,13 @@ class KVSlimCache(Cache):
             if hasattr(layer, "scratch_pool"):
                 layer.scratch_pool = pool
 
+    def declare_unpadded(self) -> None:
+        """Promise that no sequence in the batch has padding: ring-buffer layers may then hand the window to
+        attention in slot order instead of copying it into temporal order at every decode step."""
+        for layer in self.layers:
+            if hasattr(layer, "slot_order_ok"):
+                layer.slot_order_ok = True
+
     @property
     def nbytes(self) -> int:
         """Exact bytes of live cached data (keys, values, latents, scales) over all layers."""

@@ -23,6 +23,8 @@ class RingLayer(KVStoreLayer):
         if not isinstance(window, int) or window <= 0:
             raise ValueError(f"window must be a positive int, got {window!r}")
         self.window = window
+        #: no sequence has padding: decode may return the ring in slot order (no copy), see ``update``
+        self.slot_order_ok = False
 
     def _initial_capacity(self, incoming: int) -> int:
         return self.window
@@ -59,6 +61,10 @@ class RingLayer(KVStoreLayer):
             self._write(c, key_states, self.k_store)
             self._write(c, value_states, self.v_store)
             self.cumulative_length = c + 1
+            if self.slot_order_ok:
+                # every visible position is unmasked and attention does not depend on key order: no copy
+                return self.k_store.read(0, w), self.v_store.read(0, w)
+            # HF's padding mask is positional: return positions c-W+1 .. c in temporal order
             return (self._read_temporal(self.k_store, c + 1 - w, c + 1),
                     self._read_temporal(self.v_store, c + 1 - w, c + 1))
         # prefill / short history: the visible past is the last min(c, W-1) cached tokens plus all new ones
