@@ -25,7 +25,7 @@ from ..caches.slim import SlimLayer
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
 from .slim_encdec import ENCDEC
-from .slim_policy import Candidate, LayerNumerics, rank_ladder
+from .slim_policy import Candidate, LayerNumerics, check_policy_fields, rank_ladder
 
 ADAPTERS = {"gpt2": GPT2Adapter(), "llama": LlamaAdapter(), "phi3": Phi3Adapter()}
 CACHES = ("auto", "k", "v", "x", "kv")
@@ -78,20 +78,11 @@ class SlimOptions:
 
     def __post_init__(self) -> None:
         for name, allowed in (("cache", CACHES), ("decode", ("option2", "option1")),
-                              ("rope_storage", ("raw", "rotated")), ("kernel", ("auto", "c", "torch")), ("basis", ("svd", "svdv", "act"))):
+                              ("rope_storage", ("raw", "rotated")), ("kernel", ("auto", "c", "torch")),
+                              ("basis", ("svd", "svdv", "act"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.budget, (int, float)) or self.budget < 1:
-            raise ValueError(f"budget must be a number ≥ 1 (a multiple of the plain error), got {self.budget!r}")
-        if self.floor is not None and (not isinstance(self.floor, (int, float)) or self.floor < 0):
-            raise ValueError(f"floor must be a non-negative number, got {self.floor!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool)
-                                      or self.rank < 0):
-            raise ValueError(f"rank must be a non-negative int or None, got {self.rank!r}")
-        if not isinstance(self.max_calibration_tokens, int) or self.max_calibration_tokens < 8:
-            raise ValueError(f"max_calibration_tokens must be an int ≥ 8, got {self.max_calibration_tokens!r}")
-        if not isinstance(self.chunk, int) or self.chunk <= 0:
-            raise ValueError(f"chunk must be a positive int, got {self.chunk!r}")
+        check_policy_fields(self)
         StoreSpec(self.bits, self.group_size)  # validates bits
 
 

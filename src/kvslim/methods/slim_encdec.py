@@ -26,6 +26,7 @@ from ..caches.encdec import EncDecSlimCache
 from ..caches.slim import SlimLayer
 from ..plan import LayerPlan, Plan
 from .base import model_dtype, parse_dtype
+from .slim_policy import check_policy_fields
 
 ADAPTERS = {"whisper": WhisperAdapter(), "t5": T5Adapter(), "bart": BartAdapter()}
 CACHES = ("auto", "k", "v", "x", "kv")
@@ -73,18 +74,9 @@ class EncDecOptions:
                               ("basis", ("svd", "svdv", "act"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.budget, (int, float)) or self.budget < 1:
-            raise ValueError(f"budget must be a number ≥ 1 (a multiple of the plain error), got {self.budget!r}")
-        if self.floor is not None and (not isinstance(self.floor, (int, float)) or self.floor < 0):
-            raise ValueError(f"floor must be a non-negative number, got {self.floor!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0):
-            raise ValueError(f"rank must be a non-negative int or None, got {self.rank!r}")
+        check_policy_fields(self)
         if self.encoder_length is not None and (not isinstance(self.encoder_length, int) or self.encoder_length <= 0):
             raise ValueError(f"encoder_length must be a positive int or None, got {self.encoder_length!r}")
-        if not isinstance(self.max_calibration_tokens, int) or self.max_calibration_tokens < 8:
-            raise ValueError(f"max_calibration_tokens must be an int ≥ 8, got {self.max_calibration_tokens!r}")
-        if not isinstance(self.chunk, int) or self.chunk <= 0:
-            raise ValueError(f"chunk must be a positive int, got {self.chunk!r}")
 
 
 @dataclass(frozen=True)

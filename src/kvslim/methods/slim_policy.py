@@ -200,3 +200,17 @@ def rank_ladder(e: int, d: int, multiple: int) -> list[int]:
     base = [8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024]
     out = sorted({-(-r // multiple) * multiple for r in base})
     return [r for r in out if 0 < r < e and r <= d]
+
+
+def check_policy_fields(opts) -> None:
+    """Validate the fields the decoder-only and encoder-decoder slim options share (``ValueError`` naming one)."""
+    if not isinstance(opts.budget, (int, float)) or opts.budget < 1:
+        raise ValueError(f"budget must be a number ≥ 1 (a multiple of the plain error), got {opts.budget!r}")
+    if opts.floor is not None and (not isinstance(opts.floor, (int, float)) or opts.floor < 0):
+        raise ValueError(f"floor must be a non-negative number, got {opts.floor!r}")
+    if opts.rank is not None and (not isinstance(opts.rank, int) or isinstance(opts.rank, bool) or opts.rank < 0):
+        raise ValueError(f"rank must be a non-negative int or None, got {opts.rank!r}")
+    if not isinstance(opts.max_calibration_tokens, int) or opts.max_calibration_tokens < 8:
+        raise ValueError(f"max_calibration_tokens must be an int ≥ 8, got {opts.max_calibration_tokens!r}")
+    if not isinstance(opts.chunk, int) or opts.chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {opts.chunk!r}")
