@@ -57,6 +57,10 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int, cache, attention_ma
 def chunked_perplexity(model, ids: torch.Tensor, make_cache, chunk: int = 32) -> float:
     """Perplexity of ``ids`` (1, T) fed in chunks through a fresh cache, so the cached (possibly quantized or
     windowed) history is what later chunks attend to."""
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be (1, T) with T >= 2, got {tuple(ids.shape)}")
     cache = make_cache()
     nll, count = 0.0, 0
     prev_last = None
