@@ -24,6 +24,8 @@ class LayerPlan:
         error: measured relative error of this layer's choice, when measured.
         note: free text shown in the plan table.
         fixed_bytes: bytes per sequence that do not grow with context (e.g. a shared encoder-output cache).
+        residual: most recent tokens kept in full precision (``residual_bytes_per_token`` each) beside codes
+            (``bytes_per_token`` each); codes take them ``flush`` at a time (see ``StoreSpec.flushed``).
         factory: builds the ``CacheLayerMixin`` for this layer; called with ``max_length`` (or ``None``).
     """
 
@@ -35,13 +37,18 @@ class LayerPlan:
     error: float | None = None
     note: str = ""
     fixed_bytes: int = 0
+    residual: int = 0
+    flush: int = 1
+    residual_bytes_per_token: int = 0
     factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         if context == 0:
             return 0
         tokens = context if self.window is None else min(context, self.window)
-        return batch * (tokens * self.bytes_per_token + self.fixed_bytes)
+        coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
+        return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
+                        + self.fixed_bytes)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,8 @@ class Plan:
             "dense_bytes_per_token": self.dense_bytes_per_token,
             "layers": [{"index": lp.index, "technique": lp.technique, "bytes_per_token": lp.bytes_per_token,
                         "window": lp.window, "exactness": lp.exactness, "error": lp.error, "note": lp.note,
-                        "fixed_bytes": lp.fixed_bytes} for lp in self.layers],
+                        "fixed_bytes": lp.fixed_bytes, "residual": lp.residual, "flush": lp.flush,
+                        "residual_bytes_per_token": lp.residual_bytes_per_token} for lp in self.layers],
         }
 
     def table(self, context: int = 4096) -> Table:

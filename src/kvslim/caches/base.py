@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -60,7 +58,7 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cap = self._initial_capacity(key_states.shape[2])
         self.k_store = make_store(self.spec, key_states, cap)
-        self.v_store = make_store(replace(self.spec, smooth=False), value_states, cap)  # smoothing: keys only
+        self.v_store = make_store(self.spec.for_values(), value_states, cap)  # smoothing, KIVI: keys only
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 

@@ -7,41 +7,133 @@ plus scales, quantized once at write time and never re-quantized).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.quant import check_quant_args, codes_width, dequantize, dequantize_into, quantize
+from ..ops.quant import check_quant_args, dequantize, dequantize_into, quantize
+from ..ops.quant_formats import dequantize_asym, dequantize_sym, hadamard, quantize_asym, quantize_sym
+
+MAX_RESIDUAL = 128
 
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """How a store keeps values: ``bits`` 0 (as is), 8 or 4; ``group_size`` and ``scale_dtype`` for quantized.
+    """How a store keeps values: ``bits`` 0 (as is), 2, 4 or 8; the rest applies to quantized stores.
 
-    ``smooth`` (quantized only) divides each channel by a per-sequence, per-head factor before the grouped
-    quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the prefill),
-    kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set every group's
-    scale. On SmolLM2 (256 tokens of the demo text, group 64): int4 keys alone +31 % perplexity without it;
-    int4 keys and values +5.3 % with it (``kvslim demo``, full text: +6.2 %).
+    * ``group_size``: values per scale along the head dimension (per-token groups, SPEC §1).
+    * ``asymmetric``: min/max codes with a zero-point per group (``x ≈ q·scale + zero``) instead of SPEC §1's
+      symmetric ``x ≈ q·scale``; ``scale_dtype`` holds scales and zero-points.
+    * ``rotation``: ``"hadamard"`` keeps ``x·R`` (R the normalized D×D Hadamard matrix); reads return ``x``.
+    * ``channel_group``: > 0 quantizes per channel over groups of this many tokens (KIVI keys) instead of
+      per token over ``group_size`` channels; needs a ``residual`` of at least one group.
+    * ``residual``: the most recent tokens (at most ``residual`` ≤ 128) stay in full precision; they are
+      flushed into codes ``flush`` tokens at a time, once ``residual`` would be exceeded, and never re-quantized.
+    * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
+      grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
+      prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
+      every group's scale. On SmolLM2 (256 tokens of the demo text, group 64): int4 keys alone +31 % perplexity
+      without it; int4 keys and values +5.3 % with it (``kvslim demo``, full text: +6.2 %).
     """
 
     bits: int = 0
     group_size: int = 64
     scale_dtype: torch.dtype = torch.float32
     smooth: bool = False
+    asymmetric: bool = False
+    rotation: str | None = None
+    channel_group: int = 0
+    residual: int = 0
+    flush: int = 1
 
     def __post_init__(self) -> None:
-        if self.bits not in (0, 4, 8):
-            raise ValueError(f"bits must be 0, 4 or 8, got {self.bits!r}")
+        if self.bits not in (0, 2, 4, 8):
+            raise ValueError(f"bits must be 0, 2, 4 or 8, got {self.bits!r}")
         if self.scale_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"scale_dtype must be float32, float16 or bfloat16, got {self.scale_dtype}")
+        if not isinstance(self.asymmetric, bool):
+            raise ValueError(f"asymmetric must be True or False, got {self.asymmetric!r}")
+        if self.rotation not in (None, "hadamard"):
+            raise ValueError(f"rotation must be None or 'hadamard', got {self.rotation!r}")
+        for name in ("channel_group", "residual", "flush"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "flush" else 0):
+                raise ValueError(f"{name} must be a{' positive' if name == 'flush' else ' non-negative'} int, "
+                                 f"got {v!r}")
+        if self.residual > MAX_RESIDUAL:
+            raise ValueError(f"residual must be at most {MAX_RESIDUAL} tokens, got {self.residual}")
+        if self.residual and self.flush > self.residual:
+            raise ValueError(f"flush={self.flush} must not exceed residual={self.residual}")
+        if self.channel_group:
+            if self.residual < self.channel_group:
+                raise ValueError(f"channel_group={self.channel_group} needs residual >= channel_group "
+                                 f"(tokens wait in full precision until a group is complete), got {self.residual}")
+            if self.flush % self.channel_group:
+                raise ValueError(f"flush={self.flush} must be a multiple of channel_group={self.channel_group}")
+        if self.bits == 0 and (self.asymmetric or self.rotation or self.channel_group or self.residual):
+            raise ValueError("asymmetric, rotation, channel_group and residual need bits > 0")
+
+    def for_values(self) -> StoreSpec:
+        """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups."""
+        return replace(self, smooth=False, channel_group=0)
+
+    def check_dim(self, dim: int) -> None:
+        """Raise ``ValueError`` naming the option when rows of ``dim`` values cannot be kept with this spec."""
+        if self.bits == 0:
+            return
+        if self.bits in (4, 8):
+            check_quant_args(dim, self.bits, self.group_size)
+        elif not isinstance(self.group_size, int) or self.group_size <= 0 or dim % self.group_size:
+            raise ValueError(f"group_size={self.group_size!r} must be a positive divisor of the head dimension {dim}")
+        if dim % (8 // self.bits):
+            raise ValueError(f"bits={self.bits} packs {8 // self.bits} values per byte; head dimension {dim} is not "
+                             "a multiple")
+        if self.channel_group and dim % self.channel_group:
+            raise ValueError(f"channel_group={self.channel_group} must divide the head dimension {dim} (scales of "
+                             "a token group are laid out over its rows)")
+        if self.rotation:
+            try:
+                hadamard(dim)
+            except ValueError as e:
+                raise ValueError(f"rotation='hadamard': {e}") from None
+
+    def params_per_group(self) -> int:
+        return 2 if self.asymmetric else 1
 
     def bytes_per_value_row(self, dim: int, dtype: torch.dtype) -> int:
-        """Exact bytes to keep one row of ``dim`` values (one token, one head)."""
+        """Exact bytes of codes and scales (zero-points) per row of ``dim`` values (one token, one head), for
+        tokens already flushed into codes (a channel-grouped store: averaged over a whole token group)."""
         if self.bits == 0:
             return dim * dtype.itemsize
-        check_quant_args(dim, self.bits, self.group_size)
-        return codes_width(dim, self.bits) + (dim // self.group_size) * self.scale_dtype.itemsize
+        self.check_dim(dim)
+        groups = dim // self.channel_group if self.channel_group else dim // self.group_size
+        return dim * self.bits // 8 + groups * self.params_per_group() * self.scale_dtype.itemsize
+
+    def bits_per_element(self, dim: int, dtype: torch.dtype) -> float:
+        """Stored bits per value of flushed tokens, codes plus scales and zero-points (residual excluded)."""
+        return 8 * self.bytes_per_value_row(dim, dtype) / dim
+
+    def flushed(self, tokens: int) -> int:
+        """Tokens held in codes after ``tokens`` appended tokens (the rest, at most ``residual``, full precision)."""
+        if not self.residual:
+            return tokens
+        return self.flush * -(-max(0, tokens - self.residual) // self.flush)
+
+    def describe(self) -> str:
+        """Short name of the format, e.g. ``int4 asym g32 fp16 kivi-k32 hadamard r128``."""
+        if self.bits == 0:
+            return "plain"
+        parts = [f"int{self.bits}", "asym" if self.asymmetric else "sym", f"g{self.group_size}",
+                 str(self.scale_dtype).replace("torch.float", "fp").replace("torch.", "")]
+        if self.channel_group:
+            parts.append(f"kivi-k{self.channel_group}")
+        if self.rotation:
+            parts.append(self.rotation)
+        if self.smooth:
+            parts.append("smooth-k")
+        if self.residual:
+            parts.append(f"r{self.residual}/{self.flush}")
+        return " ".join(parts)
 
 
 class ScratchPool:
@@ -117,23 +209,33 @@ class TensorStore:
 
 
 class QuantizedStore(TensorStore):
-    """Grouped symmetric int8/int4 storage: codes (B, H, capacity, D or D/2) and scales (B, H, capacity, D/G)."""
+    """Grouped int8/int4/int2 storage, per token: codes (B, H, capacity, D·bits/8) and scales
+    (B, H, capacity, D/G); asymmetric adds ``zero`` (same shape as ``scale``, ``x ≈ q·scale + zero``).
+
+    Symmetric codes are signed (SPEC §1; int4 two's-complement nibbles), asymmetric ones unsigned (see
+    :mod:`kvslim.ops.quant_formats`). With ``rotation`` set, ``rotation`` is the D×D orthogonal R and the codes
+    hold ``x·R``; :meth:`read` returns values in the original basis.
+    """
 
     def __init__(self, spec: StoreSpec, batch: int, heads: int, capacity: int, dim: int,
                  dtype: torch.dtype, device: torch.device):
-        check_quant_args(dim, spec.bits, spec.group_size)
+        spec.check_dim(dim)
         self.spec, self.dtype, self.dim = spec, dtype, dim
-        code_dtype = torch.int8 if spec.bits == 8 else torch.uint8
-        self.data = torch.empty(batch, heads, capacity, codes_width(dim, spec.bits), dtype=code_dtype, device=device)
-        self.scale = torch.empty(batch, heads, capacity, dim // spec.group_size, dtype=spec.scale_dtype,
-                                 device=device)
+        code_dtype = torch.int8 if spec.bits == 8 and not spec.asymmetric else torch.uint8
+        self.data = torch.empty(batch, heads, capacity, dim * spec.bits // 8, dtype=code_dtype, device=device)
+        groups = dim // spec.channel_group if spec.channel_group else dim // spec.group_size
+        self.scale = torch.empty(batch, heads, capacity, groups, dtype=spec.scale_dtype, device=device)
+        self.zero = torch.empty_like(self.scale) if spec.asymmetric else None
+        self.rotation = hadamard(dim).to(device) if spec.rotation == "hadamard" else None  # (D, D) fp32
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 smoothing factors, set by the first write
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.data, self.scale]
+        return [self.data, self.scale] + ([] if self.zero is None else [self.zero])
 
     def set_tensors(self, tensors: list[torch.Tensor]) -> None:
-        self.data, self.scale = tensors
+        self.data, self.scale = tensors[:2]
+        if self.zero is not None:
+            self.zero = tensors[2]
 
     def _channel_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The smoothing factors in force, fixed from ``x`` by the first write (or roundtrip) of this store."""
@@ -143,26 +245,58 @@ class QuantizedStore(TensorStore):
             self.channel = torch.maximum(amax, floor).sqrt()
         return self.channel
 
-    def _encode(self, x: torch.Tensor, channel: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize(x if channel is None else x.float() / channel, self.spec.bits, self.spec.group_size,
-                        self.spec.scale_dtype)
+    @property
+    def _spec1(self) -> bool:
+        """Plain SPEC §1 codes (symmetric int8/int4, no rotation): the fast dequantize-into-scratch path."""
+        return not self.spec.asymmetric and self.rotation is None and self.spec.bits in (4, 8)
 
-    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, channel: torch.Tensor | None) -> torch.Tensor:
-        if channel is None:
-            return dequantize(codes, scale, self.spec.bits, self.spec.group_size, self.dtype)
-        return (dequantize(codes, scale, self.spec.bits, self.spec.group_size) * channel).to(self.dtype)
+    def _to_stored_basis(self, x: torch.Tensor, channel: torch.Tensor | None) -> torch.Tensor:
+        y = x if channel is None else x.float() / channel
+        return y if self.rotation is None else y.float() @ self.rotation  # (B, H, S, D) · (D, D)
+
+    def _from_stored_basis(self, y: torch.Tensor, channel: torch.Tensor | None) -> torch.Tensor:
+        """``y`` (B, H, S, D) fp32 decoded codes -> values in the original basis, fp32 (may reuse ``y``)."""
+        if self.rotation is not None:
+            y = y @ self.rotation.T
+        return y if channel is None else y.mul_(channel)
+
+    def _encode(self, x: torch.Tensor, channel: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``x`` (B, H, S, D) -> (codes, scale, zero or None)."""
+        y, sp = self._to_stored_basis(x, channel), self.spec
+        if sp.asymmetric:
+            return quantize_asym(y, sp.bits, sp.group_size, sp.scale_dtype)
+        if sp.bits == 2:
+            return (*quantize_sym(y, sp.bits, sp.group_size, sp.scale_dtype), None)
+        return (*quantize(y, sp.bits, sp.group_size, sp.scale_dtype), None)
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                channel: torch.Tensor | None) -> torch.Tensor:
+        sp = self.spec
+        if self._spec1 and channel is None:
+            return dequantize(codes, scale, sp.bits, sp.group_size, self.dtype)
+        if zero is not None:
+            y = dequantize_asym(codes, scale, zero, sp.bits, sp.group_size)
+        elif sp.bits == 2:
+            y = dequantize_sym(codes, scale, sp.bits, sp.group_size)
+        else:
+            y = dequantize(codes, scale, sp.bits, sp.group_size)
+        return self._from_stored_basis(y, channel).to(self.dtype)
 
     def write(self, start: int, x: torch.Tensor) -> None:
         channel = self._channel_for(x)
-        codes, scale = self._encode(x, channel)
+        codes, scale, zero = self._encode(x, channel)
         end = start + x.shape[2]
         self.data[:, :, start:end] = codes
         self.scale[:, :, start:end] = scale
+        if zero is not None:
+            self.zero[:, :, start:end] = zero
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         codes, scale = self.data[:, :, start:end], self.scale[:, :, start:end]
-        if scratch is None or self.dtype != torch.float32 or torch.is_grad_enabled():
-            return self._decode(codes, scale, self.channel)
+        zero = None if self.zero is None else self.zero[:, :, start:end]
+        if scratch is None or self.dtype != torch.float32 or torch.is_grad_enabled() or not self._spec1:
+            return self._decode(codes, scale, zero, self.channel)
         pool, role = scratch
         b, h = codes.shape[:2]
         out = dequantize_into(codes, scale, self.spec.bits, self.spec.group_size,
@@ -192,5 +326,10 @@ class QuantizedStore(TensorStore):
 def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStore:
     """A store for tensors shaped like ``like`` (B, H, S, D) with ``capacity`` token slots."""
     b, h, _, d = like.shape
-    cls = TensorStore if spec.bits == 0 else QuantizedStore
-    return cls(spec, b, h, capacity, d, like.dtype, like.device)
+    if spec.bits == 0:
+        return TensorStore(spec, b, h, capacity, d, like.dtype, like.device)
+    from .residual import ChannelQuantizedStore, ResidualStore  # they build on the classes above
+
+    cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
+    store = cls(spec, b, h, capacity, d, like.dtype, like.device)
+    return ResidualStore(spec, store, b, h, d, like.dtype, like.device) if spec.residual else store

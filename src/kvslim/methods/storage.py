@@ -22,7 +22,13 @@ STANDARD_KV_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mix
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """Options of the storage methods (fields map 1:1 to ``kvslim.apply`` keywords and CLI flags)."""
+    """Options of the storage methods (fields map 1:1 to ``kvslim.apply`` keywords and CLI flags).
+
+    Quantized methods only: ``asymmetric`` (min/max codes with a zero-point), ``rotation`` (``"hadamard"``:
+    rotate the head dimension before quantizing), ``key_channel_group`` (> 0: keys per channel over groups of
+    that many tokens, KIVI), ``residual`` (≤ 128 most recent tokens in full precision, flushed ``flush`` tokens
+    at a time; ``flush`` defaults to ``key_channel_group`` or 32). See docs/quantization.md.
+    """
 
     bits: int = 0
     window: int | None = None
@@ -30,6 +36,11 @@ class StorageOptions:
     scale_dtype: torch.dtype = torch.float32
     chunk: int = 256
     smooth_keys: bool = True
+    asymmetric: bool = False
+    rotation: str | None = None
+    key_channel_group: int = 0
+    residual: int = 0
+    flush: int | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -42,7 +53,24 @@ class StorageOptions:
         if not isinstance(self.smooth_keys, bool):
             raise ValueError(f"smooth_keys must be True or False, got {self.smooth_keys!r}")
         object.__setattr__(self, "scale_dtype", parse_dtype(self.scale_dtype, "scale_dtype"))
-        StoreSpec(self.bits, self.group_size, self.scale_dtype)
+        if self.flush is None:
+            object.__setattr__(self, "flush", self.key_channel_group or min(32, self.residual) or 1)
+        spec = self.key_spec()  # validates bits, asymmetric, rotation, key_channel_group, residual, flush
+        if spec.channel_group and self.chunk % spec.channel_group:
+            raise ValueError(f"chunk={self.chunk} must be a multiple of key_channel_group={spec.channel_group}")
+        if self.window is not None and spec.residual:
+            raise ValueError("residual needs an append-only cache: it cannot be combined with window")
+
+    def key_spec(self) -> StoreSpec:
+        """The key store's spec (the value store's is ``key_spec().for_values()``)."""
+        try:
+            return StoreSpec(self.bits, self.group_size, self.scale_dtype,
+                             smooth=bool(self.bits and self.smooth_keys and not self.key_channel_group),
+                             asymmetric=self.asymmetric, rotation=self.rotation,
+                             channel_group=self.key_channel_group, residual=self.residual, flush=self.flush)
+        except ValueError as e:  # name the option, not the store field
+            msg = str(e).replace("channel_group", "key_channel_group")
+            raise ValueError(msg.replace("key_key_", "key_")) from None
 
 
 class StorageMethod(Method):
@@ -50,8 +78,9 @@ class StorageMethod(Method):
 
     model_types = STANDARD_KV_MODELS
 
-    def __init__(self, name: str, bits: int, windowed: bool):
+    def __init__(self, name: str, bits: int, windowed: bool, defaults: dict | None = None):
         self.name, self.bits, self.windowed = name, bits, windowed
+        self.defaults = dict(defaults or {})  # this method's measured best configuration (docs/quantization.md)
 
     def not_applicable(self, shape: ModelShape) -> str | None:
         if shape.family in ("mla", "encoder-decoder"):
@@ -67,24 +96,37 @@ class StorageMethod(Method):
         restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))
 
     def options(self, **options) -> StorageOptions:
-        allowed = {"window", "group_size", "scale_dtype", "chunk", "smooth_keys"} if self.bits else {"window", "chunk"}
+        allowed = ({"window", "group_size", "scale_dtype", "chunk", "smooth_keys", "asymmetric", "rotation",
+                    "key_channel_group", "residual", "flush"} if self.bits else {"window", "chunk"})
         if self.name == "dense":
             allowed = {"chunk"}
         unknown = set(options) - allowed
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(allowed)}")
-        return StorageOptions(bits=self.bits, **options)
+        merged = dict(self.defaults)
+        if "window" in options and options["window"] is not None:
+            merged.pop("residual", None)  # a ring buffer keeps no residual window
+            merged.pop("key_channel_group", None)
+        merged.update(options)
+        return StorageOptions(bits=self.bits, **merged)
 
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
         reason = self.not_applicable(shape)
         if reason:
             raise ValueError(f"method {self.name!r} does not apply: {reason}")
         opts = self.options(**options)
-        spec = StoreSpec(opts.bits, opts.group_size, opts.scale_dtype, smooth=bool(opts.bits and opts.smooth_keys))
-        row = spec.bytes_per_value_row(shape.head_dim, dtype)  # validates group_size against head_dim
-        per_token = 2 * shape.num_kv_heads * row
+        spec = opts.key_spec()
+        try:
+            spec.check_dim(shape.head_dim)
+        except ValueError as e:
+            raise ValueError(str(e).replace("channel_group", "key_channel_group")) from None
+        vspec = spec.for_values()
+        per_token = shape.num_kv_heads * (spec.bytes_per_value_row(shape.head_dim, dtype)
+                                          + vspec.bytes_per_value_row(shape.head_dim, dtype))
         fixed = shape.num_kv_heads * shape.head_dim * 4 if spec.smooth else 0  # fp32 key smoothing factors
+        residual_row = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize if spec.residual else 0
+        fmt = _format_note(spec, vspec, shape.head_dim, dtype)
         window, explicit = opts.window, opts.window is not None
         if self.windowed and window is None:
             if shape.sliding_window is None:
@@ -95,7 +137,9 @@ class StorageMethod(Method):
         for i, sliding in enumerate(shape.is_sliding):
             lossy = "lossy" if opts.bits else "exact"
             if window is None or not (sliding or explicit):
-                layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed,
+                layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed, note=fmt,
+                                        residual=spec.residual, flush=spec.flush,
+                                        residual_bytes_per_token=residual_row,
                                         factory=_append(spec, opts.chunk)))
                 continue
             if sliding and window >= shape.sliding_window:
@@ -106,6 +150,7 @@ class StorageMethod(Method):
                 note = ("model trained with full attention here" if not sliding
                         else f"window < model's {shape.sliding_window}")
             name = f"{self.name}+window" if self.bits else "window"
+            note = f"{note}; {fmt}" if fmt else note
             layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, fixed_bytes=fixed,
                                     factory=_ring(spec, w)))
         if any(lp.exactness == "approximate" for lp in layers):
@@ -115,6 +160,17 @@ class StorageMethod(Method):
         dense = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), tuple(layers),
                     dense, options={k: v for k, v in options.items()}, notes=tuple(notes))
+
+
+def _format_note(spec: StoreSpec, vspec: StoreSpec, dim: int, dtype: torch.dtype) -> str:
+    """Plan note: the formats and bits per element (codes + scales/zero-points), residual window apart."""
+    if not spec.bits:
+        return ""
+    kb, vb = spec.bits_per_element(dim, dtype), vspec.bits_per_element(dim, dtype)
+    note = f"K {spec.describe()}, V {vspec.describe()}: {(kb + vb) / 2:.2f} bits/element"
+    if spec.residual:
+        note += f"; + ≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')}"
+    return note
 
 
 def _append(spec: StoreSpec, chunk: int):
@@ -129,3 +185,7 @@ DENSE = StorageMethod("dense", 0, windowed=False)
 WINDOW = StorageMethod("window", 0, windowed=True)
 INT8 = StorageMethod("int8", 8, windowed=False)
 INT4 = StorageMethod("int4", 4, windowed=False)
+# defaults: the best measured configuration at <= 3 bits/element (docs/quantization.md)
+INT2 = StorageMethod("int2", 2, windowed=False,
+                     defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=32,
+                                   scale_dtype=torch.float16))
