@@ -6,8 +6,6 @@ sharded twin (:mod:`kvslim.distributed.layers`); ``nbytes`` is this rank's exact
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from transformers.cache_utils import Cache
 
 from ..caches.dense import AppendLayer
@@ -91,10 +89,10 @@ def make_sharded_cache(plan, rank: int, world_size: int, *, rule: str = "fewest"
             layers.append(ShardedLatentLayer([ref.spec, StoreSpec()], placement(None), rank, chunk=chunk,
                                              capacity=cap))
         elif isinstance(ref, RingLayer):
-            specs = [ref.spec, replace(ref.spec, smooth=False)]
+            specs = [ref.spec, ref.spec.for_values()]
             layers.append(ShardedKVLayer(specs, placement(ref.window), rank, capacity=cap))
         elif isinstance(ref, AppendLayer):
-            specs = [ref.spec, replace(ref.spec, smooth=False)]
+            specs = [ref.spec, ref.spec.for_values()]
             layers.append(ShardedKVLayer(specs, placement(None), rank, chunk=chunk, capacity=cap))
         else:
             raise ValueError(f"layer {lp.index} ({lp.technique}, {type(ref).__name__}) has no sequence-parallel "

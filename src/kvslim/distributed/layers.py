@@ -59,8 +59,9 @@ class ShardedLayer(BatchOpsMixin, CacheLayerMixin):
         n = self.placement.world_size
         cap = self.capacity_hint or self.chunk
         if self.window is not None:
-            cap = min(cap, -(-self.window // n))
-        cap = max(cap, 1)
+            cap = max(1, min(cap, -(-self.window // n)))
+        else:  # whole chunks (channel-grouped stores need whole token groups; chunk is a multiple of them)
+            cap = -(-max(cap, 1) // self.chunk) * self.chunk
         self.stores = [make_store(spec, x, cap) for spec, x in zip(self.specs, tensors)]
         self.slot_index = torch.full((cap,), -1, dtype=torch.long, device=tensors[0].device)
         self.dtype, self.device = tensors[0].dtype, tensors[0].device
@@ -136,9 +137,19 @@ class ShardedLayer(BatchOpsMixin, CacheLayerMixin):
         return views, cols.clamp_min(0), live
 
     def roundtrip(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The incoming tensors as they read back from storage (also fixes quantized key smoothing from the
-        whole prompt, as a single process does)."""
-        return [st.roundtrip(x) for st, x in zip(self.stores, tensors)]
+        """The prompt as one process's cache would read it back (also fixes quantized key smoothing from the
+        whole prompt, as a single process does). Stores that cannot round-trip a chunk (full-precision residual
+        window, per-channel key groups) are emulated: a transient one-process store of the prompt."""
+        out = []
+        for st, spec, x in zip(self.stores, self.specs, tensors):
+            try:
+                out.append(st.roundtrip(x))
+            except NotImplementedError:
+                cap = -(-x.shape[2] // self.chunk) * self.chunk
+                tmp = make_store(spec, x, cap)
+                tmp.write(0, x)
+                out.append(tmp.read(0, x.shape[2]).clone())
+        return out
 
     # -- HF protocol -----------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
