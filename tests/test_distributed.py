@@ -19,8 +19,11 @@ from tolerances import LOGIT_ATOL, RTOL
 
 import kvslim
 import kvslim.distributed as kd
+from kvslim.adapters.shape import shape_from_config
+from kvslim.cli.main import main
 from kvslim.distributed.merge import Partial, merge_local, partial_attention, reference_attention
 from kvslim.distributed.placement import Placement, split_sizes
+from kvslim.distributed.plan import per_rank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORKER = Path(__file__).with_name("test_distributed_worker.py")
@@ -83,6 +86,22 @@ def test_empty_partial_is_neutral():
     full = Partial(acc, torch.zeros(1, 2, 1), torch.full((1, 2, 1), 2.0))
     empty = Partial(torch.zeros(1, 2, 1, 4), torch.full((1, 2, 1), float("-inf")), torch.zeros(1, 2, 1))
     torch.testing.assert_close(merge_local([empty, full, empty]), acc / 2)
+
+
+def test_plan_ranks_divides_the_cache(tmp_path, capsys):
+    model = build("llama")
+    model.config.save_pretrained(tmp_path)
+    args = ["plan", "--config", str(tmp_path / "config.json"), "--context", "1001", "--batch", "2", "--dtype",
+            "float32", "--json", "--group-size", "16"]
+    assert main(args + ["--ranks", "4"]) == 0
+    recs = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+    dense = recs["dense"]
+    assert dense["cache_bytes_per_rank"] == dense["cache_bytes"] // 1001 * 251  # ⌈1001 / 4⌉ tokens
+    # 4 ranks merge by all-reduce: 2·(N−1)/N of 3 layers · batch 2 · 4 heads · (16 + 2) · 4 bytes
+    assert dense["merge"] == "reduce" and dense["sent_bytes_per_step"] == 2 * 3 * 3 * 2 * 4 * 18 * 4 // 4
+    assert dense["sent_bytes_per_step"] <= dense["sent_bound"]
+    assert main(args + ["--ranks", "0"]) == 2
+    assert "--ranks must be a positive int" in capsys.readouterr().err
 
 
 def test_one_rank_job_equals_plain_kvslim():
@@ -163,6 +182,12 @@ def test_two_ranks_match_one_process(two_rank_results, name):
     # traffic: at most 2 · layers · batch · heads · (d_out + 2) · 4 bytes sent per decode step
     bound = 2 * r0["layers"] * 2 * 4 * (D_OUT[model_name] + 2) * 4
     assert r0["sent"] / (new - 1) <= bound
+    # the planner (`kvslim plan --ranks`) predicts both: the fullest rank's bytes and the bytes sent per step
+    shape = shape_from_config(build(model_name).config)
+    pred = per_rank(plan, shape, len(seq[0]) - 1, 2, 2, sopts.get("merge", "auto"))
+    assert pred["sent_bytes_per_step"] * (new - 1) == r0["sent"] and pred["sent_bound"] == bound
+    if "split" not in sopts and sopts.get("rule", "fewest") == "fewest":
+        assert max(bytes_) == pred["cache_bytes_per_rank"]
 
 
 def test_refused_setup_and_killed_rank(tmp_path):

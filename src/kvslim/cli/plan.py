@@ -1,6 +1,6 @@
 """Bytes per method for any Hugging Face config, loading no weights.
 
-``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--json]``
+``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--ranks N] [--json]``
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16 (default bfloat16)")
     p.add_argument("--window", type=int, default=None, help="ring-buffer window for 'window' and int8/int4")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="sequence-parallel ranks (kvslim.distributed): also show cache bytes per rank and bytes "
+                        "each rank sends per decode step")
     p.add_argument("--json", action="store_true", help="print JSON records instead of a table")
 
 
@@ -49,8 +52,10 @@ def load_config(path: str | Path):
         raise ValueError(f"--config: transformers cannot read model_type {data['model_type']!r}: {exc}") from None
 
 
-def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int) -> list[dict]:
-    """One record per registered method: bytes, ratio, or the reason it does not apply."""
+def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int,
+                   ranks: int | None = None) -> list[dict]:
+    """One record per registered method: bytes, ratio, or the reason it does not apply (with ``ranks``: also
+    the per-rank cache and traffic of a sequence-parallel job, see :mod:`kvslim.distributed.plan`)."""
     shape = shape_from_config(config)
     records = []
     for name in METHODS:
@@ -69,6 +74,10 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
             rec |= {"applies": True, "cache_bytes": plan.cache_bytes(context, batch),
                     "dense_bytes": plan.dense_bytes(context, batch), "ratio": round(plan.ratio(context), 6),
                     "exactness": sorted({lp.exactness for lp in plan.layers}), "notes": list(plan.notes)}
+            if ranks is not None:
+                from ..distributed.plan import per_rank
+
+                rec |= per_rank(plan, shape, context, batch, ranks)
         records.append(rec)
     return records
 
@@ -78,22 +87,29 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be a positive int, got {args.context}")
     if args.batch <= 0:
         raise ValueError(f"--batch must be a positive int, got {args.batch}")
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None and ranks <= 0:
+        raise ValueError(f"--ranks must be a positive int, got {ranks}")
     dtype = parse_dtype(args.dtype, "--dtype")
     config = load_config(args.config)
-    records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size)
+    records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
     shape = shape_from_config(config)
     table = Table(title=f"{shape.model_type} ({shape.family}, {shape.num_layers} layers), {args.context} tokens × "
                         f"{args.batch}, {args.dtype}")
-    for col in ("method", "cache bytes", "× dense", "exactness", "note"):
+    extra = ("bytes / rank", "sent / step / rank") if ranks is not None else ()
+    if ranks is not None:
+        table.title += f", {ranks} ranks"
+    for col in ("method", "cache bytes", "× dense", *extra, "exactness", "note"):
         table.add_column(col)
     for r in records:
+        per = (f"{r['cache_bytes_per_rank']:,}", f"{r['sent_bytes_per_step']:,}") if extra and r["applies"] else ()
         if r["applies"]:
-            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", ", ".join(r["exactness"]),
+            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", *per, ", ".join(r["exactness"]),
                           "; ".join(r["notes"]))
         else:
-            table.add_row(r["method"], "-", "-", "not applicable", r["reason"])
+            table.add_row(r["method"], "-", "-", *(("-",) * len(extra)), "not applicable", r["reason"])
     Console().print(table)
     return 0
