@@ -133,10 +133,9 @@ def breakdown(batch: int, context: int, h: int = 12, dk: int = 64) -> dict:
         "dense_sdpa_attention": _timed(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, split_heads(rot, h), v)),
     }
-    lib = kernel.load()
-    if lib is not None:
+    if kernel.available():
         out["kernel_fused_rope_scores_softmax_u"] = _timed(
-            lambda: kernel.slim_decode(lib, q, c, None, dk ** -0.5, cos, sin, False))
+            lambda: kernel.slim_decode(q[:, :, 0], c, cos, sin, None, None, dk ** -0.5, False))
     return out
 
 

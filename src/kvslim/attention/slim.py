@@ -34,10 +34,9 @@ class SlimLayerWeights:
             has no bias and the rebuilt values need no constant.
         rope: whether keys carry RoPE (``k`` only); ``rope_storage`` is ``"raw"`` or ``"rotated"``.
         decode: ``"option2"`` (``u = softmax·C`` then ``u·W``) or ``"option1"`` (rebuild V, then attention).
-        kernel: decode ``"k"``/option 2 with one query token through the fused C kernel
-            (:mod:`kvslim.kernels.slim_decode`: CPU, fp32) when it applies and builds (``"auto"``), always
-            through the torch path (``"torch"``), or insist on the kernel (``"c"``: still falls back, with a
-            warning, where it cannot run).
+        kernel: decode ``"k"``/option 2 with one query token through the C++ op
+            (:mod:`kvslim.kernels.slim_decode`: CPU, fp32 or bf16 rows, RoPE raw or rotated) when it applies and
+            builds (``"auto"``; ``"c"`` is the same), or always through the torch path below (``"torch"``).
     """
 
     technique: str
@@ -115,13 +114,9 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
     n, e = cache.shape[1], h * dk
     rope = w.technique == "k" and w.rope
     rotated = rope and w.rope_storage == "rotated"
-    if w.technique == "k" and w.decode == "option2" and w.kernel != "torch" and kernel.supported(q, cache) \
-            and (mask is None or mask.shape[1] == 1):
-        lib = kernel.load()
-        if lib is not None:  # fused: one pass over the rows per step (scores, softmax, u = softmax·C)
-            u = kernel.slim_decode(lib, q, cache, mask, scaling, cos if rope else None, sin if rope else None,
-                                   rotated)
-            return _per_head_map(u, w.value_map).to(q.dtype)
+    if _fused_option2(q, cache, w, mask):  # one pass over the rows per step: scores, softmax, u = softmax·C
+        u, _ = option2_partials(q, cache, mask, scaling, cos if rope else None, sin if rope else None, rotated)
+        return _per_head_map(u[:, :, None], w.value_map).to(q.dtype)
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":
         keys = cache[..., :e]  # (B, n, e) head-interleaved
@@ -145,6 +140,43 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
     # option 2: u = softmax·C for all heads as one matrix product, then one small map per head
     u = (s.reshape(b, h * t, n) @ src).view(b, h, t, -1)  # "bhtn,bnc->bhtc"
     return _per_head_map(u, w.value_map).to(q.dtype)
+
+
+def _mask_rows(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A decode mask broadcastable to (B, h, 1, n) and shared by the heads, as (B|1, n); ``None`` stays ``None``."""
+    return None if mask is None else mask.reshape(mask.shape[0], n)
+
+
+def _fused_option2(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None) -> bool:
+    """Whether option 2 of a K-cache goes through the C++ op (one query token, mask shared by heads)."""
+    if w.technique != "k" or w.decode != "option2" or w.kernel == "torch" or q.shape[2] != 1:
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
+                             or mask.shape[3] != cache.shape[1]):
+        return False
+    return kernel.available() and kernel.supported(q[:, :, 0], cache)
+
+
+def option2_partials(q: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, rotated: bool = False,
+                     lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Option 2 of a K-cache before the per-head maps, for one query token: ``(u, lse)``.
+
+    ``u`` (B, h, c) fp32 is ``softmax(scaling · q·rope(K)ᵀ + mask) · C`` (C un-rotated for rotated storage) and
+    ``lse`` (B, h) the log of the softmax denominator, so partials over disjoint row sets (shards, pages) merge
+    exactly with :func:`kvslim.kernels.slim_decode.merge`; the output is then ``u_j W_KV,j``. Through the C++
+    op :func:`kvslim.kernels.slim_decode.slim_decode` (its pure-torch twin without a compiler).
+
+    Args:
+        q: (B, h, 1, dk) queries, RoPE applied.
+        cache: (B, n, c) rows, fp32 or bf16.
+        mask: fp32 additive mask broadcastable to (B, h, 1, n) and shared by the heads, or ``None``.
+        cos, sin: (B|1, n, R) RoPE table of the cached positions, or ``None``.
+        rotated: keys stored rotated (else raw).
+        lengths: (B,) int64 rows per sequence, or ``None`` (all n).
+    """
+    n = cache.shape[1]
+    return kernel.slim_decode(q[:, :, 0], cache, cos, sin, _mask_rows(mask, n), lengths, scaling, rotated)
 
 
 def _per_head_map(u: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:

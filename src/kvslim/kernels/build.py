@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-#: compiler flags shared by every family; AVX-512 / AVX2 paths are chosen at run time inside the sources
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=fast")
+#: compiler flags shared by every family; AVX-512 / AVX2 paths are chosen at run time inside the sources.
+#: -fopenmp: ``at::parallel_for`` is an inline OpenMP region in torch's headers (ATen parallel backend OpenMP) and
+#: runs on one thread without it; the GOMP symbols resolve to the libgomp torch already loaded (same soname).
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=fast", "-fopenmp")
 _lock = threading.Lock()
 _warned: set[str] = set()
 

@@ -56,8 +56,9 @@ class SlimOptions:
         max_calibration_tokens: cap on calibration tokens.
         bits / group_size: int8/int4 storage of the cache rows (0 = the model dtype).
         chunk: growth step of the cache in tokens.
-        kernel: decode of K-caches (option 2, one token, CPU fp32) through the fused C kernel compiled with gcc
-            on first use (``"auto"``, falls back to torch with a warning if it cannot build), or ``"torch"``.
+        kernel: decode of K-caches (option 2, one token, CPU, fp32 or bf16 rows) through the C++ op
+            ``torch.ops.kvslim.slim_decode`` (``"auto"``/``"c"``; without a compiler: the torch path after one
+            warning), or always the torch path (``"torch"``).
     """
 
     cache: str = "auto"

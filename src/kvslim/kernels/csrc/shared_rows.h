@@ -1,0 +1,220 @@
+// Decode attention of h query heads over rows shared by all heads, in one pass over the rows
+// (used by slim_decode.cpp and encdec_decode.cpp).
+//
+//   u[b, j, :] = Σ_t softmax_t(scaling · q[b, j] · keys_j(row_t) + mask[b, t]) · vrow_t        (B, h, c)
+//   lse[b, j]  = log Σ_t exp(scaling · q[b, j] · keys_j(row_t) + mask[b, t])                      (B, h)
+//
+// keys_j(row) is the slice [j·koff, j·koff + L) of the row (slim K-cache: koff = L = dk, RoPE optionally applied
+// on the fly) or the whole row (koff = 0, L = c: encoder-decoder cross-attention with absorbed queries).
+// vrow is the row itself (un-rotated on the fly for rotated RoPE storage). Parallel over batch × splits of the
+// sequence (flash-decoding: per-split partial (acc, max, sum), merged exactly with log-sum-exp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "vec_slim.h"
+
+#pragma GCC visibility push(hidden)  // internal: no PLT calls between the kernel's own functions
+
+namespace kvslim_rows {
+
+struct Args {
+  const void* rows = nullptr;  // (B, n, c) fp32 or bf16, element (b, t, k) at b·bs + t·rs + k
+  bool bf16 = false;
+  int64_t B = 0, n = 0, c = 0, rs = 0, bs = 0;
+  const float* q = nullptr;  // (B, h, L) contiguous per batch: element (b, j, i) at b·qbs + j·L + i
+  int64_t h = 0, L = 0, qbs = 0, koff = 0;
+  int64_t dk = 0, e = 0, R = 0;  // RoPE: first R channels of each of the h dk-wide heads in columns [0, e)
+  bool rotated = false;
+  const float *cos = nullptr, *sin = nullptr;  // (B|1, n, R): (b, t, i) at b·cos_bs + t·cos_rs + i
+  int64_t cos_bs = 0, cos_rs = 0, sin_bs = 0, sin_rs = 0;
+  const float* mask = nullptr;  // (B|1, n) additive: (b, t) at b·mask_bs + t
+  int64_t mask_bs = 0;
+  const int64_t* lengths = nullptr;  // (B,) rows to read per sequence (1 ≤ len ≤ n), or all n
+  float scaling = 1.f;
+};
+
+struct Scratch {
+  int64_t T;
+  std::vector<float> sc, kbuf, ubuf;  // scores (h, T); rotated keys (T, e); fp32 / un-rotated rows (T, c)
+  Scratch(const Args& a, int64_t T_) : T(T_), sc(a.h * T_) {
+    if (a.R > 0 && !a.rotated) kbuf.resize(T_ * a.e);
+    if (a.bf16 || (a.R > 0 && a.rotated)) ubuf.resize(T_ * a.c);
+  }
+};
+
+// rows per chunk: about 96 KiB of fp32 rows (L2-resident between the score and the accumulation pass)
+inline int64_t chunk_rows(int64_t c) { return std::clamp<int64_t>((96 * 1024 / 4) / std::max<int64_t>(c, 1) / 4 * 4, 8, 256); }
+
+}  // namespace kvslim_rows
+
+namespace kvslim_rows {
+namespace scalar {
+using V = kvslim_vec::VecScalar;
+#include "shared_rows_body.h"
+}  // namespace scalar
+}  // namespace kvslim_rows
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace kvslim_rows {
+namespace avx2 {
+using V = kvslim_vec::VecAVX2;
+#include "shared_rows_body.h"
+}  // namespace avx2
+}  // namespace kvslim_rows
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+namespace kvslim_rows {
+namespace avx512 {
+using V = kvslim_vec::VecAVX512;
+#include "shared_rows_body.h"
+}  // namespace avx512
+}  // namespace kvslim_rows
+#pragma GCC pop_options
+
+namespace kvslim_rows {
+
+using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
+
+// the instruction set: KVSLIM_ISA=scalar|avx2|avx512 caps it (tests), else the best the CPU has
+inline const char* isa_name() {
+  static const char* name = [] {
+    __builtin_cpu_init();
+    const char* cap = std::getenv("KVSLIM_ISA");
+    const std::string want = cap ? cap : "avx512";
+    if (want == "avx512" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return "avx512";
+    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+    return "scalar";
+  }();
+  return name;
+}
+
+inline TaskFn task_fn() {
+  const std::string isa = isa_name();
+  if (isa == "avx512") return avx512::run_task;
+  if (isa == "avx2") return avx2::run_task;
+  return scalar::run_task;
+}
+
+// splits per sequence: enough tasks for every thread when the batch is small, ≥ 2 chunks per split
+inline int64_t auto_splits(int64_t B, int64_t n, int64_t T) {
+  const int64_t threads = at::get_num_threads();
+  if (B % threads == 0 && B >= threads) return 1;
+  const int64_t want = (4 * threads + B - 1) / B;
+  return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
+}
+
+// u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic)
+inline void run(const Args& a, int64_t S, float* u, float* lse) {
+  const int64_t T = chunk_rows(a.c);
+  if (S <= 0) S = auto_splits(a.B, a.n, T);
+  S = std::max<int64_t>(1, std::min<int64_t>(S, (a.n + T - 1) / T));
+  const TaskFn fn = task_fn();
+  const int64_t hc = a.h * a.c;
+  std::vector<float> part_acc, part_m(a.B * S * a.h), part_l(a.B * S * a.h);
+  if (S > 1) part_acc.resize(a.B * S * hc);
+  at::parallel_for(0, a.B * S, 1, [&](int64_t begin, int64_t end) {
+    Scratch sp(a, T);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / S, s = task % S;
+      float* acc = S > 1 ? part_acc.data() + task * hc : u + b * hc;
+      fn(a, b, s, S, acc, part_m.data() + task * a.h, part_l.data() + task * a.h, sp);
+    }
+  });
+  // normalise (S = 1) or merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
+  at::parallel_for(0, a.B * a.h, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(S);
+    for (int64_t bj = begin; bj < end; ++bj) {
+      const int64_t b = bj / a.h, j = bj % a.h;
+      float M = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[(b * S + s) * a.h + j]);
+      float den = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float ms = part_m[(b * S + s) * a.h + j];
+        w[s] = (ms == -INFINITY) ? 0.f : std::exp(ms - M);
+        den += w[s] * part_l[(b * S + s) * a.h + j];
+      }
+      float* o = u + b * hc + j * a.c;
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      if (S == 1) {
+        for (int64_t k = 0; k < a.c; ++k) o[k] *= inv;
+      } else {
+        std::fill(o, o + a.c, 0.f);
+        for (int64_t s = 0; s < S; ++s) {
+          const float f = w[s] * inv;
+          if (f == 0.f) continue;
+          const float* p = part_acc.data() + ((b * S + s) * a.h + j) * a.c;
+          for (int64_t k = 0; k < a.c; ++k) o[k] += f * p[k];
+        }
+      }
+      lse[bj] = den > 0.f ? M + std::log(den) : -INFINITY;
+    }
+  });
+}
+
+}  // namespace kvslim_rows
+
+namespace kvslim_rows {
+
+// mask (B|1, n) fp32 and lengths (B,) int64 into Args (shared by both op families)
+// the optional additive mask and per-sequence lengths: checked, kept alive by mask_keep / len_keep
+inline void set_mask_lengths(Args& a, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& lengths,
+                             at::Tensor& mask_keep, at::Tensor& len_keep, const char* op) {
+  if (mask.has_value()) {
+    const auto& m = *mask;
+    TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat, op, ": mask must be float32 on CPU, got ",
+                      m.scalar_type());
+    TORCH_CHECK_VALUE(m.dim() == 2 && (m.size(0) == 1 || m.size(0) == a.B) && m.size(1) == a.n, op,
+                      ": mask must be (1 or B=", a.B, ", n=", a.n, "), got ", m.sizes());
+    mask_keep = m.stride(1) == 1 ? m : m.contiguous();
+    a.mask = mask_keep.data_ptr<float>();
+    a.mask_bs = mask_keep.size(0) == 1 ? 0 : mask_keep.stride(0);
+  }
+  if (lengths.has_value()) {
+    const auto& l = *lengths;
+    TORCH_CHECK_VALUE(l.device().is_cpu() && l.scalar_type() == at::kLong && l.dim() == 1 && l.size(0) == a.B, op,
+                      ": lengths must be an int64 CPU tensor of shape (B=", a.B, ",), got ", l.scalar_type(), " ",
+                      l.sizes());
+    len_keep = l.contiguous();
+    const int64_t* p = len_keep.data_ptr<int64_t>();
+    for (int64_t b = 0; b < a.B; ++b)
+      TORCH_CHECK_VALUE(p[b] >= 1 && p[b] <= a.n, op, ": lengths[", b, "] = ", p[b], " is outside [1, n=", a.n, "]");
+    a.lengths = p;
+  }
+}
+
+// rows (B, n, c) fp32/bf16 with unit column stride into Args
+inline at::Tensor set_rows(Args& a, const at::Tensor& rows, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(rows.device().is_cpu() && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16),
+                    op, ": ", name, " must be float32 or bfloat16 on CPU, got ", rows.scalar_type(), " on ",
+                    rows.device());
+  TORCH_CHECK_VALUE(rows.dim() == 3 && rows.size(1) >= 1 && rows.size(2) >= 1, op, ": ", name,
+                    " must be (B, n ≥ 1, c ≥ 1), got ", rows.sizes());
+  at::Tensor r = rows.stride(2) == 1 ? rows : rows.contiguous();
+  a.rows = r.data_ptr();
+  a.bf16 = r.scalar_type() == at::kBFloat16;
+  a.B = r.size(0);
+  a.n = r.size(1);
+  a.c = r.size(2);
+  a.rs = r.stride(1);
+  a.bs = r.stride(0);
+  return r;
+}
+
+}  // namespace kvslim_rows
+
+#pragma GCC visibility pop

@@ -1,0 +1,260 @@
+// One pass of h query heads over rows shared by all heads (no include guard: shared_rows.h includes this once per
+// instruction set, inside `namespace KVSLIM_ISA` with `using V = <traits>` and the matching #pragma GCC target).
+//
+// For a chunk of T rows: (1) fp32 rows (bf16 widened into a scratch buffer), (2) the keys the scores need (RoPE
+// applied on the fly for raw storage), (3) h scores per row (4 rows at a time, transpose-reduced), (4) online
+// softmax per head (rescale only when the running max grows), (5) the rows the weighted sum needs (un-rotated on
+// the fly for rotated storage), (6) acc[h][c] += p[h][T] · rows[T][c] as a register-blocked (heads × columns)
+// tile loop that reads each row once per head group from L1. Every index is bounded by Args (set from tensor
+// metadata by the op and checked there).
+
+// widen `len` values to fp32
+template <class T>
+inline void widen(const T* src, float* dst, int64_t len) {
+  int64_t i = 0;
+  for (; i + V::W <= len; i += V::W) V::store(dst + i, V::load(src + i));
+  for (; i < len; ++i) dst[i] = kvslim_vec::to_f32(src[i]);
+}
+
+// RoPE of the h key heads of one fp32 row (dst may equal src): +θ (`inverse` false) or −θ; channels R..dk copied
+inline void rope_row(const float* src, float* dst, const float* cs, const float* sn, int64_t h, int64_t dk,
+                     int64_t R, bool inverse) {
+  const int64_t half = R / 2;
+  for (int64_t j = 0; j < h; ++j) {
+    const float* k = src + j * dk;
+    float* o = dst + j * dk;
+    int64_t i = 0;
+    for (; i + V::W <= half; i += V::W) {
+      auto lo = V::load(k + i), hi = V::load(k + half + i);
+      auto c1 = V::load(cs + i), c2 = V::load(cs + half + i), s1 = V::load(sn + i), s2 = V::load(sn + half + i);
+      if (inverse) {
+        V::store(o + i, V::fma(hi, s1, V::mul(lo, c1)));
+        V::store(o + half + i, V::sub(V::mul(hi, c2), V::mul(lo, s2)));
+      } else {
+        V::store(o + i, V::sub(V::mul(lo, c1), V::mul(hi, s1)));
+        V::store(o + half + i, V::fma(lo, s2, V::mul(hi, c2)));
+      }
+    }
+    for (; i < half; ++i) {
+      const float lo = k[i], hi = k[half + i];
+      if (inverse) {
+        o[i] = lo * cs[i] + hi * sn[i];
+        o[half + i] = hi * cs[half + i] - lo * sn[half + i];
+      } else {
+        o[i] = lo * cs[i] - hi * sn[i];
+        o[half + i] = hi * cs[half + i] + lo * sn[half + i];
+      }
+    }
+    if (dst != src)
+      for (int64_t t = R; t < dk; ++t) o[t] = k[t];
+  }
+}
+
+// scores of all heads for rows [0, m), 4 rows at a time walking each row front to back (prefetch-friendly):
+// sc[j·ps + t] = scaling · q_j · krow_t[j·koff : j·koff + L] + mask[t]
+inline void scores(const float* q, int64_t h, int64_t koff, int64_t L, const float* krows, int64_t krs, int64_t m,
+                   float scaling, const float* mask, float* sc, int64_t ps) {
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) {
+    for (int64_t j = 0; j < h; ++j) {
+      const float* qj = q + j * L;
+      const float *k0 = krows + t * krs + j * koff, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+      int64_t i = 0;
+      for (; i + V::W <= L; i += V::W) {
+        auto qv = V::load(qj + i);
+        a0 = V::fma(qv, V::load(k0 + i), a0);
+        a1 = V::fma(qv, V::load(k1 + i), a1);
+        a2 = V::fma(qv, V::load(k2 + i), a2);
+        a3 = V::fma(qv, V::load(k3 + i), a3);
+      }
+      float s[4];
+      V::hsum4(a0, a1, a2, a3, s);
+      for (; i < L; ++i) {
+        s[0] += qj[i] * k0[i];
+        s[1] += qj[i] * k1[i];
+        s[2] += qj[i] * k2[i];
+        s[3] += qj[i] * k3[i];
+      }
+      for (int r = 0; r < 4; ++r) sc[j * ps + t + r] = s[r] * scaling + (mask ? mask[t + r] : 0.f);
+    }
+  }
+  for (; t < m; ++t)
+    for (int64_t j = 0; j < h; ++j) {
+      const float *qj = q + j * L, *k = krows + t * krs + j * koff;
+      auto a = V::zero();
+      int64_t i = 0;
+      for (; i + V::W <= L; i += V::W) a = V::fma(V::load(qj + i), V::load(k + i), a);
+      float s = V::hsum(a);
+      for (; i < L; ++i) s += qj[i] * k[i];
+      sc[j * ps + t] = s * scaling + (mask ? mask[t] : 0.f);
+    }
+}
+
+// acc[hh][col..] += Σ_t p[hh][t] · rows[t][col..] for NH heads × NV vectors of columns
+template <int NH, int NV>
+inline void tile(float* acc, int64_t c, const float* p, int64_t ps, const float* rows, int64_t rs, int64_t m) {
+  typename V::R a[NH][NV];
+#pragma GCC unroll 8
+  for (int hh = 0; hh < NH; ++hh)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[hh][v] = V::load(acc + hh * c + v * V::W);
+  for (int64_t t = 0; t < m; ++t) {
+    typename V::R r[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) r[v] = V::load(rows + t * rs + v * V::W);
+#pragma GCC unroll 8
+    for (int hh = 0; hh < NH; ++hh) {
+      const auto pb = V::set1(p[hh * ps + t]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) a[hh][v] = V::fma(pb, r[v], a[hh][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int hh = 0; hh < NH; ++hh)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) V::store(acc + hh * c + v * V::W, a[hh][v]);
+}
+
+template <int NV>
+inline void tile_heads(int nh, float* acc, int64_t c, const float* p, int64_t ps, const float* rows, int64_t rs,
+                       int64_t m) {
+  switch (nh) {
+    case 4: tile<4, NV>(acc, c, p, ps, rows, rs, m); break;
+    case 3: tile<3, NV>(acc, c, p, ps, rows, rs, m); break;
+    case 2: tile<2, NV>(acc, c, p, ps, rows, rs, m); break;
+    default: tile<1, NV>(acc, c, p, ps, rows, rs, m); break;
+  }
+}
+
+// acc (h, c) += p (h, m; row stride ps) · rows (m, c; row stride rs)
+inline void accumulate(float* acc, int64_t h, int64_t c, const float* p, int64_t ps, const float* rows, int64_t rs,
+                       int64_t m) {
+  constexpr int NV = V::W == 1 ? 4 : (V::W == 16 ? 4 : 3);  // columns per tile: NV vectors (4 heads × NV regs)
+  int64_t col = 0;
+  for (; col + NV * V::W <= c; col += NV * V::W)
+    for (int64_t j = 0; j < h; j += 4)
+      tile_heads<NV>(static_cast<int>(std::min<int64_t>(4, h - j)), acc + j * c + col, c, p + j * ps, ps,
+                     rows + col, rs, m);
+  for (; col + V::W <= c; col += V::W)
+    for (int64_t j = 0; j < h; j += 4)
+      tile_heads<1>(static_cast<int>(std::min<int64_t>(4, h - j)), acc + j * c + col, c, p + j * ps, ps,
+                    rows + col, rs, m);
+  for (; col < c; ++col)
+    for (int64_t j = 0; j < h; ++j) {
+      float s = acc[j * c + col];
+      for (int64_t t = 0; t < m; ++t) s += p[j * ps + t] * rows[t * rs + col];
+      acc[j * c + col] = s;
+    }
+}
+
+// softmax step of one head over a chunk: scores sc[0, m) -> probabilities (in place); running (mx, l) and acc
+inline void online_softmax(float* sc, int64_t m, float* mx, float* l, float* acc, int64_t c) {
+  auto vm = V::set1(-INFINITY);
+  int64_t i = 0;
+  for (; i + V::W <= m; i += V::W) vm = V::max(vm, V::load(sc + i));
+  float cm = V::hmax(vm);
+  for (; i < m; ++i) cm = sc[i] > cm ? sc[i] : cm;
+  const float nm = cm > *mx ? cm : *mx;
+  if (nm == -INFINITY) {  // everything so far is masked with -inf: no weight
+    for (i = 0; i < m; ++i) sc[i] = 0.f;
+    return;
+  }
+  if (nm > *mx) {  // the running max grew: rescale what was accumulated (exp(-inf) = 0 on the first chunk)
+    const float alpha = *mx == -INFINITY ? 0.f : std::exp(*mx - nm);
+    *l *= alpha;
+    const auto va = V::set1(alpha);
+    int64_t k = 0;
+    for (; k + V::W <= c; k += V::W) V::store(acc + k, V::mul(va, V::load(acc + k)));
+    for (; k < c; ++k) acc[k] *= alpha;
+    *mx = nm;
+  }
+  const auto vn = V::set1(nm);
+  auto vs = V::zero();
+  for (i = 0; i + V::W <= m; i += V::W) {
+    auto e = V::exp(V::sub(V::load(sc + i), vn));
+    V::store(sc + i, e);
+    vs = V::add(vs, e);
+  }
+  float s = V::hsum(vs);
+  for (; i < m; ++i) {
+    sc[i] = V::W == 1 ? std::exp(sc[i] - nm) : (sc[i] - nm < kvslim_vec::kExpLo ? 0.f : std::exp(sc[i] - nm));
+    s += sc[i];
+  }
+  *l += s;
+}
+
+// rows [t0, t1) of sequence b: acc (h, c), running max mx (h), running sum l (h); the caller initialises them
+template <class T>
+void run_range(const Args& a, int64_t b, int64_t t0, int64_t t1, float* acc, float* mx, float* l,
+               Scratch& sp) {
+  const T* base = static_cast<const T*>(a.rows) + b * a.bs;
+  const float* q = a.q + b * a.qbs;
+  const bool raw_rope = a.R > 0 && !a.rotated, rot_rope = a.R > 0 && a.rotated;
+  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  const float* cosb = a.cos ? a.cos + b * a.cos_bs : nullptr;
+  const float* sinb = a.sin ? a.sin + b * a.sin_bs : nullptr;
+  for (int64_t cs = t0; cs < t1; cs += sp.T) {
+    const int64_t m = std::min<int64_t>(sp.T, t1 - cs);
+    // (1) fp32 rows as stored
+    const float* src;
+    int64_t srs;
+    if constexpr (std::is_same<T, float>::value) {
+      src = base + cs * a.rs;
+      srs = a.rs;
+    } else {
+      for (int64_t t = 0; t < m; ++t) widen(base + (cs + t) * a.rs, sp.ubuf.data() + t * a.c, a.c);
+      src = sp.ubuf.data();
+      srs = a.c;
+    }
+    // (2) keys for the scores
+    const float* krows = src;
+    int64_t krs = srs;
+    if (raw_rope) {
+      for (int64_t t = 0; t < m; ++t)
+        rope_row(src + t * srs, sp.kbuf.data() + t * a.e, cosb + (cs + t) * a.cos_rs, sinb + (cs + t) * a.sin_rs,
+                 a.h, a.dk, a.R, false);
+      krows = sp.kbuf.data();
+      krs = a.e;
+    }
+    // (3) scores, all heads
+    scores(q, a.h, a.koff, a.L, krows, krs, m, a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
+    // (4) online softmax per head
+    for (int64_t j = 0; j < a.h; ++j) online_softmax(sp.sc.data() + j * sp.T, m, mx + j, l + j, acc + j * a.c, a.c);
+    // (5) rows for the weighted sum
+    const float* urows = src;
+    int64_t urs = srs;
+    if (rot_rope) {
+      float* ub = sp.ubuf.data();
+      for (int64_t t = 0; t < m; ++t) {
+        const float* row = src + t * srs;
+        float* dst = ub + t * a.c;
+        if (row != dst)
+          for (int64_t k = a.e; k < a.c; ++k) dst[k] = row[k];  // conditioning columns, unrotated
+        rope_row(row, dst, cosb + (cs + t) * a.cos_rs, sinb + (cs + t) * a.sin_rs, a.h, a.dk, a.R, true);
+      }
+      urows = ub;
+      urs = a.c;
+    }
+    // (6) acc += p · rows
+    accumulate(acc, a.h, a.c, sp.sc.data(), sp.T, urows, urs, m);
+  }
+}
+
+// sequence b, split s of S: rows [0, len_b) cut into S pieces aligned to the chunk size
+inline void run_task(const Args& a, int64_t b, int64_t s, int64_t S, float* acc, float* mx, float* l,
+                     Scratch& sp) {
+  const int64_t len = a.lengths ? a.lengths[b] : a.n;
+  const int64_t chunks = (len + sp.T - 1) / sp.T, per = (chunks + S - 1) / S;
+  const int64_t t0 = std::min(len, s * per * sp.T), t1 = std::min(len, (s + 1) * per * sp.T);
+  for (int64_t j = 0; j < a.h; ++j) {
+    mx[j] = -INFINITY;
+    l[j] = 0.f;
+  }
+  std::fill(acc, acc + a.h * a.c, 0.f);
+  if (t1 <= t0) return;
+  if (a.bf16)
+    run_range<uint16_t>(a, b, t0, t1, acc, mx, l, sp);
+  else
+    run_range<float>(a, b, t0, t1, acc, mx, l, sp);
+}
