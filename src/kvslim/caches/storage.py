@@ -62,14 +62,14 @@ class StoreSpec:
                                  f"got {v!r}")
         if self.residual > MAX_RESIDUAL:
             raise ValueError(f"residual must be at most {MAX_RESIDUAL} tokens, got {self.residual}")
-        if self.residual and self.flush > self.residual:
-            raise ValueError(f"flush={self.flush} must not exceed residual={self.residual}")
         if self.channel_group:
             if self.residual < self.channel_group:
                 raise ValueError(f"channel_group={self.channel_group} needs residual >= channel_group "
                                  f"(tokens wait in full precision until a group is complete), got {self.residual}")
             if self.flush % self.channel_group:
                 raise ValueError(f"flush={self.flush} must be a multiple of channel_group={self.channel_group}")
+        if self.residual and self.flush > self.residual:
+            raise ValueError(f"flush={self.flush} must not exceed residual={self.residual}")
         if self.bits == 0 and (self.asymmetric or self.rotation or self.channel_group or self.residual):
             raise ValueError("asymmetric, rotation, channel_group and residual need bits > 0")
 

@@ -1,0 +1,226 @@
+"""KV quantization formats beyond SPEC §1 (kvslim.ops.quant_formats, caches/storage.py, caches/residual.py):
+asymmetric and 2-bit codes against float64 references, per-channel (KIVI) keys, the Hadamard rotation, the
+full-precision residual window, option validation, and exact byte accounting against the plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvslim
+from kvslim.caches.residual import ChannelQuantizedStore, ResidualStore
+from kvslim.caches.storage import QuantizedStore, StoreSpec, make_store
+from kvslim.ops.quant import dequantize, quantize
+from kvslim.ops.quant_formats import (
+    dequantize_asym,
+    dequantize_sym,
+    hadamard,
+    pack_codes,
+    quantize_asym,
+    quantize_sym,
+    unpack_codes,
+)
+
+
+def _rows(*shape, seed=0, outlier=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if outlier:
+        x[..., 3] = x[..., 3] * 15 + 4  # an outlier channel with an offset, as real keys have
+    return x
+
+
+def _asym_ref64(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Float64 oracle of the asymmetric format with fp32 parameters: q·scale + zero per group."""
+    gx = x.double().unflatten(-1, (-1, group))
+    lo, hi = gx.amin(-1, keepdim=True), gx.amax(-1, keepdim=True)
+    scale = ((hi - lo) / (2 ** bits - 1)).float().double()
+    zero = lo.float().double()
+    q = torch.round((gx - zero) / scale).clamp(0, 2 ** bits - 1)
+    return (q * scale + zero).flatten(-2)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [8, 32])
+def test_asymmetric_matches_float64_reference_and_half_step_bound(bits, group):
+    x = _rows(5, 64)
+    codes, scale, zero = quantize_asym(x, bits, group)
+    assert codes.dtype == torch.uint8 and codes.shape == (5, 64 * bits // 8)
+    assert scale.shape == zero.shape == (5, 64 // group)
+    got = dequantize_asym(codes, scale, zero, bits, group).double()
+    ref = _asym_ref64(x, bits, group)
+    step = scale.double().repeat_interleave(group, -1)
+    # codes may differ from the oracle only at exact rounding ties (fp32 vs fp64 division): one step at most
+    assert bool(((got - ref).abs() <= step * 1.001).all())
+    assert (got - ref).abs().gt(1e-3 * step + 1e-6).float().mean() < 0.01  # beyond fp32 rounding: ties only
+    assert bool(((got - x.double()).abs() <= step * (0.5 + 1e-5)).all())  # half a step from the input
+    # min and max of every group are represented (up to parameter rounding)
+    gx = x.unflatten(-1, (-1, group))
+    assert torch.allclose(got.unflatten(-1, (-1, group)).amin(-1), gx.amin(-1).double(), atol=1e-5)
+
+
+def test_symmetric_2bit_and_spec_formats_agree():
+    x = _rows(4, 64)
+    for bits in (4, 8):  # the general symmetric path is SPEC §1's, bit for bit
+        c1, s1 = quantize_sym(x, bits, 16)
+        c2, s2 = quantize(x, bits, 16)
+        assert torch.equal(c1, c2) and torch.equal(s1, s2)
+        assert torch.equal(dequantize_sym(c1, s1, bits, 16), dequantize(c2, s2, bits, 16))
+    c, s = quantize_sym(x, 2, 16)
+    q = unpack_codes(c, 2, signed=True)
+    assert set(q.unique().tolist()) <= {-1, 0, 1}
+    ref = torch.round(x.double().unflatten(-1, (-1, 16)) / s.double().unsqueeze(-1)).clamp(-1, 1)
+    assert torch.equal(q.view(4, 4, 16).double(), ref)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_roundtrip_and_layout(bits):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 2 ** bits, (3, 32), generator=g, dtype=torch.uint8)
+    packed = pack_codes(q, bits)
+    assert packed.shape == (3, 32 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits, signed=False), q)
+    if bits < 8:  # element j of a byte sits in bits [j·b, (j+1)·b): low bits first
+        assert int(packed[0, 0]) & ((1 << bits) - 1) == int(q[0, 0])
+    signed = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (3, 32), generator=g, dtype=torch.int8)
+    assert torch.equal(unpack_codes(pack_codes(signed, bits), bits, signed=True), signed)
+
+
+def test_hadamard_is_orthogonal_symmetric_and_refuses_other_sizes():
+    for d in (1, 2, 64, 256):
+        h = hadamard(d, torch.float64)
+        assert torch.allclose(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
+        assert torch.equal(h, h.T)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard(96)
+
+
+@pytest.mark.parametrize("spec", [
+    StoreSpec(8, 64, rotation="hadamard"),
+    StoreSpec(4, 32, asymmetric=True, rotation="hadamard"),
+    StoreSpec(4, 32, asymmetric=True, rotation="hadamard", channel_group=32, residual=64, flush=32),
+])
+def test_rotation_reads_back_in_the_original_basis(spec):
+    x = _rows(1, 2, 96, 64)
+    store = make_store(spec, x, 256)
+    store.write(0, x)
+    inner = store.inner if isinstance(store, ResidualStore) else store
+    r = inner.rotation
+    assert r is not None and torch.allclose(r @ r.T, torch.eye(64), atol=1e-6)
+    got = store.read(0, 96)
+    # the reference: quantize x·R with the same format (no rotation), decode, rotate back with Rᵀ
+    plain = make_store(StoreSpec(**{**spec.__dict__, "rotation": None}), x, 256)
+    plain.write(0, x @ r)
+    assert torch.allclose(got, plain.read(0, 96) @ r.T, atol=1e-5)
+    # int8 with rotation is close to the input (identity of the read path, up to int8 rounding)
+    if spec.bits == 8:
+        assert (got - x).abs().max() < 0.02 * x.abs().max()
+
+
+def test_rotation_spreads_an_outlier_channel():
+    x = _rows(1, 1, 256, 64)
+    errs = {}
+    for rot in (None, "hadamard"):
+        store = make_store(StoreSpec(4, 64, asymmetric=True, rotation=rot), x, 256)
+        store.write(0, x)
+        errs[rot] = (store.read(0, 256) - x).pow(2).mean().item()
+    assert errs["hadamard"] < 0.5 * errs[None]
+
+
+def test_channel_grouped_keys_match_float64_reference():
+    g = 16
+    x = _rows(2, 3, 64, 32)
+    spec = StoreSpec(4, 32, asymmetric=True, channel_group=g, residual=g, flush=g)
+    store = ChannelQuantizedStore(spec, 2, 3, 64, 32, torch.float32, torch.device("cpu"))
+    store.write(0, x)
+    got = store.read(0, 64).double()
+    # oracle: per (token group, channel) min/max over the group's tokens
+    xt = x.double().unflatten(2, (-1, g)).transpose(-1, -2)  # (B, H, T/G, D, G)
+    ref = _asym_ref64(xt, 4, g).transpose(-1, -2).flatten(2, 3)
+    step = store.group_params(store.scale).double().repeat_interleave(g, 2)  # (B, H, T, D)
+    assert bool(((got - ref).abs() <= step * 1.001).all())
+    assert (got - ref).abs().gt(1e-3 * step + 1e-6).float().mean() < 0.01  # beyond fp32 rounding: ties only
+    assert store.scale.shape == (2, 3, 64, 32 // g)
+    with pytest.raises(ValueError, match="whole groups"):
+        store.write(8, x[:, :, :g])
+
+
+def test_residual_window_flushes_whole_groups_and_never_requantizes():
+    x = _rows(1, 2, 400, 64, seed=3)
+    spec = StoreSpec(4, 32, asymmetric=True, channel_group=32, residual=128, flush=32)
+    store = make_store(spec, x, 512)
+    assert isinstance(store, ResidualStore) and isinstance(store.inner, ChannelQuantizedStore)
+    n, snapshots = 0, []
+    for s in (200, 1, 1, 5, 60, 1, 70, 62):
+        store.write(n, x[:, :, n:n + s])
+        n += s
+        assert store.flushed == spec.flushed(n) and store.flushed % 32 == 0
+        assert 0 <= n - store.flushed <= 128 and (n < 128 or n - store.flushed > 128 - 32)
+        # the window reads back exactly; coded history reads back as coded
+        got = store.read(0, n)
+        assert torch.equal(got[:, :, store.flushed:], x[:, :, store.flushed:n])
+        snapshots.append((store.flushed, store.inner.data.clone(), store.inner.scale.clone(),
+                          store.inner.zero.clone()))
+        exact = (1 * 2 * (store.flushed * spec.bytes_per_value_row(64, torch.float32)
+                          + (n - store.flushed) * 64 * 4))
+        assert store.nbytes(n) == exact
+    # codes of a flushed token never change afterwards
+    for (f, data, scale, zero), (_, data2, scale2, zero2) in zip(snapshots, snapshots[1:]):
+        assert torch.equal(data[:, :, :f], data2[:, :, :f])
+        assert torch.equal(scale[:, :, :f], scale2[:, :, :f]) and torch.equal(zero[:, :, :f], zero2[:, :, :f])
+    # a partial read across the boundary equals the slice of a full read
+    full = store.read(0, n)
+    assert torch.equal(store.read(37, n - 3), full[:, :, 37:n - 3])
+
+
+def _tiny_llama(head_dim=32):
+    cfg = LlamaConfig(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_generate_nbytes_equals_plan_and_window_is_exact():
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (2, 150), generator=torch.Generator().manual_seed(0))
+    opts = dict(group_size=32, asymmetric=True, residual=64, key_channel_group=16, rotation="hadamard")
+    plan = kvslim.apply(model, "int4", **opts)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    n = out.sequences.shape[1] - 1
+    assert cache.nbytes == plan.cache_bytes(n, batch=2)
+    assert "bits/element" in str(plan) and "≤64 recent tokens" in str(plan)
+    kvslim.restore(model)
+
+
+@pytest.mark.parametrize("opts, name", [
+    (dict(residual=129), "residual"),
+    (dict(residual=-1), "residual"),
+    (dict(rotation="walsh"), "rotation"),
+    (dict(asymmetric="yes"), "asymmetric"),
+    (dict(key_channel_group=32, residual=16), "key_channel_group"),
+    (dict(key_channel_group=24, residual=48), "key_channel_group"),  # does not divide head_dim 32
+    (dict(residual=64, flush=80), "flush"),
+    (dict(residual=64, window=128), "residual"),
+    (dict(group_size=5), "group_size"),
+    (dict(colour="red"), "colour"),
+])
+def test_bad_options_are_refused_by_name_and_change_nothing(opts, name):
+    model = _tiny_llama()
+    plan = kvslim.apply(model, "int2", group_size=16)
+    attn = model.config._attn_implementation
+    with pytest.raises(ValueError, match=name):
+        kvslim.apply(model, "int4", **opts)
+    assert kvslim.get_plan(model) is plan and model.config._attn_implementation == attn
+    kvslim.restore(model)
+
+
+def test_int2_default_is_at_most_three_bits_per_element():
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
+    plan = kvslim.plan_config(cfg, "int2", dtype="float32")
+    lp = plan.layers[0]
+    bits = 8 * lp.bytes_per_token / (2 * 3 * 64)
+    assert bits <= 3.0 and lp.residual <= 128
+    assert isinstance(QuantizedStore, type)
