@@ -39,6 +39,8 @@ CASES = {
     "window": ("mistral", "window", {}, {}, "padded", 8),
     "slim": ("llama-mha", "slim", {}, {}, "even", 8),
     "slim-padded": ("llama-mha", "slim", {}, {"rule": "round_robin"}, "padded", 6),
+    "slim-before": ("llama-mha", "slim", {}, {"project": "before"}, "padded", 6),
+    "mla-before": ("deepseek-v3", "mla", {}, {"project": "before", "merge": "reduce"}, "padded", 6),
     "mla": ("deepseek-v3", "mla", {}, {}, "even", 8),
     "mla-padded": ("deepseek-v3", "mla", {"bits": 8, "group_size": 16}, {"split": (0, 1)}, "padded", 6),
 }

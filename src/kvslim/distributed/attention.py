@@ -46,7 +46,7 @@ def seqpar_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     rt = getattr(module, _RUNTIME, None)
     cache = None if rt is None else rt.cache
     layer = None if cache is None else cache.current
-    if layer is None or layer.local_mode:
+    if layer is None or layer.local_mode or key is not layer.returned_key:  # the prompt, or not a sharded cache
         fn = ALL_ATTENTION_FUNCTIONS.get(rt.prompt_impl) if rt is not None else None
         fn = fn if fn is not None and fn is not seqpar_attention_forward else sdpa_attention_forward
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

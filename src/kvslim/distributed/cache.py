@@ -26,9 +26,11 @@ class ShardedCache(Cache):
         current: the layer whose ``update`` ran last (the attention hook reads its local slots).
     """
 
-    def __init__(self, layers: list[ShardedLayer], placements: dict, rank: int, world_size: int, plan=None):
+    def __init__(self, layers: list[ShardedLayer], placements: dict, rank: int, world_size: int, plan=None,
+                 runtime=None):
         super().__init__(layers=layers)
         self.placements, self.rank, self.world_size, self.plan = placements, rank, world_size, plan
+        self.runtime = runtime  # the SeqParallel whose attention hooks read this cache
         self.current: ShardedLayer | None = None
         pool = ScratchPool()
         for layer in layers:
@@ -36,6 +38,8 @@ class ShardedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.current = self.layers[layer_idx]
+        if self.runtime is not None:
+            self.runtime.cache = self
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
@@ -58,8 +62,11 @@ class ShardedCache(Cache):
 
 
 def make_sharded_cache(plan, rank: int, world_size: int, *, rule: str = "fewest", split=None,
-                       max_length: int | None = None) -> ShardedCache:
+                       max_length: int | None = None, runtime=None) -> ShardedCache:
     """A :class:`ShardedCache` for ``plan`` (the layers' formats come from the plan's own cache factories).
+
+    To decode with it, build it with :meth:`SeqParallel.make_cache` (which passes ``runtime``): the attention
+    hooks find the cache through it.
 
     Args:
         plan: a kvslim plan (dense, window, int8/int4, slim K/K+r/V/X/KV, MLA latent).
@@ -97,4 +104,4 @@ def make_sharded_cache(plan, rank: int, world_size: int, *, rule: str = "fewest"
         else:
             raise ValueError(f"layer {lp.index} ({lp.technique}, {type(ref).__name__}) has no sequence-parallel "
                              "cache; supported: dense, window, int8/int4, slim (decoder-only), mla")
-    return ShardedCache(layers, placements, rank, world_size, plan)
+    return ShardedCache(layers, placements, rank, world_size, plan, runtime)

@@ -49,6 +49,7 @@ class ShardedLayer(BatchOpsMixin, CacheLayerMixin):
         #: global indices (n,) and live mask of the slice returned by the last ``update`` (for the attention hook)
         self.view_cols: torch.Tensor | None = None
         self.view_live: torch.Tensor | None = None
+        self.returned_key: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, window={self.window}, local={self.live_tokens()}, "
@@ -217,11 +218,12 @@ class ShardedKVLayer(ShardedLayer):
         if self.stores is None:
             self._init_stores([key_states, value_states])
         if self.cumulative_length == 0:
-            full = self.roundtrip([key_states, value_states])
+            k, v = self.roundtrip([key_states, value_states])
             self.append([key_states, value_states])
-            return full[0], full[1]
-        self.append([key_states, value_states])
-        (k, v), self.view_cols, self.view_live = self.local()
+        else:
+            self.append([key_states, value_states])
+            (k, v), self.view_cols, self.view_live = self.local()
+        self.returned_key = k  # the attention hook checks that it was handed this layer's tensors
         return k, v
 
 

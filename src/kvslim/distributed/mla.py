@@ -48,9 +48,13 @@ def seqpar_mla_forward(module, rt, hidden_states: torch.Tensor, attention_mask: 
         scores += torch.einsum("bhsc,btc->bhst", q_lat, c_loc.float())  # + latent term, (B, H, S, n)
         mask = local_mask(attention_mask, layer.view_cols, layer.view_live, layer.cumulative_length, s)
         part = partial_from_scores(scores, c_loc if n else c_loc.new_empty(b, 0, c_kv.shape[-1]), mask)
-        lat = merge(part, rt.comm, rt.merge,
-                    f"MLA merge (layer {module.layer_idx}, position {layer.cumulative_length - 1})")  # (B, H, S, dc)
-        out = torch.matmul(lat.to(w.w_uv_t.dtype), w.w_uv_t).to(c_kv.dtype)  # W_UV after the merge: (B, H, S, dv)
+        what = f"MLA merge (layer {module.layer_idx}, position {layer.cumulative_length - 1})"
+        if rt.project == "before":  # W_UV on this rank's partial (linear: same result, dv-wide instead of dc-wide)
+            part.acc = torch.matmul(part.acc.to(w.w_uv_t.dtype), w.w_uv_t).float()
+            out = merge(part, rt.comm, rt.merge, what).to(c_kv.dtype)  # (B, H, S, dv)
+        else:
+            lat = merge(part, rt.comm, rt.merge, what)  # (B, H, S, dc)
+            out = torch.matmul(lat.to(w.w_uv_t.dtype), w.w_uv_t).to(c_kv.dtype)  # W_UV after the merge: (B, H, S, dv)
     out = out.transpose(1, 2).reshape(b, s, -1)  # (B, S, H·dv)
     return module.o_proj(out), None
 

@@ -14,10 +14,12 @@ from ..plan import LayerPlan, Plan
 PARTIAL_ITEMSIZE = 4
 
 
-def merge_width(shape: ModelShape, lp: LayerPlan) -> int:
+def merge_width(shape: ModelShape, lp: LayerPlan, project: str = "after") -> int:
     """d_out: the width each query head's partial carries (head_dim; slim K-row e + r, X-row d, V head_dim;
-    MLA latent dc)."""
+    MLA latent dc; with ``project="before"`` the value maps run before the merge: head_dim / v_head_dim)."""
     t = lp.technique
+    if project == "before" and (t.startswith("slim") or t.startswith("mla")):
+        return shape.v_head_dim if t.startswith("mla") else shape.head_dim
     if t.startswith("mla-latent"):
         return shape.kv_lora_rank
     if t.startswith("mla"):
@@ -34,7 +36,8 @@ def merge_how(ranks: int, merge: str = "auto") -> str:
     return ("gather" if ranks <= 3 else "reduce") if merge == "auto" else merge
 
 
-def per_rank(plan: Plan, shape: ModelShape, context: int, batch: int, ranks: int, merge: str = "auto") -> dict:
+def per_rank(plan: Plan, shape: ModelShape, context: int, batch: int, ranks: int, merge: str = "auto",
+             project: str = "after") -> dict:
     """Cache bytes per rank (the fullest rank), bytes each rank sends per decode step, and the issue's bound
     ``2 · layers · batch · heads · (d_out + 2) · 4``."""
     if not isinstance(ranks, int) or ranks < 1:
@@ -44,7 +47,7 @@ def per_rank(plan: Plan, shape: ModelShape, context: int, batch: int, ranks: int
     for lp in plan.layers:
         tokens = context if lp.window is None else min(context, lp.window)
         cache += replace(lp, window=None).cache_bytes(-(-tokens // ranks), batch) if tokens else 0
-        payload += batch * shape.num_heads * (merge_width(shape, lp) + 2) * PARTIAL_ITEMSIZE
+        payload += batch * shape.num_heads * (merge_width(shape, lp, project) + 2) * PARTIAL_ITEMSIZE
     how = merge_how(ranks, merge)
     sent = 0 if ranks == 1 else (payload * (ranks - 1) if how == "gather" else 2 * (ranks - 1) * payload // ranks)
     return {"ranks": ranks, "merge": how, "cache_bytes_per_rank": cache, "sent_bytes_per_step": sent,

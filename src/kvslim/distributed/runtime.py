@@ -42,6 +42,10 @@ class SeqParallelOptions:
             others within it.
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL when CUDA is available, else gloo).
         watchdog: end the process if one collective stays pending past 2·timeout_s + 10 s.
+        project: slim K-/X-caches and MLA: apply the value map (``W_KV`` / ``W_UV``) ``"after"`` the merge (on the
+            merged c-wide / dc-wide row, as the issue describes) or ``"before"`` it, on each rank's own partial —
+            the same maths (the map is linear and the merge a weighted sum) with a head_dim-wide collective:
+            h× fewer bytes for slim (d/dk), dc/dv× for MLA.
     """
 
     rule: str = "fewest"
@@ -50,8 +54,11 @@ class SeqParallelOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     backend: str | None = None
     watchdog: bool = True
+    project: str = "after"
 
     def __post_init__(self) -> None:
+        if self.project not in ("after", "before"):
+            raise ValueError(f"project must be 'after' or 'before', got {self.project!r}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.merge not in MERGES:
@@ -77,13 +84,14 @@ class SeqParallel:
         self.model, self.plan, self.comm, self.opts = model, plan, comm, opts
         self.rank, self.world_size = comm.rank, comm.world_size
         self.merge = opts.merge
+        self.project = opts.project
         self.prompt_impl = prompt_impl
         self.cache: ShardedCache | None = None
 
     def make_cache(self, max_length: int | None = None) -> ShardedCache:
         """A fresh sharded cache for this rank (also the one the attention hooks read)."""
         self.cache = make_sharded_cache(self.plan, self.rank, self.world_size, rule=self.opts.rule,
-                                        split=self.opts.split, max_length=max_length)
+                                        split=self.opts.split, max_length=max_length, runtime=self)
         return self.cache
 
     def cache_bytes_per_rank(self) -> list[int]:
@@ -94,7 +102,7 @@ class SeqParallel:
 
 def apply(model: torch.nn.Module, method: str, *, rule: str = "fewest", split=None, merge: str = "auto",
           timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, watchdog: bool = True,
-          **options) -> SeqParallel:
+          project: str = "after", **options) -> SeqParallel:
     """Prepare ``model`` for sequence-parallel decode with kvslim ``method`` on this rank.
 
     Call on every rank with the same arguments (inside ``torchrun``; a plain process is a one-rank job). After it,
@@ -104,13 +112,13 @@ def apply(model: torch.nn.Module, method: str, *, rule: str = "fewest", split=No
         ValueError: bad options (nothing changed).
         DistributedError: the ranks disagree on the method, options, placement, config or weights (named).
     """
-    opts = SeqParallelOptions(rule, split, merge, timeout_s, backend, watchdog)
+    opts = SeqParallelOptions(rule, split, merge, timeout_s, backend, watchdog, project)
     restore(model)
     rank, world = init_group(opts.backend, opts.timeout_s)
     check_split(opts.split, world)
     comm = Comm(rank, world, opts.timeout_s, opts.watchdog)
     items = {"method": method, "options": repr(sorted(options.items())), "rule": opts.rule,
-             "split": repr(opts.split), "merge": opts.merge, "timeout_s": repr(opts.timeout_s),
+             "split": repr(opts.split), "merge": opts.merge, "project": opts.project, "timeout_s": repr(opts.timeout_s),
              "torch": torch.__version__, "kvslim": _kvslim_version()} | model_fingerprint(model)
     check_agreement(comm, items)
     plan = api.apply(model, method, **options)

@@ -96,8 +96,11 @@ def seqpar_slim_forward(self, rt, adapter, w: SlimLayerWeights, rope, hidden_sta
         cos_l, sin_l = rope.for_positions(positions, rows.shape[1], q.dtype, q.device)
     part = slim_partial(q, rows, w, local_mask(mask, cols, live, layer.cumulative_length, t), self.scaling,
                         cos_l, sin_l)
+    mapped = w.technique != "v" and rt.project == "before"
+    if mapped:  # W_KV on this rank's partial (linear: same result, a dk-wide collective instead of c-wide)
+        part.acc = torch.einsum("bhtc,hcd->bhtd", part.acc, w.value_map.float())
     u = merge(part, rt.comm, rt.merge, f"slim merge (layer {self.layer_idx}, position {layer.cumulative_length - 1})")
-    if w.technique != "v":  # W_KV once, after the merge: "bhtc,hcd->bhtd"
+    if w.technique != "v" and not mapped:  # W_KV once, after the merge: "bhtc,hcd->bhtd"
         u = torch.einsum("bhtc,hcd->bhtd", u, w.value_map.float())
     out = u.to(q.dtype).transpose(1, 2).reshape(b, t, e)
     bias = w.out_bias.to(out.dtype) if w.out_bias is not None else None
