@@ -148,11 +148,13 @@ def summarize(method: str, rounds: list[dict], args) -> dict:
     }
 
 
-def write(records: list[dict], args) -> None:
+def write(records: list[dict], args, json_too: bool = True) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "bench_distributed.json"
-    out.write_text(json.dumps({"command": "python benchmarks/bench_distributed.py " + " ".join(sys.argv[1:]),
-                               "machine": f"{os.cpu_count()} CPU cores (shared)", "records": records}, indent=1))
+    if json_too:
+        out.write_text(json.dumps({"command": "python benchmarks/bench_distributed.py " + " ".join(sys.argv[1:]),
+                                   "machine": f"{os.cpu_count()} CPU cores (shared)", "records": records},
+                                  indent=1))
     for r in records:
         print(f"{r['method']}: A {r['A']['tokens_per_s']:.2f} tok/s, B {r['B']['tokens_per_s']:.2f} tok/s, "
               f"B/A {r['speed_ratio_B_over_A']:.2f} (rounds {', '.join(f'{x:.2f}' for x in r['speed_ratio_per_round'])}), "
@@ -169,8 +171,11 @@ def write(records: list[dict], args) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["method"] for r in records]
     x = range(len(names))
-    ax1.bar([i - 0.2 for i in x], [r["A"]["tokens_per_s"] for r in records], 0.4, label="1 rank × 2 threads")
-    ax1.bar([i + 0.2 for i in x], [r["B"]["tokens_per_s"] for r in records], 0.4, label="2 ranks × 1 thread")
+    ax1.bar([i - 0.27 for i in x], [r["A"]["tokens_per_s"] for r in records], 0.27, label="1 rank × 2 threads")
+    ax1.bar(list(x), [r["B"]["tokens_per_s"] for r in records], 0.27, label="2 ranks × 1 thread")
+    if all(r.get("A1") for r in records):
+        ax1.bar([i + 0.27 for i in x], [r["A1"]["tokens_per_s"] for r in records], 0.27, color="grey",
+                label="1 rank × 1 thread")
     ax1.set_xticks(list(x), names)
     ax1.set_ylabel("tokens/s")
     ax1.set_title(f"decode, {args.context} ctx × {args.batch}, ~100M MHA fp32")
@@ -205,8 +210,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--methods", default="dense,int8")
     p.add_argument("--one-thread-too", action="store_true", help="also time 1 rank × 1 thread")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.replot:
+        records = json.loads((RESULTS / "bench_distributed.json").read_text())["records"]
+        args.context, args.batch = records[0]["context"], records[0]["batch"]
+        write(records, args, json_too=False)
+        return 0
     if args.worker:
         worker(args)
         return 0
