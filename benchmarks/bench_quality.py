@@ -1,0 +1,280 @@
+"""KV-cache quantization quality on a real model and real long text: kvslim's formats beside HF QuantizedCache.
+
+SmolLM2-135M-Instruct (fp32, dequantized from its GGUF), Botchan (shipped, public domain). Every cache is fed
+the same text in lockstep with the model's own dense cache (``kvslim.evaluate.compare_caches``) and scored on
+the same predictions: Δ perplexity, mean KL from dense, teacher-forced top-1 agreement, max |Δlogit|, bytes
+per token measured from the tensors, bits per element of codes + scales (residual window apart).
+
+Suites:
+    ablation  one component at a time (asymmetric codes, KIVI keys, residual window, Hadamard rotation pre/post
+              RoPE, smoothing), int4 and int2, plus quanto 4/2 bits       (explore: --tokens 2048 --steps 256)
+    final     the defaults (``apply(model, "int4")``, ``"int2"``), the old int4, int8, quanto 4/2 bits
+
+    .venv/bin/python benchmarks/bench_quality.py --suite final                 # full protocol, token mode
+    .venv/bin/python benchmarks/bench_quality.py --suite ablation --tokens 2048 --steps 256
+    .venv/bin/python benchmarks/bench_quality.py --suite final --mode chunked  # prefill 512 + 64-token chunks
+
+Needs ``pip install --no-deps optimum-quanto==0.2.7`` (the ``[bench]`` extra) for the quanto rows.
+Writes benchmarks/results/bench_quality_<suite>_<mode>.json and .md (and, for ``final``, a PNG of Δppl
+against bits per element).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from kvslim import api
+from kvslim.caches import KVSlimCache
+from kvslim.caches.dense import AppendLayer
+from kvslim.caches.residual import ResidualStore
+from kvslim.evaluate import compare_caches, greedy_agreement, text_ids
+from kvslim.methods import METHODS
+from kvslim.ops.rope import rotate, unrotate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+F16 = torch.float16
+
+# (label, method or "quanto", options). Options of kvslim methods are apply() keywords; "prerope" (bench only)
+# quantizes keys before RoPE (see PreRopeStore).
+ABLATION = [
+    ("int4 old: sym g64 fp32 +smooth", "int4", dict(asymmetric=False, residual=0, key_channel_group=0,
+                                                    rotation=None, group_size=64, scale_dtype="float32",
+                                                    smooth_keys=True)),
+    ("int4 asym g64 fp16 +smooth", "int4", dict(asymmetric=True, residual=0, key_channel_group=0, rotation=None,
+                                                group_size=64, scale_dtype=F16, smooth_keys=True)),
+    ("int4 asym g64 fp16 +smooth +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
+                                                      rotation=None, group_size=64, scale_dtype=F16,
+                                                      smooth_keys=True)),
+    ("int4 asym g64 fp16 +kivi32 +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=32,
+                                                      rotation=None, group_size=64, scale_dtype=F16)),
+    ("int4 asym g64 fp16 +had(post) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
+                                                         rotation="hadamard", group_size=64, scale_dtype=F16,
+                                                         smooth_keys=False)),
+    ("int4 asym g64 fp16 +had(pre) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
+                                                        rotation="hadamard", group_size=64, scale_dtype=F16,
+                                                        smooth_keys=False, prerope=True)),
+    ("int4 asym g64 fp16 +kivi32(pre) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=32,
+                                                           rotation=None, group_size=64, scale_dtype=F16,
+                                                           prerope=True)),
+    ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
+    ("int2 asym g32 fp16 +smooth +r128", "int2", dict(key_channel_group=0, smooth_keys=True)),
+    ("int2 asym g32 fp16 +kivi32 +r128", "int2", dict(key_channel_group=32)),
+    ("int2 asym g32 fp16 +had(post) +r128", "int2", dict(key_channel_group=0, rotation="hadamard",
+                                                         smooth_keys=False)),
+    ("int2 asym g32 fp16 +kivi32(pre) +r128", "int2", dict(key_channel_group=32, prerope=True)),
+    ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
+]
+FINAL = [
+    ("int8 g64 (default)", "int8", {}),
+    ("int4 old: sym g64 fp32 +smooth", "int4", ABLATION[0][2]),
+    ("int4 (default)", "int4", {}),
+    ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
+    ("int2 (default)", "int2", {}),
+    ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
+]
+
+
+class PreRopeStore:
+    """Bench-only: keeps keys *before* RoPE in a coded store and re-applies RoPE on read. Valid for one unpadded
+    sequence, where a token's slot is its position (what this benchmark feeds). A library version would store
+    positions; measured here to decide whether it is worth it."""
+
+    def __init__(self, inner, cos: torch.Tensor, sin: torch.Tensor):
+        self.inner, self.cos, self.sin = inner, cos, sin  # cos/sin: (positions, D)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        s = x.shape[2]
+        self.inner.write(start, unrotate(x, self.cos[start:start + s], self.sin[start:start + s]).to(x.dtype))
+
+    def read(self, start: int, end: int, scratch=None) -> torch.Tensor:
+        return rotate(self.inner.read(start, end), self.cos[start:end], self.sin[start:end])
+
+
+class PreRopeAppendLayer(AppendLayer):
+    def __init__(self, spec, cos, sin, **kw):
+        super().__init__(spec, **kw)
+        self._rope = (cos, sin)
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        if isinstance(self.k_store, ResidualStore):
+            self.k_store.inner = PreRopeStore(self.k_store.inner, *self._rope)
+        else:
+            self.k_store = PreRopeStore(self.k_store, *self._rope)
+
+
+def cache_maker(model, method: str, options: dict, max_positions: int):
+    """A function building a fresh cache for one row, and facts about its format."""
+    if method == "quanto":
+        from transformers import QuantizedCache
+
+        return (lambda: QuantizedCache("quanto", model.config, nbits=options["nbits"], q_group_size=64,
+                                       residual_length=128)), {}
+    opts = dict(options)
+    prerope = opts.pop("prerope", False)
+    plan = METHODS[method].plan_model(model, **opts)
+    lp = plan.layers[0]
+    cfg = model.config
+    elems = 2 * cfg.num_key_value_heads * (cfg.head_dim if getattr(cfg, "head_dim", None) else
+                                           cfg.hidden_size // cfg.num_attention_heads)
+    facts = {"plan_bits_per_element": 8 * lp.bytes_per_token / elems, "residual": lp.residual,
+             "note": lp.note, "options": {k: str(v) for k, v in options.items()}}
+    if not prerope:
+        return (lambda: KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)), facts
+    pos = torch.arange(max_positions)[None]
+    dummy = torch.zeros(1, 1, 1, dtype=torch.float32)
+    cos, sin = model.model.rotary_emb(dummy, pos)  # (1, P, D)
+    spec = lp.factory(None).spec
+
+    def make():
+        return KVSlimCache([PreRopeAppendLayer(spec, cos[0], sin[0], chunk=256) for _ in plan.layers], plan=plan)
+    return make, facts
+
+
+def measured_bits(cache, tokens: int, cfg) -> tuple[float, int]:
+    """(bits per element of the coded part, bytes of the full-precision window) measured from the tensors."""
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    coded_bytes, coded_elems, window = 0, 0, 0
+    for layer in cache.layers:
+        if hasattr(layer, "k_store"):
+            for store in layer._stores():
+                b, h = store.data.shape[:2]
+                if isinstance(store, ResidualStore):
+                    f = store.flushed
+                    coded_bytes += store.inner.nbytes(f)
+                    window += store.nbytes(tokens) - store.inner.nbytes(f)
+                else:
+                    f = tokens
+                    coded_bytes += store.nbytes(tokens)
+                coded_elems += b * h * f * d
+        else:  # HF QuantizedLayer: quantized tensors + full-precision residual keys/values
+            from kvslim.evaluate import _tensor_bytes
+
+            for name in ("_quantized_keys", "_quantized_values"):
+                q = getattr(layer, name)
+                coded_bytes += _tensor_bytes(q, set())
+                coded_elems += q.numel()
+            window += _tensor_bytes(layer.keys, set()) + _tensor_bytes(layer.values, set())
+    return 8 * coded_bytes / max(1, coded_elems), window
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=("ablation", "final"), default="final")
+    p.add_argument("--mode", choices=("token", "chunked"), default="token")
+    p.add_argument("--tokens", type=int, default=4096, help="text tokens fed (protocol: >= 4096)")
+    p.add_argument("--steps", type=int, default=1024, help="token mode: single-token steps scored (>= 1024)")
+    p.add_argument("--greedy", type=int, default=0, help="also greedy agreement over N new tokens (256)")
+    p.add_argument("--only", default=None, help="comma-separated substrings of row labels to keep")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    from kvslim.models import load_smollm2
+
+    model, tok = load_smollm2(torch.float32)
+    api.apply(model, "dense")  # the storage methods' attention (packed GQA SDPA); caches differ per row
+    ids = text_ids(tok, args.tokens)
+    rows = ABLATION if args.suite == "ablation" else FINAL
+    if args.only:
+        keys = args.only.split(",")
+        rows = [r for r in rows if any(k in r[0] for k in keys)]
+    makers, facts = {}, {}
+    for label, method, opts in rows:
+        makers[label], facts[label] = cache_maker(model, method, opts, args.tokens + args.greedy + 8)
+    t0 = time.time()
+    built: dict[str, object] = {}
+
+    def keep(label, make):  # remember the last cache built for each row, to measure its tensors afterwards
+        def f():
+            built[label] = make()
+            return built[label]
+        return f
+    results = compare_caches(model, ids, {k: keep(k, v) for k, v in makers.items()}, mode=args.mode,
+                             min_tokens=4096 if args.tokens >= 4096 else None, steps=args.steps, progress=True)
+    out = []
+    for label, q in results.items():
+        bits, window = measured_bits(built[label], args.tokens, model.config)
+        rec = {**q.to_dict(), "bits_per_element": bits, "window_bytes": window, **facts[label]}
+        if args.greedy:
+            prompt = ids[:, :512]
+            rec["greedy"] = greedy_agreement(model, prompt, args.greedy, makers[label])
+        out.append(rec)
+        print(_row(rec), flush=True)
+    record = {"suite": args.suite, "mode": args.mode, "tokens": args.tokens, "steps": args.steps,
+              "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)", "text": "botchan",
+              "ref_ppl": next(iter(results.values())).ref_ppl, "seconds": time.time() - t0,
+              "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(), "rows": out}
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"bench_quality_{args.suite}_{args.mode}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(markdown(record))
+    if args.suite == "final":
+        plot(record, stem.with_suffix(".png"))
+    print(markdown(record))
+
+
+def _row(r: dict) -> str:
+    return (f"{r['label']:44s} Δppl {100 * r['delta_ppl']:+7.2f} %  KL {r['kl']:.4f}  top1 {100 * r['top1']:.1f} %"
+            f"  max|Δlogit| {r['max_dlogit']:.2f}  {r['bits_per_element']:.2f} bits/elem  "
+            f"{r['bytes_per_token']:.0f} B/token")
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"SmolLM2-135M fp32, Botchan, {rec['mode']} mode, {rec['tokens']} tokens"
+             + (f", {rec['steps']} single-token steps scored" if rec["mode"] == "token" else "")
+             + f"; dense perplexity {rec['ref_ppl']:.3f}", "",
+             "| cache | bits/element (codes+scales) | Δ perplexity | mean KL | top-1 agreement | max abs Δlogit "
+             "| bytes/token (all layers) | full-precision window |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        g = f" (greedy {100 * r['greedy']['agreement']:.0f} %)" if "greedy" in r else ""
+        lines.append(f"| {r['label']} | {r['bits_per_element']:.2f} | {100 * r['delta_ppl']:+.2f} % | "
+                     f"{r['kl']:.4f} | {100 * r['top1']:.1f} %{g} | {r['max_dlogit']:.2f} | "
+                     f"{r['bytes_per_token']:.0f} | {r['window_bytes'] / 1024:.0f} KiB |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rec: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rec["rows"]:
+        quanto = r["label"].startswith("quanto")
+        ax.scatter(r["bits_per_element"], 100 * r["delta_ppl"], marker="s" if quanto else "o",
+                   color="tab:gray" if quanto else "tab:blue")
+        ax.annotate(r["label"], (r["bits_per_element"], 100 * r["delta_ppl"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(1.0, ls=":", color="tab:green")
+    ax.axhline(10.0, ls=":", color="tab:orange")
+    ax.set_xlabel("bits per element (codes + scales/zero-points; residual window apart)")
+    ax.set_ylabel("Δ perplexity vs dense (%)")
+    ax.set_title(f"SmolLM2-135M, Botchan, {rec['mode']} mode ({rec['tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
