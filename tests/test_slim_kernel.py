@@ -292,3 +292,114 @@ def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
     u, _ = kernel.slim_decode(q, rows, cos, sin, mask, lens, 0.25, False)
     ref, _ = oracle(q, rows, cos, sin, mask, lens, 0.25, False)
     assert_rel_close(u, ref, torch.float32, "twin without a compiler")
+
+
+# -- encoder-decoder cross-attention over the shared encoder output (torch.ops.kvslim.encdec_decode) -------------
+
+def _enc_oracle(qt, enc, mask, lengths, scaling):
+    us, lses = [], []
+    for i in range(enc.shape[0]):
+        n = enc.shape[1] if lengths is None else int(lengths[i])
+        e = enc[i, :n].double()
+        s = qt[i].double() @ e.T * scaling  # (h, n)
+        if mask is not None:
+            s = s + mask[min(i, mask.shape[0] - 1), :n].double()
+        lses.append(torch.logsumexp(s, -1))
+        us.append(torch.softmax(s, -1) @ e)
+    return torch.stack(us), torch.stack(lses)
+
+
+def _enc_case(b, h, d, n, dtype, seed, pad=True, lengths=True):
+    g = torch.Generator().manual_seed(seed)
+    store = torch.full((b, n + 11, d), float("nan"), dtype=dtype)
+    store[:, :n] = torch.randn(b, n, d, generator=g).to(dtype)
+    lens = None
+    if lengths and b > 1:
+        lens = torch.tensor([n - (5 * i) % max(n - 1, 1) for i in range(b)], dtype=torch.long)
+        for i in range(b):
+            store[i, int(lens[i]):] = float("nan")
+    qt = torch.randn(b, h, d, generator=g) / d ** 0.5
+    mask = None
+    if pad and n > 1:
+        mask = torch.zeros(b, n)
+        mask[0, : min(4, n - 1)] = F32_MIN
+    return qt, store[:, :n], mask, lens
+
+
+def _enc_check(qt, enc, mask, lens, splits=0):
+    from kvslim.kernels import encdec_decode as ek
+
+    u, lse = ek.encdec_decode(qt, enc, mask, lens, 0.9, splits)
+    ref_u, ref_lse = _enc_oracle(qt, enc, mask, lens, 0.9)
+    assert torch.isfinite(u).all()
+    assert_rel_close(u, ref_u, torch.float32, "encdec op vs float64")
+    assert_rel_close(lse, ref_lse, torch.float32, "encdec op lse vs float64")
+    tw_u, _ = ek.reference(qt, enc, mask, lens, 0.9)
+    assert_rel_close(tw_u, ref_u, torch.float32, "encdec twin vs float64")
+
+
+def _enc_ops():
+    from kvslim.kernels import encdec_decode as ek
+
+    if not ek.available():
+        pytest.skip("no C++ compiler: the op cannot be built here (its twin is used)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128, 256, 384])
+def test_encdec_op_matches_float64(d, dtype):
+    _enc_ops()
+    _enc_check(*_enc_case(3, 6, d, 377, dtype, seed=d))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_encdec_op_splits(splits):
+    _enc_ops()
+    _enc_check(*_enc_case(1, 6, 384, 1500, torch.float32, seed=4), splits=splits)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 8), d=st.integers(1, 140), n=st.integers(1, 200), bf16=st.booleans(),
+       pad=st.booleans(), lengths=st.booleans(), seed=st.integers(0, 2**16))
+def test_encdec_op_fuzz(b, h, d, n, bf16, pad, lengths, seed):
+    from kvslim.kernels import encdec_decode as ek
+
+    if not ek.available():
+        return
+    _enc_check(*_enc_case(b, h, d, n, torch.bfloat16 if bf16 else torch.float32, seed, pad, lengths))
+
+
+def test_encdec_op_bad_input_is_refused_by_name():
+    _enc_ops()
+    qt, enc, mask, _ = _enc_case(2, 3, 16, 40, torch.float32, seed=1)
+    op = torch.ops.kvslim.encdec_decode
+    for args, what in [((qt[..., :8], enc, None, None, 1.0), "qt must be float32"),
+                       ((qt, enc.half(), None, None, 1.0), "enc must be float32 or bfloat16"),
+                       ((qt, enc, mask[:, :3], None, 1.0), "mask must be"),
+                       ((qt, enc, None, torch.tensor([1, 99]), 1.0), "lengths")]:
+        with pytest.raises(ValueError, match=what):
+            op(*args)
+
+
+def test_shared_cross_attention_op_matches_reference():
+    """Decode step of the shared-E cross-attention: op path against K/V materialised (float64) and the torch path."""
+    _enc_ops()
+    from kvslim.attention import encdec
+
+    g = torch.Generator().manual_seed(3)
+    b, h, dk, d, n = 3, 6, 64, 384, 500
+    w_k, w_v = torch.randn(h * dk, d, generator=g) / d ** 0.5, torch.randn(h * dk, d, generator=g) / d ** 0.5
+    b_v = torch.randn(h * dk, generator=g)
+    w = encdec.CrossWeights.from_linear(w_k, w_v, b_v, h, 1.0, torch.float32)
+    enc = torch.randn(b, n, d, generator=g)
+    q = torch.randn(b, h, 1, dk, generator=g) / dk ** 0.5
+    bias = torch.zeros(b, 1, 1, n)
+    bias[1, ..., :30] = F32_MIN
+    ref = encdec.reference_cross_attention(q.double(), enc.double(), w_k.double(), None, w_v.double(),
+                                           b_v.double(), 1.0, bias.double())
+    for bb in (None, bias):
+        fused = encdec.shared_cross_attention(q, enc, w, bb)
+        if bb is not None:
+            assert_rel_close(fused, ref, torch.float32, "op path vs float64 reference")
+        two = encdec.shared_cross_attention(q.expand(b, h, 2, dk), enc, w, bb)[:, :, :1]  # T = 2: torch path
+        assert_rel_close(fused, two, torch.float32, "op path vs torch path")

@@ -124,7 +124,7 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
             keys = rotate_heads(keys, h, dk, cos, sin)  # (B, n, e) contiguous
         scores = _key_scores(q, keys) * scaling
     else:  # absorbed query: q̃_i = q_i score_map_i^T, scores over the shared rows
-        qt = torch.matmul(q.float(), w.score_map.transpose(-1, -2))  # (B, h, T, c)
+        qt = _per_head_map(q.float(), w.score_map.transpose(-1, -2))  # (B, h, T, c), maps not copied per sequence
         scores = (qt.reshape(b, h * t, -1) @ cache.float().transpose(1, 2)).view(b, h, t, n) * scaling
     s = _softmax(scores, mask)  # (B, h, T, n) fp32
     # -- values ---------------------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+// kvslim::encdec_decode — decoder cross-attention over the shared encoder output E (SPEC §3 "Encoder-decoder"),
+// one query token, all heads in one pass over E.
+//
+//   u[b, j] = softmax_t(scaling · qt[b, j] · E[b, t] + mask[b, t]) · E[b, t]      (B, h, d) fp32
+//   lse[b, j] = log Σ_t exp(...)                                                 (B, h)    fp32
+//
+// qt[b, j] = q[b, j] W_K,jᵀ is the absorbed query (a d-vector per head; the key bias drops out of the softmax).
+// The caller applies W_V,j (and b_V,j) to u[b, j]. E (B, n, d) is fp32 or bf16; every size and stride comes
+// from tensor metadata and is checked here (named ValueErrors).
+#include <torch/library.h>
+
+#include "shared_rows.h"
+
+std::tuple<at::Tensor, at::Tensor> encdec_decode_cpu(const at::Tensor& qt, const at::Tensor& enc,
+                                                     const c10::optional<at::Tensor>& mask,
+                                                     const c10::optional<at::Tensor>& lengths, double scaling,
+                                                     int64_t splits) {
+  const char* op = "kvslim::encdec_decode";
+  kvslim_rows::Args a;
+  at::Tensor e = kvslim_rows::set_rows(a, enc, op, "enc");
+  TORCH_CHECK_VALUE(qt.device().is_cpu() && qt.scalar_type() == at::kFloat && qt.dim() == 3 && qt.size(0) == a.B &&
+                        qt.size(1) >= 1 && qt.size(2) == a.c,
+                    op, ": qt must be float32 (B=", a.B, ", h, d=", a.c, ") on CPU, got ", qt.scalar_type(), " ",
+                    qt.sizes());
+  at::Tensor qc = qt.contiguous();
+  a.q = qc.data_ptr<float>();
+  a.h = qc.size(1);
+  a.L = a.c;
+  a.koff = 0;  // every head scores the whole row
+  a.qbs = a.h * a.c;
+  a.scaling = static_cast<float>(scaling);
+  at::Tensor mk, lk;
+  kvslim_rows::set_mask_lengths(a, mask, lengths, mk, lk, op);
+  at::Tensor u = at::empty({a.B, a.h, a.c}, qt.options());
+  at::Tensor lse = at::empty({a.B, a.h}, qt.options());
+  kvslim_rows::run(a, splits, u.data_ptr<float>(), lse.data_ptr<float>());
+  return {u, lse};
+}
+
+std::string encdec_decode_isa() { return kvslim_rows::isa_name(); }
+
+TORCH_LIBRARY_FRAGMENT(kvslim, m) {
+  m.def("encdec_decode(Tensor qt, Tensor enc, Tensor? mask, Tensor? lengths, float scaling, int splits=0) "
+        "-> (Tensor, Tensor)");
+  m.def("encdec_decode_isa() -> str", &encdec_decode_isa);
+}
+
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("encdec_decode", &encdec_decode_cpu); }

@@ -1,0 +1,89 @@
+"""Encoder-decoder cross-attention over the shared encoder output E as the C++ op ``torch.ops.kvslim.encdec_decode``.
+
+For one query token per sequence and absorbed queries ``qt_j = q_j W_K,jᵀ`` (B, h, d), the op computes in one pass
+over E (B, n, d), shared by all heads (and all decoder layers), ``u_j = softmax(scaling · qt_j Eᵀ + mask) E``
+(B, h, d) and ``lse_j`` (B, h); the caller applies ``W_V,j`` (and ``b_V,j``) to ``u_j``. Source:
+``csrc/encdec_decode.cpp`` (+ ``shared_rows.h``, AVX-512 / AVX2 / scalar chosen at run time), built by
+:func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin; :func:`encdec_decode` dispatches to
+the op when it is built and the inputs are supported, else to the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .build import load_ops
+
+FAMILY = "encdec_decode"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.kvslim.encdec_decode`` is built and loaded (one warning from the build if not)."""
+    if not load_ops(FAMILY):
+        return False
+    torch.library.register_fake("kvslim::encdec_decode")(_fake)
+    return True
+
+
+def _fake(qt, enc, mask, lengths, scaling, splits=0):
+    b, h, d = qt.shape
+    return qt.new_empty(b, h, d), qt.new_empty(b, h)
+
+
+def isa() -> str:
+    """The instruction set the op runs with here (``avx512``, ``avx2`` or ``scalar``), or ``"twin"``."""
+    return torch.ops.kvslim.encdec_decode_isa() if available() else "twin"
+
+
+def reference(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None,
+              lengths: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's pure-torch twin (fp32 arithmetic).
+
+    Args:
+        qt: (B, h, d) absorbed queries.
+        enc: (B, n, d) encoder output.
+        mask: (B|1, n) additive fp32 mask shared by the heads, or ``None``.
+        lengths: (B,) int64 frames per sequence (frames at or after it are never used), or ``None``.
+        scaling: score scale.
+
+    Returns:
+        u (B, h, d) and lse (B, h), fp32.
+    """
+    n = enc.shape[1]
+    src = enc.float()
+    scores = torch.einsum("bhd,bnd->bhn", qt.float(), src) * scaling
+    if mask is not None:
+        scores = scores + mask[:, None].float()
+    if lengths is not None:  # never use a frame past a sequence's length (it may hold anything, NaN included)
+        live = torch.arange(n, device=enc.device)[None, :] < lengths[:, None]  # (B, n)
+        src = torch.where(live[..., None], src, torch.zeros((), dtype=src.dtype))
+        scores = scores.masked_fill(~live[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("bhn,bnd->bhd", torch.softmax(scores, dim=-1), src), lse
+
+
+def supported(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether the op takes these inputs: CPU, fp32/bf16 E, matching widths, a 2-D mask, no autograd."""
+    if qt.device.type != "cpu" or enc.device.type != "cpu" or enc.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if qt.dim() != 3 or enc.dim() != 3 or qt.shape[2] != enc.shape[2] or enc.shape[1] == 0:
+        return False
+    if mask is not None and mask.dim() != 2:
+        return False
+    return not (torch.is_grad_enabled() and (qt.requires_grad or enc.requires_grad))
+
+
+def encdec_decode(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None,
+                  lengths: torch.Tensor | None = None, scaling: float = 1.0, splits: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+
+    ``splits`` forces the number of sequence splits per row of the batch (0: chosen from batch and threads).
+    """
+    if available() and supported(qt, enc, mask):
+        return torch.ops.kvslim.encdec_decode(qt.float(), enc, None if mask is None else mask.float(), lengths,
+                                              float(scaling), int(splits))
+    return reference(qt, enc, mask, lengths, scaling)
