@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from .adapters.generate import STATE, AppliedState, check_model_class
 from .adapters.shape import shape_from_config
 from .caches import KVSlimCache
 from .methods import METHODS
 from .methods.base import parse_dtype
 from .plan import Plan
-
-_STATE = "_kvslim_state"
 
 
 def _method(method: str):
@@ -24,44 +21,34 @@ def _method(method: str):
 def apply(model: torch.nn.Module, method: str, **options) -> Plan:
     """Prepare ``model`` in place for ``method`` and return its printable per-layer plan.
 
-    After this, ``model.generate(...)`` uses a kvslim cache unless a ``past_key_values`` is passed.
-    A previous ``apply`` is undone first. On a ``ValueError`` (unknown method, unsupported model, bad option)
-    the model is left exactly as it was.
+    After this, ``model.generate(...)`` builds a fresh kvslim cache for each call (each decoder pass) unless a
+    ``past_key_values`` is passed, ``use_cache=False`` or a ``cache_implementation`` is asked for (see
+    :mod:`kvslim.adapters.generate`: HF's own cache hook, no wrapper around ``generate``). A previous ``apply``
+    is undone first. On a ``ValueError`` (unknown method, unsupported model, bad option) the model is left
+    exactly as it was.
     """
     m = _method(method)
     plan = m.plan_model(model, **options)  # validates; changes nothing
+    check_model_class(model)
     restore(model)
     m.prepare(model, plan)
-    setattr(model, _STATE, plan)
-    original = type(model).generate.__get__(model)
-
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is None:
-            cache = make_cache(model, max_length=_max_length(args, kwargs, model))
-            if _unpadded(args, kwargs, model) and hasattr(cache, "declare_unpadded"):
-                cache.declare_unpadded()
-            kwargs["past_key_values"] = cache
-        return original(*args, **kwargs)
-
-    model.generate = generate
+    setattr(model, STATE, AppliedState(plan))
     return plan
 
 
 def restore(model: torch.nn.Module) -> None:
     """Undo :func:`apply` (no-op for a model that was never applied)."""
-    plan = getattr(model, _STATE, None)
+    plan = get_plan(model)
     if plan is None:
         return
     METHODS[plan.method].restore(model)
-    delattr(model, _STATE)
-    if "generate" in vars(model):
-        del model.generate
+    delattr(model, STATE)
 
 
 def get_plan(model: torch.nn.Module) -> Plan | None:
     """The plan applied to ``model``, or ``None``."""
-    return getattr(model, _STATE, None)
+    state = vars(model).get(STATE)
+    return state.plan if isinstance(state, AppliedState) else None
 
 
 def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimCache:
@@ -87,25 +74,3 @@ def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **op
     if reason:
         raise ValueError(f"method {method!r} does not apply to this {shape.model_type} model: {reason}")
     return m.plan(shape, parse_dtype(dtype), **options)
-
-
-def _unpadded(args, kwargs, model) -> bool:
-    """True when no prompt of this ``generate`` call is padded (so no position will ever be masked)."""
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        return bool(mask.bool().all())
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
-    return isinstance(ids, torch.Tensor) and (pad is None or not bool((ids == pad).any()))
-
-
-def _max_length(args, kwargs, model) -> int | None:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    new = kwargs.get("max_new_tokens")
-    if ids is None or new is None:
-        gc = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        new = new if new is not None else getattr(gc, "max_new_tokens", None)
-        if ids is None or new is None:
-            return None
-    return int(ids.shape[-1]) + int(new)

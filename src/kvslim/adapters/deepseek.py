@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import mla
+from .bound import BoundForward
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _STATE = "_kvslim_mla"
@@ -50,7 +51,7 @@ def patch(model, impl: str, prefill_threshold: int | None, absorb_dtype: torch.d
     """Replace every MLA module's ``forward`` (per instance) by the kvslim one."""
     for m in attention_modules(model):
         setattr(m, _STATE, MLAPatch(impl, prefill_threshold, absorb_dtype))
-        m.forward = _bind(m)
+        m.forward = BoundForward(mla_forward, m)
 
 
 def unpatch(model) -> None:
@@ -119,9 +120,3 @@ def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tenso
         out = mla.LATENT_PATHS[impl](q_nope, q_pe, c_kv, k_pe, w, attention_mask)
     out = out.transpose(1, 2).reshape(b, s, -1)  # (B, S, H·dv)
     return module.o_proj(out), None
-
-
-def _bind(module):
-    def forward(*args, **kwargs):
-        return mla_forward(module, *args, **kwargs)
-    return forward

@@ -10,8 +10,6 @@ original forward, so outputs stay correct in every case.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +17,7 @@ from ..attention.encdec import CrossWeights, additive_bias, shared_cross_attenti
 from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.encdec import EncDecSlimCache, SharedEncoderCache
 from ..caches.slim import SlimLayer
+from .bound import BoundForward
 
 _ORIG = "_kvslim_original_forward"
 
@@ -42,7 +41,7 @@ def _rows(adapter, attn, w: SlimLayerWeights, x: torch.Tensor) -> torch.Tensor:
 
 def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder self-attention module (bound per instance)."""
-    original = getattr(self, _ORIG)
+    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
     past = kwargs.get("past_key_values")
     layer = past.self_attention_cache.layers[self.layer_idx] if isinstance(past, EncDecSlimCache) else None
     if args or not isinstance(layer, SlimLayer) or kwargs.get("key_value_states") is not None:
@@ -77,7 +76,7 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
 
 def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder cross-attention module (bound per instance)."""
-    original = getattr(self, _ORIG)
+    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
     past = kwargs.get("past_key_values")
     enc_in = kwargs.get("key_value_states")
     if (args or enc_in is None or not isinstance(past, EncDecSlimCache)
@@ -101,16 +100,9 @@ def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *
     return _pack(adapter, out, position_bias)
 
 
-def _bind(fn, adapter, w):
-    def forward(self, hidden_states, *args, **kwargs):
-        return fn(self, adapter, w, hidden_states, *args, **kwargs)
-    return forward
-
-
 def _patch_one(attn, fn, adapter, w) -> None:
-    if not hasattr(attn, _ORIG):
-        setattr(attn, _ORIG, attn.forward)
-    attn.forward = types.MethodType(_bind(fn, adapter, w), attn)
+    setattr(attn, _ORIG, True)
+    attn.forward = BoundForward(fn, attn, adapter, w)
 
 
 def patch(model, adapter, self_weights: dict[int, SlimLayerWeights], cross_weights: dict[int, CrossWeights]

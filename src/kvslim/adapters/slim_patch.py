@@ -12,7 +12,6 @@ decode runs :func:`~kvslim.attention.slim.slim_attention` over the stored rows.
 from __future__ import annotations
 
 import sys
-import types
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -20,6 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.slim import SlimLayer
 from ..ops.rope import rotate
+from .bound import BoundForward
 
 _ORIG = "_kvslim_original_forward"
 
@@ -52,7 +52,7 @@ class RopeTable:
 def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hidden_states: torch.Tensor,
                  *args, **kwargs):
     """Replacement ``forward`` of one HF attention module (bound per instance)."""
-    original = getattr(self, _ORIG)
+    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
     past = kwargs.get("past_key_values")
     layers = getattr(past, "layers", None)
     layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
@@ -111,16 +111,8 @@ def patch(model, adapter, weights: dict[int, SlimLayerWeights]) -> None:
     for i, attn in enumerate(adapter.attention_modules(model)):
         if i not in weights:
             continue
-        if not hasattr(attn, _ORIG):
-            setattr(attn, _ORIG, attn.forward)
-        fn = _bind(adapter, weights[i], rope)
-        attn.forward = types.MethodType(fn, attn)
-
-
-def _bind(adapter, w, rope):
-    def forward(self, hidden_states, *args, **kwargs):
-        return slim_forward(self, adapter, w, rope, hidden_states, *args, **kwargs)
-    return forward
+        setattr(attn, _ORIG, True)
+        attn.forward = BoundForward(slim_forward, attn, adapter, weights[i], rope)
 
 
 def unpatch(model, adapter) -> None:

@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .storage import StoreSpec, TensorStore, make_store
 
 
+def _index_select(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return t.index_select(0, idx.to(t.device))
+
+
+def _repeat(t: torch.Tensor, repeats: int) -> torch.Tensor:
+    return t.repeat_interleave(repeats, dim=0)
+
+
+def _select(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return t[indices]
+
+
+def check_crop(tokens_to_remove: int) -> None:
+    """HF's ``DynamicLayer.crop`` contract: a positive count is refused (the legacy "keep n" meaning is gone)."""
+    if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
+        raise ValueError(f"tokens_to_remove must be an int, got {tokens_to_remove!r}")
+    if tokens_to_remove > 0:
+        raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                         "Please use a negative integer to remove that number of tokens from the cache instead.")
+
+
 class BatchOpsMixin:
     """HF's beam-search / batch-editing entry points in terms of one ``_map_batch(fn)`` over the tensors a
-    layer holds per sequence (axis 0). Offloading is not supported: the layer owns its tensors."""
+    layer holds per sequence (axis 0). Offloading is not supported: the layer owns its tensors.
+    (Module-level functions and ``functools.partial``, never lambdas: caches pickle.)"""
 
     def _map_batch(self, fn) -> None:
         raise NotImplementedError
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_batch(functools.partial(_index_select, idx=beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_batch(functools.partial(_repeat, repeats=repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        self._map_batch(functools.partial(_select, indices=indices))
 
     def offload(self) -> None:
         return None
@@ -55,10 +79,14 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
     def _initial_capacity(self, incoming: int) -> int:
         raise NotImplementedError
 
+    def value_spec(self) -> StoreSpec:
+        """How the second tensor of ``update`` is stored (values: the key spec without key-only options)."""
+        return self.spec.for_values()
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cap = self._initial_capacity(key_states.shape[2])
         self.k_store = make_store(self.spec, key_states, cap)
-        self.v_store = make_store(self.spec.for_values(), value_states, cap)  # smoothing, KIVI: keys only
+        self.v_store = make_store(self.value_spec(), value_states, cap)  # smoothing, KIVI: keys only
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -68,11 +96,23 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         if key_states.shape[:3] != value_states.shape[:3]:
             raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
                              "must agree in batch, heads and seq")
+        if key_states.dtype != value_states.dtype:
+            raise ValueError(f"key_states ({key_states.dtype}) and value_states ({value_states.dtype}) must share "
+                             "a dtype")
         if self.is_initialized:
             b, h = self.k_store.data.shape[:2]
-            if key_states.shape[:2] != (b, h) or key_states.dtype != self.dtype:
-                raise ValueError(f"key_states must be (batch={b}, heads={h}, seq, dim) in {self.dtype}, got "
-                                 f"{tuple(key_states.shape)} in {key_states.dtype}")
+            for name, x, store in (("key_states", key_states, self.k_store), ("value_states", value_states,
+                                                                                 self.v_store)):
+                if x.shape[:2] != (b, h) or x.shape[3] != store.dim or x.dtype != self.dtype:
+                    raise ValueError(f"{name} must be (batch={b}, heads={h}, seq, head_dim={store.dim}) in "
+                                     f"{self.dtype}, got {tuple(x.shape)} in {x.dtype}")
+        elif self.spec.bits:
+            for name, x, spec in (("key_states", key_states, self.spec), ("value_states", value_states,
+                                                                           self.value_spec())):
+                try:
+                    spec.check_dim(x.shape[3])
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
 
     # -- HF protocol -----------------------------------------------------------------------------------------
     def get_seq_length(self) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVStoreLayer
+from .base import KVStoreLayer, check_crop
 from .storage import StoreSpec
 
 
@@ -62,6 +62,7 @@ class AppendLayer(KVStoreLayer):
         return self.cumulative_length
 
     def crop(self, tokens_to_remove: int) -> None:
-        """HF semantics: a negative value removes that many tokens; a non-negative one keeps that many."""
-        keep = self.cumulative_length + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        self.cumulative_length = max(0, min(keep, self.cumulative_length))
+        """HF ``DynamicLayer.crop``: ``-n`` removes the last n tokens (all of them if n ≥ length), 0 removes
+        nothing, a positive value raises ``ValueError`` (as HF does). Buffers are kept; later writes overwrite."""
+        check_crop(tokens_to_remove)
+        self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)

@@ -26,10 +26,14 @@ class LatentLayer(AppendLayer):
     def __repr__(self) -> str:
         return f"LatentLayer(c_kv bits={self.spec.bits}, seen={self.cumulative_length})"
 
+    def value_spec(self) -> StoreSpec:
+        """``k_pe`` is always kept plain, in the model dtype."""
+        return StoreSpec()
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cap = self._initial_capacity(key_states.shape[2])
         self.k_store = make_store(self.spec, key_states, cap)  # c_kv: (B, 1, cap, dc), maybe quantized
-        self.v_store = make_store(StoreSpec(), value_states, cap)  # k_pe: (B, 1, cap, dr), model dtype
+        self.v_store = make_store(self.value_spec(), value_states, cap)  # k_pe: (B, 1, cap, dr), model dtype
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVStoreLayer
+from .base import KVStoreLayer, check_crop
 from .storage import StoreSpec
 
 
@@ -16,7 +16,7 @@ class RingLayer(KVStoreLayer):
     """Capacity ``window`` slots; O(1) writes; reads return the visible tokens in temporal order."""
 
     is_sliding = True
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, window: int, spec: StoreSpec | None = None):
         super().__init__(spec)
@@ -25,6 +25,66 @@ class RingLayer(KVStoreLayer):
         self.window = window
         #: no sequence has padding: decode may return the ring in slot order (no copy), see ``update``
         self.slot_order_ok = False
+        #: HF's ``activate_past_recording``: remember the ring before each step, and the step's tokens, until
+        #: the next ``crop`` (which can then take speculative tokens back exactly)
+        self.record_past = False
+        self._snapshot: tuple[int, list[list[torch.Tensor]] | None] | None = None  # (length, store tensors)
+        self._log: list[tuple[torch.Tensor, torch.Tensor]] = []  # key/value states written since the snapshot
+
+    def activate_past_recording(self) -> None:
+        """HF's hook before speculative decoding (assisted decoding, prompt lookup): from now on each step can be
+        rolled back by :meth:`crop`. Costs one copy of the W-slot ring per step while recording."""
+        self.record_past = True
+
+    def _remember(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.record_past:
+            return
+        if self._snapshot is None:
+            tensors = [[t.clone() for t in st.tensors()] for st in self._stores()] if self.is_initialized else None
+            self._snapshot = (self.cumulative_length, tensors)
+        self._log.append((key_states, value_states))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF semantics (``DynamicSlidingWindowLayer.crop``): ``-n`` removes the last n tokens, 0 removes nothing,
+        a positive value raises ``ValueError``. Taking back tokens that left the window needs
+        :meth:`activate_past_recording` first (``RuntimeError`` otherwise, as HF). Ends the recorded step."""
+        check_crop(tokens_to_remove)
+        c, target = self.cumulative_length, max(0, self.cumulative_length + tokens_to_remove)
+        if target < c:
+            if self._snapshot is None:
+                if max(0, target - (self.window - 1)) < max(0, c - self.window):
+                    raise RuntimeError("`crop` was called, but this ring-buffer layer does not track past states "
+                                       "and its window is full. Call `activate_past_recording` before `crop` to be "
+                                       "able to roll the cache back.")
+                self.cumulative_length = target
+            else:
+                self._replay(target)
+        self._snapshot, self._log = None, []
+
+    def _replay(self, target: int) -> None:
+        """Put the ring back as it was before the recorded step, then write the recorded tokens up to ``target``."""
+        length, tensors = self._snapshot
+        if target < length:
+            raise RuntimeError(f"crop to {target} tokens reaches before the recorded step (which began at {length})")
+        if tensors is None:
+            for st in self._stores():
+                st.reset()
+        else:
+            for st, saved in zip(self._stores(), tensors):
+                st.set_tensors(saved)
+        pos = self.cumulative_length = length
+        for k, v in self._log:
+            keep = min(k.shape[2], target - pos)
+            if keep <= 0:
+                break
+            self._write(pos, k[:, :, :keep], self.k_store)
+            self._write(pos, v[:, :, :keep], self.v_store)
+            pos += keep
+        self.cumulative_length = pos
+
+    def reset(self) -> None:
+        super().reset()
+        self._snapshot, self._log = None, []
 
     def _initial_capacity(self, incoming: int) -> int:
         return self.window
@@ -56,6 +116,7 @@ class RingLayer(KVStoreLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         c, s, w = self.cumulative_length, key_states.shape[2], self.window
+        self._remember(key_states, value_states)
         if s == 1 and c >= w - 1:
             # decode: overwrite the oldest slot, then read the whole window (positions c-W+1 .. c)
             self._write(c, key_states, self.k_store)

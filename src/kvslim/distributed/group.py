@@ -47,6 +47,8 @@ def init_group(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S)
         return 0, 1
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per rank (untested here: no GPU in this project's CI)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
     return dist.get_rank(), dist.get_world_size()
 
@@ -97,6 +99,7 @@ class Comm:
             ring all-reduce: 2·(N−1)/N·P for a payload of P bytes per rank).
         payload_bytes: bytes of the tensors handed to collectives (per rank).
         calls: number of collectives issued.
+        seconds: wall time spent inside collectives (transfer plus waiting for the slowest rank).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -105,14 +108,17 @@ class Comm:
         self.sent_bytes = 0
         self.payload_bytes = 0
         self.calls = 0
+        self.seconds = 0.0  # wall time inside collectives (includes waiting for slower ranks)
         self.watchdog = Watchdog(2 * timeout_s + 10, rank) if watchdog and world_size > 1 else None
 
     def reset_counters(self) -> None:
         self.sent_bytes = self.payload_bytes = self.calls = 0
+        self.seconds = 0.0
 
     def _run(self, what: str, fn) -> None:
         if self.watchdog:
             self.watchdog.enter(what)
+        t0 = time.perf_counter()
         try:
             fn()
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError on a dead peer or a timeout
@@ -121,6 +127,7 @@ class Comm:
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); a peer rank died, hung past the "
                 f"{self.timeout_s:.0f} s timeout, or left the job") from exc
         finally:
+            self.seconds += time.perf_counter() - t0
             if self.watchdog:
                 self.watchdog.leave()
 

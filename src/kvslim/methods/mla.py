@@ -14,7 +14,8 @@ import torch
 from ..adapters import deepseek
 from ..adapters.shape import ModelShape
 from ..attention.mla import IMPLS
-from ..caches import AppendLayer, StoreSpec
+from ..caches import StoreSpec
+from ..caches.factories import append_factory, latent_factory
 from ..caches.latent import LatentLayer
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
@@ -105,7 +106,7 @@ class MLAMethod(Method):
         if opts.impl == "decompressed":
             per_token, technique, exactness = dense, "mla-decompressed", "exact"
             note = f"per-head K ({shape.qk_nope_head_dim}+{dr}) and V ({shape.v_head_dim}) × {shape.num_heads} heads"
-            make = _append(opts.chunk)
+            make = append_factory(StoreSpec(), opts.chunk)
         else:
             if opts.bits and dc % opts.group_size:
                 raise ValueError(f"group_size={opts.group_size} must divide kv_lora_rank {dc}")
@@ -113,7 +114,7 @@ class MLAMethod(Method):
             technique = "mla-latent" + (f"-int{opts.bits}" if opts.bits else "")
             exactness = "lossy" if opts.bits else "exact"
             note = f"c_kv {dc}" + (f" int{opts.bits}/g{opts.group_size}" if opts.bits else "") + f" + k_pe {dr}"
-            make = _latent(opts.spec, opts.chunk)
+            make = latent_factory(opts.spec, opts.chunk)
         layers = tuple(LayerPlan(i, technique, per_token, None, exactness, note=note, factory=make)
                        for i in range(shape.num_layers))
         notes = (f"impl={opts.impl}" + (f", prefill ≥ {opts.prefill_threshold} tokens expands K/V once"
@@ -133,14 +134,6 @@ class MLAMethod(Method):
 
     def restore(self, model) -> None:
         deepseek.unpatch(model)
-
-
-def _append(chunk: int):
-    return lambda max_length: AppendLayer(StoreSpec(), chunk=chunk, max_length=max_length)
-
-
-def _latent(spec: StoreSpec, chunk: int):
-    return lambda max_length: LatentLayer(spec, chunk=chunk, max_length=max_length)
 
 
 MLA = MLAMethod()

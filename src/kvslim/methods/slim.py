@@ -20,8 +20,8 @@ from ..adapters.llama import LlamaAdapter
 from ..adapters.phi3 import Phi3Adapter
 from ..adapters.shape import ModelShape
 from ..adapters.slim_patch import patch, unpatch
-from ..caches import AppendLayer, StoreSpec
-from ..caches.slim import SlimLayer
+from ..caches import StoreSpec
+from ..caches.factories import append_factory, slim_factory
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
 from .slim_encdec import ENCDEC
@@ -259,11 +259,11 @@ def _layer_plan(i: int, tech: str, r: int, d: int, e: int, dk: int, dtype, spec:
     if tech == "kv":
         per_token = 2 * (e // dk) * spec.bytes_per_value_row(dk, dtype)
         return LayerPlan(i, "kv" + suffix, per_token,
-                         factory=lambda max_length: AppendLayer(spec, chunk=chunk, max_length=max_length))
+                         factory=append_factory(spec, chunk))
     width = {"k": e + r, "v": e, "x": d}[tech]
     label = f"slim-{tech}" + (f"+r{r}" if r else "") + suffix
     return LayerPlan(i, label, spec.bytes_per_value_row(width, dtype),
-                     factory=lambda max_length: SlimLayer(tech, width, spec, chunk=chunk, max_length=max_length))
+                     factory=slim_factory(tech, width, spec, chunk))
 
 
 def _choose(num: LayerNumerics, opts: SlimOptions, floor: float, rope: bool) -> tuple[Candidate, bool]:

@@ -21,9 +21,9 @@ from ..adapters.shape import ModelShape, shape_from_config
 from ..adapters.t5 import T5Adapter
 from ..adapters.whisper import WhisperAdapter
 from ..attention.encdec import CrossWeights
-from ..caches import AppendLayer, StoreSpec
+from ..caches import StoreSpec
 from ..caches.encdec import EncDecSlimCache
-from ..caches.slim import SlimLayer
+from ..caches.factories import append_factory, slim_factory
 from ..plan import LayerPlan, Plan
 from .base import model_dtype, parse_dtype
 from .slim_policy import check_policy_fields
@@ -105,11 +105,11 @@ def _self_layer(i: int, tech: str, r: int, d: int, e: int, dk: int, dtype: torch
     spec = StoreSpec()
     if tech == "kv":
         return LayerPlan(i, "kv", 2 * e * dtype.itemsize,
-                         factory=lambda max_length: AppendLayer(spec, chunk=chunk, max_length=max_length), **kw)
+                         factory=append_factory(spec, chunk), **kw)
     width = {"k": e + r, "v": e, "x": d}[tech]
     label = f"slim-{tech}" + (f"+r{r}" if r else "")
     return LayerPlan(i, label, width * dtype.itemsize,
-                     factory=lambda max_length: SlimLayer(tech, width, spec, chunk=chunk, max_length=max_length),
+                     factory=slim_factory(tech, width, spec, chunk),
                      **kw)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from ..adapters.sdpa import restore_attention, use_packed_sdpa
 from ..adapters.shape import ModelShape
-from ..caches import AppendLayer, RingLayer, StoreSpec
+from ..caches import StoreSpec
+from ..caches.factories import append_factory, ring_factory
 from ..plan import LayerPlan, Plan
 from .base import Method, parse_dtype
 
@@ -140,7 +141,7 @@ class StorageMethod(Method):
                 layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed, note=fmt,
                                         residual=spec.residual, flush=spec.flush,
                                         residual_bytes_per_token=residual_row,
-                                        factory=_append(spec, opts.chunk)))
+                                        factory=append_factory(spec, opts.chunk)))
                 continue
             if sliding and window >= shape.sliding_window:
                 w, exactness = window, lossy
@@ -152,7 +153,7 @@ class StorageMethod(Method):
             name = f"{self.name}+window" if self.bits else "window"
             note = f"{note}; {fmt}" if fmt else note
             layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, fixed_bytes=fixed,
-                                    factory=_ring(spec, w)))
+                                    factory=ring_factory(spec, w)))
         if any(lp.exactness == "approximate" for lp in layers):
             notes.append("a ring buffer on layers the model runs with full attention drops old tokens: "
                          "outputs differ from the model once the context exceeds the window (measure with "
@@ -171,14 +172,6 @@ def _format_note(spec: StoreSpec, vspec: StoreSpec, dim: int, dtype: torch.dtype
     if spec.residual:
         note += f"; + ≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')}"
     return note
-
-
-def _append(spec: StoreSpec, chunk: int):
-    return lambda max_length: AppendLayer(spec, chunk=chunk, max_length=max_length)
-
-
-def _ring(spec: StoreSpec, window: int):
-    return lambda max_length: RingLayer(window, spec)
 
 
 DENSE = StorageMethod("dense", 0, windowed=False)

@@ -1,0 +1,51 @@
+"""Picklable per-layer cache factories: ``LayerPlan.factory(max_length)`` builds one layer.
+
+Plans (and the caches that keep their plan) must survive ``pickle`` and ``copy.deepcopy``: factories are
+``functools.partial`` objects over the module-level functions below, never lambdas or closures.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .dense import AppendLayer
+from .latent import LatentLayer
+from .slim import SlimLayer
+from .storage import StoreSpec
+from .window import RingLayer
+
+
+def _append(max_length: int | None, spec: StoreSpec, chunk: int) -> AppendLayer:
+    return AppendLayer(spec, chunk=chunk, max_length=max_length)
+
+
+def _ring(max_length: int | None, spec: StoreSpec, window: int) -> RingLayer:
+    return RingLayer(window, spec)
+
+
+def _latent(max_length: int | None, spec: StoreSpec, chunk: int) -> LatentLayer:
+    return LatentLayer(spec, chunk=chunk, max_length=max_length)
+
+
+def _slim(max_length: int | None, technique: str, width: int, spec: StoreSpec, chunk: int) -> SlimLayer:
+    return SlimLayer(technique, width, spec, chunk=chunk, max_length=max_length)
+
+
+def append_factory(spec: StoreSpec, chunk: int) -> functools.partial:
+    """Factory of :class:`AppendLayer` (K and V, plain or quantized)."""
+    return functools.partial(_append, spec=spec, chunk=chunk)
+
+
+def ring_factory(spec: StoreSpec, window: int) -> functools.partial:
+    """Factory of :class:`RingLayer` with ``window`` slots."""
+    return functools.partial(_ring, spec=spec, window=window)
+
+
+def latent_factory(spec: StoreSpec, chunk: int) -> functools.partial:
+    """Factory of MLA :class:`LatentLayer` (``c_kv`` with ``spec``, ``k_pe`` plain)."""
+    return functools.partial(_latent, spec=spec, chunk=chunk)
+
+
+def slim_factory(technique: str, width: int, spec: StoreSpec, chunk: int) -> functools.partial:
+    """Factory of slim-attention :class:`SlimLayer` rows of ``width`` values."""
+    return functools.partial(_slim, technique=technique, width=width, spec=spec, chunk=chunk)
