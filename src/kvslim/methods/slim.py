@@ -25,7 +25,8 @@ from ..caches.factories import append_factory, slim_factory
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
 from .slim_encdec import ENCDEC
-from .slim_policy import Candidate, LayerNumerics, check_policy_fields, rank_ladder
+from .slim_policy import Candidate, LayerNumerics, check_policy_fields, rank_ladder, weights_to_device
+from .slim_policy import choose as _choose
 
 ADAPTERS = {"gpt2": GPT2Adapter(), "llama": LlamaAdapter(), "phi3": Phi3Adapter()}
 CACHES = ("auto", "k", "v", "x", "kv")
@@ -213,7 +214,7 @@ class SlimMethod(Method):
             raise ValueError("prepare() needs a plan from plan_model() (it carries the precomputed maps)")
         dev = next(model.parameters()).device
         kernel = plan.options.get("kernel", "auto")
-        moved = {i: replace(_to_device(w, dev), kernel=kernel) for i, w in weights.items()}
+        moved = {i: replace(weights_to_device(w, dev), kernel=kernel) for i, w in weights.items()}
         patch(model, ADAPTERS[model.config.model_type], moved)
 
     def restore(self, model) -> None:
@@ -246,14 +247,6 @@ def _dname(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _to_device(w, dev):
-    from dataclasses import replace
-
-    moved = {f: getattr(w, f).to(dev) for f in ("value_map", "value_map_full", "score_map", "proj", "out_bias")
-             if getattr(w, f) is not None}
-    return replace(w, **moved)
-
-
 def _layer_plan(i: int, tech: str, r: int, d: int, e: int, dk: int, dtype, spec: StoreSpec, chunk: int) -> LayerPlan:
     suffix = f"+int{spec.bits}" if spec.bits else ""
     if tech == "kv":
@@ -264,52 +257,6 @@ def _layer_plan(i: int, tech: str, r: int, d: int, e: int, dk: int, dtype, spec:
     label = f"slim-{tech}" + (f"+r{r}" if r else "") + suffix
     return LayerPlan(i, label, spec.bytes_per_value_row(width, dtype),
                      factory=slim_factory(tech, width, spec, chunk))
-
-
-def _choose(num: LayerNumerics, opts: SlimOptions, floor: float, rope: bool) -> tuple[Candidate, bool]:
-    """The layer's choice and whether it is within the budget."""
-
-    def ok(c: Candidate) -> bool:
-        return c.error <= max(opts.budget * c.plain_error, floor)
-
-    multiple = opts.group_size if opts.bits else 8
-    if opts.cache == "kv":
-        return num.plain(), True
-    if opts.cache == "x":
-        c = num.measure_x()
-        return c, ok(c)
-    if opts.cache == "v":
-        c = num.measure_v()
-        return c, ok(c)
-    first = []
-    if opts.cache == "auto" and not rope:
-        first = [num.measure_x()]
-        if num.e == num.d:
-            first.append(num.measure_v())
-    if num.e >= num.d:
-        first.append(num.measure_k(opts.rank or 0, opts.basis))
-    first.sort(key=lambda c: (c.width, c.ratio))
-    for c in first:
-        if ok(c):
-            return c, True
-    if opts.cache == "k" and (opts.rank is not None or num.e < num.d):
-        c = first[-1]
-        return c, ok(c)
-    if opts.rank is None and num.e >= num.d:  # smallest r within budget (error falls with r: bisect)
-        ladder, best = rank_ladder(num.e, num.d, multiple), None
-        lo, hi = 0, len(ladder) - 1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c = num.measure_k(ladder[mid], opts.basis)
-            if ok(c):
-                best, hi = c, mid - 1
-            else:
-                lo = mid + 1
-        if best is not None:
-            return best, True
-    if opts.cache == "k":  # forced: best K-cache found, over budget
-        return min((c for c in first if c.technique == "k"), key=lambda c: c.error), False
-    return num.plain(), True
 
 
 def _calibration_ids(model, opts: SlimOptions) -> tuple[torch.Tensor, str]:

@@ -26,7 +26,7 @@ from ..caches.encdec import EncDecSlimCache
 from ..caches.factories import append_factory, slim_factory
 from ..plan import LayerPlan, Plan
 from .base import model_dtype, parse_dtype
-from .slim_policy import check_policy_fields
+from .slim_policy import LayerNumerics, Policy, check_policy_fields, choose, weights_to_device
 
 ADAPTERS = {"whisper": WhisperAdapter(), "t5": T5Adapter(), "bart": BartAdapter()}
 CACHES = ("auto", "k", "v", "x", "kv")
@@ -200,9 +200,6 @@ class SlimEncDec:
 
     # -- measured plan ---------------------------------------------------------------------------------------
     def plan_model(self, model, **options) -> EncDecPlan:
-        from .slim import SlimOptions, _choose
-        from .slim_policy import LayerNumerics
-
         shape, adapter = self.check_model(model)
         opts = self.options(**options)
         dtype = model_dtype(model)
@@ -211,8 +208,7 @@ class SlimEncDec:
         self._check_technique(opts.cache, adapter.has_rope, d, e)
         xs, n_tokens, source = _calibrate(model, adapter, opts)
         floor = DEFAULT_FLOOR[dtype] if opts.floor is None else float(opts.floor)
-        policy = SlimOptions(cache=opts.cache, decode=opts.decode, budget=opts.budget, floor=floor, rank=opts.rank,
-                             basis=opts.basis)
+        policy = Policy(cache=opts.cache, budget=opts.budget, rank=opts.rank, basis=opts.basis)
         spec = StoreSpec()
         layers, weights = [], {}
         for i, layer in enumerate(adapter.decoder_layers(model)):
@@ -221,7 +217,7 @@ class SlimEncDec:
             if opts.cache == "kv":
                 cand, within = num.plain(), True
             else:
-                cand, within = _choose(num, policy, floor, adapter.has_rope)
+                cand, within = choose(num, policy, floor, adapter.has_rope)
             kind = "exact" if within else "over budget"
             if not within:
                 warnings.warn(f"slim layer {i}: {cand.label} error {cand.error:.2e} is {cand.ratio:.1f}× the plain "
@@ -249,9 +245,7 @@ class SlimEncDec:
             raise ValueError("prepare() needs a plan from plan_model() (it carries the precomputed maps)")
         adapter = ADAPTERS[model.config.model_type]
         dev = next(model.parameters()).device
-        from .slim import _to_device
-
-        self_w = {i: _to_device(w, dev) for i, w in weights.items()}
+        self_w = {i: weights_to_device(w, dev) for i, w in weights.items()}
         cross_w = {}
         if plan.options.get("cross", "shared") == "shared":
             ct = torch.promote_types(model_dtype(model), torch.float32)

@@ -9,7 +9,8 @@ int8/int4). The budget compares it with the plain K+V cache's own error in the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,29 @@ from ..ops.weights import (
 )
 
 F64 = torch.float64
+
+
+class PolicyFields(Protocol):
+    """What :func:`choose` reads from a method's options."""
+
+    cache: str
+    budget: float
+    rank: int | None
+    basis: str
+    bits: int
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The policy fields alone (encoder-decoder slim, whose options have no int8/int4 rows)."""
+
+    cache: str = "auto"
+    budget: float = 2.0
+    rank: int | None = None
+    basis: str = "svd"
+    bits: int = 0
+    group_size: int = 8
 
 
 @dataclass
@@ -214,3 +238,63 @@ def check_policy_fields(opts) -> None:
         raise ValueError(f"max_calibration_tokens must be an int ≥ 8, got {opts.max_calibration_tokens!r}")
     if not isinstance(opts.chunk, int) or opts.chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {opts.chunk!r}")
+
+
+def choose(num: LayerNumerics, opts: PolicyFields, floor: float, rope: bool) -> tuple[Candidate, bool]:
+    """The layer's choice and whether it is within the budget.
+
+    Args:
+        num: the layer's measurements.
+        opts: the policy fields (``SlimOptions``, or :class:`Policy` for encoder-decoders).
+        floor: relative error always accepted.
+        rope: the layer has RoPE on K (no X-/V-cache then).
+    """
+
+    def ok(c: Candidate) -> bool:
+        return c.error <= max(opts.budget * c.plain_error, floor)
+
+    multiple = opts.group_size if opts.bits else 8
+    if opts.cache == "kv":
+        return num.plain(), True
+    if opts.cache == "x":
+        c = num.measure_x()
+        return c, ok(c)
+    if opts.cache == "v":
+        c = num.measure_v()
+        return c, ok(c)
+    first = []
+    if opts.cache == "auto" and not rope:
+        first = [num.measure_x()]
+        if num.e == num.d:
+            first.append(num.measure_v())
+    if num.e >= num.d:
+        first.append(num.measure_k(opts.rank or 0, opts.basis))
+    first.sort(key=lambda c: (c.width, c.ratio))
+    for c in first:
+        if ok(c):
+            return c, True
+    if opts.cache == "k" and (opts.rank is not None or num.e < num.d):
+        c = first[-1]
+        return c, ok(c)
+    if opts.rank is None and num.e >= num.d:  # smallest r within budget (error falls with r: bisect)
+        ladder, best = rank_ladder(num.e, num.d, multiple), None
+        lo, hi = 0, len(ladder) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = num.measure_k(ladder[mid], opts.basis)
+            if ok(c):
+                best, hi = c, mid - 1
+            else:
+                lo = mid + 1
+        if best is not None:
+            return best, True
+    if opts.cache == "k":  # forced: best K-cache found, over budget
+        return min((c for c in first if c.technique == "k"), key=lambda c: c.error), False
+    return num.plain(), True
+
+
+def weights_to_device(w: SlimLayerWeights, dev: torch.device) -> SlimLayerWeights:
+    """``w`` with its tensors moved to ``dev``."""
+    moved = {f: getattr(w, f).to(dev) for f in ("value_map", "value_map_full", "score_map", "proj", "out_bias")
+             if getattr(w, f) is not None}
+    return replace(w, **moved)
