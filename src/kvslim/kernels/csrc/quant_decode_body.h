@@ -1,0 +1,253 @@
+// Decode attention over grouped int8/int4 codes, one (sequence, KV head, split) task at a time (no include guard:
+// quant_decode.cpp includes this once per instruction set, inside its namespace with `using V = <traits>` and the
+// matching #pragma GCC target).
+//
+// Per block of T tokens: (1) the block's key codes are decoded into an L1/L2-resident fp32 scratch (T × D; never
+// the history), (2) scores of the G query heads of the KV group, 4 tokens at a time (transpose-reduced), (3) online
+// softmax per head (rescale only when the running max grows), (4) the block's value codes decoded the same way,
+// (5) acc[j] += p[j][t] · v[t] as a register tile over columns. The fp32 residual window (tail), when given, is
+// attended after the codes in the last split, read in place. Every index is bounded by QArgs (set from tensor
+// metadata by the op and checked there).
+
+// one group of `len` codes starting at a group boundary -> fp32 (x = q·s [+ z])
+template <int BITS, bool ASYM>
+inline void deq_group(const uint8_t* c, float s, float z, float* o, int64_t len) {
+  const auto vs = V::set1(s), vz = V::set1(z);
+  int64_t i = 0;
+  if (BITS == 8) {
+    for (; i + V::W <= len; i += V::W) {
+      auto x = ASYM ? V::u8(c + i) : V::i8(reinterpret_cast<const int8_t*>(c) + i);
+      V::store(o + i, ASYM ? V::fma(x, vs, vz) : V::mul(x, vs));
+    }
+    for (; i < len; ++i)
+      o[i] = ASYM ? static_cast<float>(c[i]) * s + z : static_cast<float>(static_cast<int8_t>(c[i])) * s;
+  } else {
+    for (; i + 2 * V::W <= len; i += 2 * V::W) {
+      typename V::R lo, hi;
+      V::template i4<!ASYM>(c + i / 2, lo, hi);
+      V::store(o + i, ASYM ? V::fma(lo, vs, vz) : V::mul(lo, vs));
+      V::store(o + i + V::W, ASYM ? V::fma(hi, vs, vz) : V::mul(hi, vs));
+    }
+    for (; i < len; i += 2) {
+      float lo, hi;
+      kvslim_vec::QuantScalar::template i4<!ASYM>(c + i / 2, lo, hi);
+      o[i] = ASYM ? lo * s + z : lo * s;
+      o[i + 1] = ASYM ? hi * s + z : hi * s;
+    }
+  }
+}
+
+// one row of D codes with per-channel parameters srow / zrow (D fp32 each; KIVI keys)
+template <int BITS, bool ASYM>
+inline void deq_channels(const uint8_t* c, const float* srow, const float* zrow, float* o, int64_t D) {
+  int64_t i = 0;
+  if (BITS == 8) {
+    for (; i + V::W <= D; i += V::W) {
+      auto x = ASYM ? V::u8(c + i) : V::i8(reinterpret_cast<const int8_t*>(c) + i);
+      V::store(o + i, ASYM ? V::fma(x, V::load(srow + i), V::load(zrow + i)) : V::mul(x, V::load(srow + i)));
+    }
+    for (; i < D; ++i) {
+      const float x = ASYM ? static_cast<float>(c[i]) : static_cast<float>(static_cast<int8_t>(c[i]));
+      o[i] = ASYM ? x * srow[i] + zrow[i] : x * srow[i];
+    }
+  } else {
+    for (; i + 2 * V::W <= D; i += 2 * V::W) {
+      typename V::R lo, hi;
+      V::template i4<!ASYM>(c + i / 2, lo, hi);
+      const float* s = srow + i;
+      const float* z = zrow + i;
+      V::store(o + i, ASYM ? V::fma(lo, V::load(s), V::load(z)) : V::mul(lo, V::load(s)));
+      V::store(o + i + V::W, ASYM ? V::fma(hi, V::load(s + V::W), V::load(z + V::W)) : V::mul(hi, V::load(s + V::W)));
+    }
+    for (; i < D; i += 2) {
+      float lo, hi;
+      kvslim_vec::QuantScalar::template i4<!ASYM>(c + i / 2, lo, hi);
+      o[i] = ASYM ? lo * srow[i] + zrow[i] : lo * srow[i];
+      o[i + 1] = ASYM ? hi * srow[i + 1] + zrow[i + 1] : hi * srow[i + 1];
+    }
+  }
+}
+
+// tokens [t0, t0 + m) of stream (b, h) -> dst (m × D fp32); `kivi` > 0: per-channel parameters per token group
+template <int BITS, bool ASYM>
+inline void deq_rows(const QArgs& a, const Codes& st, int64_t kivi, int64_t b, int64_t h, int64_t t0, int64_t m,
+                     float* dst, Scratch& sp) {
+  const int64_t D = a.D;
+  if (kivi > 0) {
+    for (int64_t t = t0; t < t0 + m; ++t) {
+      const int64_t g = t / kivi;
+      if (g != sp.row_group) {  // gather the group's D parameters from its kivi rows of D / kivi values
+        const int64_t per = D / kivi;
+        for (int64_t r = 0; r < kivi; ++r)
+          for (int64_t c = 0; c < per; ++c) {
+            sp.srow[r * per + c] = load_param(st.scale, b, h, g * kivi + r, c, a.sdt);
+            sp.zrow[r * per + c] = ASYM ? load_param(st.zero, b, h, g * kivi + r, c, a.sdt) : 0.f;
+          }
+        sp.row_group = g;
+      }
+      deq_channels<BITS, ASYM>(st.codes.at<uint8_t>(b, h, t), sp.srow.data(), sp.zrow.data(),
+                               dst + (t - t0) * D, D);
+    }
+    return;
+  }
+  const int64_t gs = a.gs, ng = D / gs;
+  for (int64_t t = t0; t < t0 + m; ++t) {
+    const uint8_t* c = st.codes.at<uint8_t>(b, h, t);
+    float* o = dst + (t - t0) * D;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float s = load_param(st.scale, b, h, t, g, a.sdt);
+      const float z = ASYM ? load_param(st.zero, b, h, t, g, a.sdt) : 0.f;
+      deq_group<BITS, ASYM>(c + g * gs * BITS / 8, s, z, o + g * gs, gs);
+    }
+  }
+}
+
+// sc[j·T + t] = q_j · k_t + mask[t] for t < m (q already scaled); D a multiple of V::W
+inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t krs, int64_t m,
+                         const float* mask, float* sc, int64_t ps) {
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) {
+    const float *k0 = k + t * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = q + j * D;
+      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+      for (int64_t i = 0; i < D; i += V::W) {
+        auto qv = V::load(qj + i);
+        a0 = V::fma(qv, V::load(k0 + i), a0);
+        a1 = V::fma(qv, V::load(k1 + i), a1);
+        a2 = V::fma(qv, V::load(k2 + i), a2);
+        a3 = V::fma(qv, V::load(k3 + i), a3);
+      }
+      float s[4];
+      V::hsum4(a0, a1, a2, a3, s);
+      for (int r = 0; r < 4; ++r) sc[j * ps + t + r] = s[r] + (mask ? mask[t + r] : 0.f);
+    }
+  }
+  for (; t < m; ++t) {
+    const float* kt = k + t * krs;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = q + j * D;
+      auto a0 = V::zero();
+      for (int64_t i = 0; i < D; i += V::W) a0 = V::fma(V::load(qj + i), V::load(kt + i), a0);
+      sc[j * ps + t] = V::hsum(a0) + (mask ? mask[t] : 0.f);
+    }
+  }
+}
+
+// online softmax over the block: scores -> weights in place; rescales acc / l when a head's max grows.
+// Returns whether any head has a nonzero weight in the block.
+inline bool block_softmax(float* sc, int64_t ps, int64_t G, int64_t D, int64_t m, float* mrun, float* lrun,
+                          float* acc) {
+  bool any = false;
+  for (int64_t j = 0; j < G; ++j) {
+    float* s = sc + j * ps;
+    float bm = -INFINITY;
+    for (int64_t t = 0; t < m; ++t) bm = std::max(bm, s[t]);
+    if (bm == -INFINITY) {  // every token of the block masked for this head
+      std::fill(s, s + m, 0.f);
+      continue;
+    }
+    any = true;
+    if (bm > mrun[j]) {
+      const float f = mrun[j] == -INFINITY ? 0.f : std::exp(mrun[j] - bm);
+      lrun[j] *= f;
+      float* aj = acc + j * D;
+      const auto vf = V::set1(f);
+      for (int64_t i = 0; i < D; i += V::W) V::store(aj + i, V::mul(V::load(aj + i), vf));
+      mrun[j] = bm;
+    }
+    const auto vm = V::set1(mrun[j]);
+    auto vsum = V::zero();
+    int64_t t = 0;
+    for (; t + V::W <= m; t += V::W) {
+      auto p = V::exp(V::sub(V::load(s + t), vm));
+      V::store(s + t, p);
+      vsum = V::add(vsum, p);
+    }
+    float sum = V::hsum(vsum);
+    for (; t < m; ++t) {
+      const float x = s[t] - mrun[j];
+      s[t] = x < kvslim_vec::kExpLo ? 0.f : std::exp(x);
+      sum += s[t];
+    }
+    lrun[j] += sum;
+  }
+  return any;
+}
+
+// acc[j] += Σ_t p[j][t] · v_t (tokens with weight 0 skipped: a masked row is never read); D a multiple of V::W
+inline void block_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t vrs, int64_t m,
+                         float* acc) {
+  for (int64_t j = 0; j < G; ++j) {
+    const float* pj = p + j * ps;
+    float* aj = acc + j * D;
+    int64_t c = 0;
+    for (; c + 4 * V::W <= D; c += 4 * V::W) {
+      auto a0 = V::load(aj + c), a1 = V::load(aj + c + V::W), a2 = V::load(aj + c + 2 * V::W),
+           a3 = V::load(aj + c + 3 * V::W);
+      for (int64_t t = 0; t < m; ++t) {
+        if (pj[t] == 0.f) continue;
+        const auto w = V::set1(pj[t]);
+        const float* vt = v + t * vrs + c;
+        a0 = V::fma(w, V::load(vt), a0);
+        a1 = V::fma(w, V::load(vt + V::W), a1);
+        a2 = V::fma(w, V::load(vt + 2 * V::W), a2);
+        a3 = V::fma(w, V::load(vt + 3 * V::W), a3);
+      }
+      V::store(aj + c, a0);
+      V::store(aj + c + V::W, a1);
+      V::store(aj + c + 2 * V::W, a2);
+      V::store(aj + c + 3 * V::W, a3);
+    }
+    for (; c < D; c += V::W) {
+      auto a0 = V::load(aj + c);
+      for (int64_t t = 0; t < m; ++t)
+        if (pj[t] != 0.f) a0 = V::fma(V::set1(pj[t]), V::load(v + t * vrs + c), a0);
+      V::store(aj + c, a0);
+    }
+  }
+}
+
+// one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
+// acc (G × D) gets the unnormalised sum, mo / lo (G) the running max and denominator.
+template <int BITS, bool ASYM>
+void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
+              Scratch& sp) {
+  const int64_t G = a.G, D = a.D, T = sp.T;
+  const int64_t len = a.lengths ? a.lengths[b] : a.n;
+  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
+  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
+  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) sp.q[i] = qsrc[i] * a.scaling;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < G; ++j) {
+    mo[j] = -INFINITY;
+    lo[j] = 0.f;
+  }
+  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  sp.row_group = -1;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+    const int64_t m = std::min(T, t_end - t0);
+    deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, t0, m, sp.k.data(), sp);
+    block_scores(sp.q.data(), G, D, sp.k.data(), D, m, mask ? mask + t0 : nullptr, sp.sc.data(), T);
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    const int64_t saved = sp.row_group;
+    deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups, reuse the buffer
+    sp.row_group = saved;
+    block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
+  }
+  if (s != S - 1 || a.r == 0) return;
+  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
+    const int64_t m = std::min(T, a.r - t0);
+    const float* kt = a.kt.at<float>(b, h, t0);
+    const float* vt = a.vt.at<float>(b, h, t0);
+    block_scores(sp.q.data(), G, D, kt, a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    block_values(sp.sc.data(), T, G, D, vt, a.vt.ts, m, acc);
+  }
+}
+
+inline TaskFn pick(int bits, bool asym) {
+  if (bits == 8) return asym ? run_task<8, true> : run_task<8, false>;
+  return asym ? run_task<4, true> : run_task<4, false>;
+}

@@ -1,0 +1,148 @@
+"""Decode attention straight from grouped int8/int4 KV codes: the C++ op ``torch.ops.kvslim.quant_decode``.
+
+For one query token per sequence, the G query heads of each KV head attend over the first ``lengths[b]`` (≤ n)
+coded tokens of that KV head, then over an optional fp32 tail (a residual window kept in full precision):
+
+    out[b, h, j] = softmax_t(scaling · q[b, h, j] · k_t + mask[b, t]) · v_t        (B, Hk, G, D) fp32
+    lse[b, h, j] = log Σ_t exp(scaling · q[b, h, j] · k_t + mask[b, t])            (B, Hk, G)    fp32
+
+with ``k_t``/``v_t`` the values the codes stand for (:mod:`kvslim.ops.quant`, :mod:`kvslim.ops.quant_formats`):
+symmetric ``q·s`` or asymmetric ``q·s + z`` (``k_zero``/``v_zero`` given), scales per token over ``group_size``
+channels, or for keys with ``key_channel_group`` g > 0 per channel over groups of g tokens (KIVI layout of
+:class:`kvslim.caches.residual.ChannelQuantizedStore`). The op never materialises the history in full precision
+(it decodes a block of tokens at a time into a small scratch). Source: ``csrc/quant_decode.cpp`` (+
+``quant_decode_body.h``, ``vec_quant.h``; AVX-512 / AVX2 / scalar chosen at run time), built by
+:func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax
+attention in fp32); :func:`quant_decode` dispatches to the op when it is built and the inputs are supported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ops.quant import dequantize
+from ..ops.quant_formats import dequantize_asym, unpack_codes
+from .build import load_ops
+
+FAMILY = "quant_decode"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.kvslim.quant_decode`` is built and loaded (one warning from the build if not)."""
+    if not load_ops(FAMILY):
+        return False
+    torch.library.register_fake("kvslim::quant_decode")(_fake)
+    return True
+
+
+def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
+          k_tail, v_tail, mask, scaling, splits=0):
+    b, hk, g, d = q.shape
+    return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
+
+
+def isa(head_dim: int = 64) -> str:
+    """The instruction set the op runs with for ``head_dim`` here (``avx512``, ``avx2``, ``scalar``) or ``twin``."""
+    return torch.ops.kvslim.quant_decode_isa(head_dim) if available() else "twin"
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                     group_size: int, channel_group: int = 0) -> torch.Tensor:
+    """The fp32 values (B, H, T, D) codes (B, H, T, D·bits/8) stand for; ``channel_group`` > 0: per-channel
+    parameters over token groups (T a multiple of it)."""
+    if channel_group:
+        q = unpack_codes(codes, bits, signed=zero is None).float().unflatten(2, (-1, channel_group))
+        per_group = (*scale.shape[:2], -1, scale.shape[3] * channel_group)  # (B, H, T/g, D)
+        y = q * scale.float().reshape(per_group).unsqueeze(3)
+        if zero is not None:
+            y = y + zero.float().reshape(per_group).unsqueeze(3)
+        return y.flatten(2, 3)
+    if zero is not None:
+        return dequantize_asym(codes, scale, zero, bits, group_size)
+    return dequantize(codes, scale, bits, group_size)
+
+
+def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor | None,
+              v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int, group_size: int,
+              key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
+              k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's pure-torch twin: dequantize the first ``n`` tokens, append the tail, softmax attention in fp32.
+
+    Args:
+        q: (B, Hk, G, D) queries, G query heads per KV head.
+        k_codes, v_codes: (B, Hk, ≥n, D·bits/8) codes (int8 for symmetric int8, else uint8).
+        k_scale, v_scale (k_zero, v_zero): (B, Hk, ≥n, D/group_size) per-token parameters; keys with
+            ``key_channel_group`` g > 0: (B, Hk, ≥n rounded up to g, D/g).
+        bits: 4 or 8; group_size: channels per per-token group; n: coded tokens.
+        lengths: (B,) int64 coded tokens to use per sequence (≤ n; later slots may hold anything, NaN included).
+        k_tail, v_tail: (B, Hk, r, D) fp32 tokens after the coded ones, or ``None``.
+        mask: (B|1, n + r) additive fp32, or ``None``.
+
+    Returns:
+        out (B, Hk, G, D) and lse (B, Hk, G), fp32.
+    """
+    g = key_channel_group
+    nk = -(-n // g) * g if g else n
+    keys = dequantize_codes(k_codes[:, :, :nk], k_scale[:, :, :nk], None if k_zero is None else k_zero[:, :, :nk],
+                            bits, group_size, g)[:, :, :n]
+    values = dequantize_codes(v_codes[:, :, :n], v_scale[:, :, :n], None if v_zero is None else v_zero[:, :, :n],
+                              bits, group_size)
+    live = torch.ones(q.shape[0], n, dtype=torch.bool)
+    if lengths is not None:  # never use a slot past a sequence's length (it may hold anything)
+        live = torch.arange(n)[None, :] < lengths[:, None]
+        keys = torch.where(live[:, None, :, None], keys, 0.0)
+        values = torch.where(live[:, None, :, None], values, 0.0)
+    if k_tail is not None:
+        keys = torch.cat((keys, k_tail.float()), dim=2)
+        values = torch.cat((values, v_tail.float()), dim=2)
+        live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool)), dim=1)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
+    if mask is not None:
+        scores = scores + mask.float()[:, None, None, :]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
+    return torch.einsum("bhgt,bhtd->bhgd", weights, values), lse
+
+
+def supported(q: torch.Tensor, k_codes: torch.Tensor, bits: int) -> bool:
+    """Whether the op takes these inputs: CPU tensors, int8/int4 codes, no autograd."""
+    if q.device.type != "cpu" or k_codes.device.type != "cpu" or bits not in (4, 8) or q.dim() != 4:
+        return False
+    return not (torch.is_grad_enabled() and q.requires_grad)
+
+
+def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor | None,
+                 v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int,
+                 group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
+                 k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, scaling: float = 1.0,
+                 splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+
+    Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
+    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads).
+    """
+    if (k_tail is None) != (v_tail is None):
+        raise ValueError("k_tail and v_tail come together")
+    if (k_zero is None) != (v_zero is None):
+        raise ValueError("k_zero and v_zero come together (asymmetric codes)")
+    if available() and supported(q, k_codes, bits):
+        k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
+        return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                             int(bits), int(group_size), int(key_channel_group), int(n), lengths,
+                                             k_tail, v_tail, mask, float(scaling), int(splits))
+    return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
+                     lengths, k_tail, v_tail, mask, scaling)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax merge of ``(out, lse)`` partials over disjoint token sets (..., D) / (...)."""
+    lse = torch.stack([p[1] for p in parts])
+    total = torch.logsumexp(lse, dim=0)
+    w = torch.exp(lse - total).nan_to_num(0.0)  # a part with no tokens (lse −inf) weighs 0
+    return sum(wi[..., None] * p[0] for wi, p in zip(w, parts)), total
