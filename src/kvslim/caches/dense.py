@@ -1,6 +1,7 @@
 """Append-only cache layer: preallocated buffers written by index, grown in chunks (never a per-step cat).
 
 Stores: every token's K and V (plain: memory factor 1; int8/int4: ~0.27/0.15 of fp32). Exact when plain.
+Quantized: each call attends to its own K/V in full precision; only the history is decoded from codes.
 """
 
 from __future__ import annotations
@@ -48,9 +49,30 @@ class AppendLayer(KVStoreLayer):
         self.k_store.write(start, key_states)
         self.v_store.write(start, value_states)
         self.cumulative_length = end
+        return (self._history_and_current(self.k_store, start, key_states, "k"),
+                self._history_and_current(self.v_store, start, value_states, "v"))
+
+    def _history_and_current(self, store, start: int, x: torch.Tensor, role: str) -> torch.Tensor:
+        """Tokens [0, start) as stored followed by the call's own ``x`` (B, H, S, D) as given.
+
+        A quantized store decodes only the history: the current call attends to its own keys and values in full
+        precision (as HF's ``QuantizedCache``); they are quantized for later calls only. Plain stores return a
+        view of the buffer (which holds ``x`` exactly).
+        """
         pool = self.scratch_pool
-        return (self.k_store.read(0, end, None if pool is None else (pool, "k")),
-                self.v_store.read(0, end, None if pool is None else (pool, "v")))
+        if not store.spec.bits:
+            return store.read(0, start + x.shape[2], None if pool is None else (pool, role))
+        if start == 0:
+            return x
+        if pool is None or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return torch.cat((store.read(0, start), x), dim=2)
+        b, h, s, d = x.shape
+        out = pool.view(role, b, h, start + s, d, x.device)  # sized first: the read below reuses it
+        hist = store.read(0, start, (pool, role))
+        if hist.data_ptr() != out.data_ptr():
+            out[:, :, :start] = hist
+        out[:, :, start:] = x
+        return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0

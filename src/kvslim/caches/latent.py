@@ -17,7 +17,7 @@ class LatentLayer(AppendLayer):
     """Append-only latent cache: preallocated, grown in chunks (:class:`AppendLayer`), two stores of own precision.
 
     ``update(c_kv (B, 1, S, dc), k_pe (B, 1, S, dr))`` returns all cached ``(c_kv, k_pe)`` as ``(B, 1, T, ·)``
-    in the model dtype (``c_kv`` dequantized when quantized, the current tokens as they will read back later).
+    in the model dtype (``c_kv`` history dequantized when quantized; the current tokens as given, in full precision).
     """
 
     def __init__(self, spec: StoreSpec | None = None, *, chunk: int = 256, max_length: int | None = None):

@@ -124,16 +124,22 @@ class RingLayer(KVStoreLayer):
             self.cumulative_length = c + 1
             if self.slot_order_ok:
                 # every visible position is unmasked and attention does not depend on key order: no copy
-                return self.k_store.read(0, w), self.v_store.read(0, w)
+                # (quantized: the decoded window is a fresh tensor; the current token's slot gets it unquantized)
+                keys, values = self.k_store.read(0, w), self.v_store.read(0, w)
+                if self.spec.bits:
+                    keys[:, :, c % w], values[:, :, c % w] = key_states[:, :, 0], value_states[:, :, 0]
+                return keys, values
             # HF's padding mask is positional: return positions c-W+1 .. c in temporal order
-            return (self._read_temporal(self.k_store, c + 1 - w, c + 1),
-                    self._read_temporal(self.v_store, c + 1 - w, c + 1))
+            if not self.spec.bits:
+                return (self._read_temporal(self.k_store, c + 1 - w, c + 1),
+                        self._read_temporal(self.v_store, c + 1 - w, c + 1))
+            return (torch.cat((self._read_temporal(self.k_store, c + 1 - w, c), key_states), dim=2),
+                    torch.cat((self._read_temporal(self.v_store, c + 1 - w, c), value_states), dim=2))
         # prefill / short history: the visible past is the last min(c, W-1) cached tokens plus all new ones
+        # (quantized storage: the current tokens are attended in full precision, as given)
         past = min(c, w - 1)
-        # (quantized storage: the current tokens are attended as they will read back later)
-        keys = torch.cat((self._read_temporal(self.k_store, c - past, c), self.k_store.roundtrip(key_states)), dim=2)
-        values = torch.cat((self._read_temporal(self.v_store, c - past, c), self.v_store.roundtrip(value_states)),
-                           dim=2)
+        keys = torch.cat((self._read_temporal(self.k_store, c - past, c), key_states), dim=2)
+        values = torch.cat((self._read_temporal(self.v_store, c - past, c), value_states), dim=2)
         self._write(c, key_states, self.k_store)
         self._write(c, value_states, self.v_store)
         self.cumulative_length = c + s

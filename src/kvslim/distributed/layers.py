@@ -217,14 +217,31 @@ class ShardedKVLayer(ShardedLayer):
                              f"heads and seq, got {tuple(key_states.shape)} and {tuple(value_states.shape)}")
         if self.stores is None:
             self._init_stores([key_states, value_states])
-        if self.cumulative_length == 0:
-            k, v = self.roundtrip([key_states, value_states])
+        c = self.cumulative_length
+        if c == 0:
+            if any(sp.smooth for sp in self.specs):
+                self.roundtrip([key_states, value_states])  # fits key smoothing on the whole prompt, as one process
+            k, v = key_states, value_states  # a call attends to its own K/V in full precision (as one process)
             self.append([key_states, value_states])
         else:
             self.append([key_states, value_states])
             (k, v), self.view_cols, self.view_live = self.local()
+            k, v = self._own_in_full_precision([k, v], [key_states, value_states], c)
         self.returned_key = k  # the attention hook checks that it was handed this layer's tensors
         return k, v
+
+    def _own_in_full_precision(self, views: list[torch.Tensor], tensors: list[torch.Tensor], first: int
+                               ) -> list[torch.Tensor]:
+        """Local slots holding this call's tokens (global index ≥ ``first``) get them as given, not decoded
+        (quantized stores; their views are fresh or scratch tensors, or a residual window that holds them)."""
+        if not any(sp.bits for sp in self.specs):
+            return views
+        mine = (self.view_cols >= first).nonzero().flatten()
+        if not mine.numel():
+            return views
+        src = self.view_cols[mine] - first
+        return [view.index_copy_(2, mine, x.index_select(2, src)) if sp.bits else view
+                for view, x, sp in zip(views, tensors, self.specs)]
 
 
 class ShardedLatentLayer(ShardedKVLayer):

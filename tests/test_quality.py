@@ -1,0 +1,118 @@
+"""Quantized caches (issue 11): each call attends to its own K/V in full precision, only the history is decoded
+from codes (every quantized store and layer kind); the int4/int2 defaults measured against the old format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvslim import api
+from kvslim.caches import KVSlimCache, StoreSpec
+from kvslim.caches.dense import AppendLayer
+from kvslim.caches.latent import LatentLayer
+from kvslim.caches.window import RingLayer
+from kvslim.methods import METHODS
+
+F16 = torch.float16
+SPECS = {
+    "int8 sym": StoreSpec(8, 32),
+    "int4 sym smooth": StoreSpec(4, 32, smooth=True),
+    "int4 asym fp16": StoreSpec(4, 32, F16, asymmetric=True),
+    "int4 asym kivi r64": StoreSpec(4, 32, F16, asymmetric=True, channel_group=16, residual=64, flush=16),
+    "int4 hadamard r32": StoreSpec(4, 32, F16, asymmetric=True, rotation="hadamard", residual=32, flush=8),
+    "int2 asym kivi r32": StoreSpec(2, 32, F16, asymmetric=True, channel_group=16, residual=32, flush=16),
+}
+
+
+def _calls(seed: int = 0, dim: int = 32):
+    """A prefill of 80 tokens, a chunk of 24, then 6 single tokens: (B=2, H=2, S, dim) K/V pairs."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in (80, 24, 1, 1, 1, 1, 1, 1):
+        k = torch.randn(2, 2, s, dim, generator=g) * torch.linspace(0.2, 4.0, dim)  # outlier channels
+        out.append((k, torch.randn(2, 2, s, dim, generator=g)))
+    return out
+
+
+def _layer(kind: str, spec: StoreSpec):
+    if kind == "append":
+        return AppendLayer(spec, chunk=32)
+    if kind == "ring":
+        return RingLayer(48, spec)
+    return LatentLayer(spec, chunk=32)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("kind", ["append", "ring", "latent"])
+def test_each_call_attends_its_own_kv_in_full_precision(kind, name, pooled):
+    spec = SPECS[name]
+    if kind == "ring" and spec.residual:
+        pytest.skip("a residual window needs an append-only cache (refused with window)")
+    layer = _layer(kind, spec)
+    if pooled:
+        KVSlimCache([layer])  # shares a scratch pool for dequantized reads (the fast fp32 path)
+    history_k, history_v, seen = [], [], 0
+    for k, v in _calls():
+        got_k, got_v = layer.update(k, v)
+        s = k.shape[2]
+        # the call's own tokens: exactly as given (not quantized)
+        assert torch.equal(got_k[:, :, -s:], k) and torch.equal(got_v[:, :, -s:], v)
+        # the history: what the cache stores, decoded (a plain layer fed the decoded history agrees)
+        visible = got_k.shape[2] - s
+        if visible:
+            raw_k = torch.cat(history_k, 2)[:, :, -visible:]
+            raw_v = torch.cat(history_v, 2)[:, :, -visible:]
+            err_k, err_v = (got_k[:, :, :visible] - raw_k).abs(), (got_v[:, :, :visible] - raw_v).abs()
+            scale_k = raw_k.abs().amax()
+            assert err_k.max() < 0.5 * scale_k  # decoded, not garbage ...
+            if not spec.residual or seen > spec.residual + 24:
+                assert err_k.max() > 0  # ... and really quantized (some tokens left the full-precision window)
+            if kind != "latent":  # k_pe (the second tensor of a latent layer) is always plain
+                assert err_v.max() < 0.5 * raw_v.abs().amax()
+        history_k.append(k)
+        history_v.append(v)
+        seen += s
+    assert layer.get_seq_length() == seen
+
+
+def test_ring_decode_in_slot_order_keeps_the_current_token_unquantized():
+    layer = RingLayer(16, StoreSpec(4, 32, smooth=True))
+    layer.slot_order_ok = True
+    calls = _calls()
+    for k, v in calls[:2]:
+        layer.update(k, v)
+    k, v = calls[2]
+    got_k, got_v = layer.update(k, v)
+    slot = (80 + 24) % 16
+    assert torch.equal(got_k[:, :, slot], k[:, :, 0]) and torch.equal(got_v[:, :, slot], v[:, :, 0])
+    others = [i for i in range(16) if i != slot]
+    raw = torch.cat((calls[0][0], calls[1][0]), 2)[:, :, 104 - 16:]  # positions 88..103 sit in slots 8..15, 0..7
+    raw = torch.cat((raw[:, :, 8:], raw[:, :, :8]), 2)  # slot order
+    err = (got_k[:, :, others] - raw[:, :, others]).abs().max()
+    assert 0 < err < 0.5 * raw.abs().max()  # the other slots: decoded history
+
+
+@pytest.mark.parametrize("method,opts", [("int8", {}), ("int4", {}), ("int2", dict(key_channel_group=16)),
+                                         ("int4", dict(window=16))])
+def test_prefill_logits_equal_the_dense_model(tiny, method, opts, one_thread):
+    """A prefill attends only to itself: with full-precision own K/V a quantized cache changes nothing there;
+    the next chunk attends to decoded history and differs (a little)."""
+    model = tiny("llama", num_hidden_layers=2)
+    ids = torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(3))
+    plan = METHODS[method].plan_model(model, group_size=16, **opts)
+    ref, cache = DynamicCache(), KVSlimCache([lp.factory(None) for lp in plan.layers], plan=plan)
+    with torch.inference_mode():
+        api.apply(model, "dense")
+        a = model(ids[:, :64], past_key_values=ref, use_cache=True).logits
+        b = model(ids[:, :64], past_key_values=cache, use_cache=True).logits
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+        a = model(ids[:, 64:], past_key_values=ref, use_cache=True).logits
+        b = model(ids[:, 64:], past_key_values=cache, use_cache=True).logits
+    api.restore(model)
+    d = (a - b).abs().max().item()
+    if plan.layers[0].residual >= 96:
+        assert d < 1e-5  # nothing left the full-precision residual window yet
+    else:
+        assert 0 < d < 1.0
