@@ -49,14 +49,28 @@ def decode(model, cache, batch: int, context: int, steps: int, comm=None) -> tup
     times, tokens, sent = [], [], []
     for i in range(steps + 1):
         pos = torch.full((batch, 1), context + i, dtype=torch.long)
-        before = comm.sent_bytes if comm is not None else 0
+        before = (comm.sent_bytes, comm.seconds) if comm is not None else (0, 0.0)
         t0 = time.perf_counter()
         out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
         tokens.append(tok.flatten().tolist())
-        sent.append((comm.sent_bytes if comm is not None else 0) - before)
+        if comm is not None:
+            sent.append((comm.sent_bytes - before[0], comm.seconds - before[1]))
     return times[1:], tokens, sent[1:]
+
+
+def collective_alone(comm, batch: int, heads: int, width: int, layers: int, repeats: int = 30) -> float:
+    """Median seconds of one decode step's worth of merges (``layers`` all-gathers of the partials) with
+    nothing else running: what the collective costs by itself."""
+    x = torch.randn(batch, heads, 1, width + 2)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            comm.all_gather(x, "collective timing")
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def worker(args) -> None:
@@ -97,14 +111,18 @@ def worker(args) -> None:
             fill(cache, model_b, args.batch, args.context)
             dist.barrier()
             times, toks, sent = decode(model_b, cache, args.batch, args.context, args.steps, rt.comm)
-            every = rt.comm.all_gather_object({"step_s": times, "cache_bytes": cache.nbytes, "sent": sent},
-                                              "bench results")
+            alone = collective_alone(rt.comm, args.batch, 12, 64, 12)
+            every = rt.comm.all_gather_object({"step_s": times, "cache_bytes": cache.nbytes,
+                                               "sent": [b for b, _ in sent], "comm_s": [c for _, c in sent],
+                                               "collective_alone_s": alone}, "bench results")
             del cache
             rt.cache = None
             if rank == 0:
                 b = {"step_s": [max(e["step_s"][i] for e in every) for i in range(args.steps)],
                      "cache_bytes_per_rank": [e["cache_bytes"] for e in every],
-                     "sent_per_step": [e["sent"] for e in every], "tokens": toks}
+                     "sent_per_step": [e["sent"] for e in every], "tokens": toks,
+                     "comm_s_per_step": [e["comm_s"] for e in every],
+                     "collective_alone_s": max(e["collective_alone_s"] for e in every)}
                 rounds.append({"A": a, "B": b, "A1": a1})
                 print(f"[{method} round {r}] A {statistics.median(a['step_s']) * 1e3:.0f} ms/step, "
                       f"B {statistics.median(b['step_s']) * 1e3:.0f} ms/step"
@@ -137,7 +155,10 @@ def summarize(method: str, rounds: list[dict], args) -> dict:
               "step_s_median": statistics.median(b_steps),
               "cache_bytes_per_rank": rounds[0]["B"]["cache_bytes_per_rank"],
               "sent_bytes_per_step": sorted({s for per_rank in sent for s in per_rank}),
-              "sent_bound": bound},
+              "sent_bound": bound,
+              "collective_alone_s_per_step": statistics.median(r["B"]["collective_alone_s"] for r in rounds),
+              "in_collectives_s_per_step_rank0": statistics.median(
+                  t for r in rounds for t in r["B"]["comm_s_per_step"][0])},
         "speed_ratio_B_over_A": statistics.median(a_steps) / statistics.median(b_steps),
         "A1": None if rounds[0]["A1"] is None else {
             "config": "1 rank x 1 thread",
@@ -160,6 +181,8 @@ def write(records: list[dict], args, json_too: bool = True) -> None:
               f"B/A {r['speed_ratio_B_over_A']:.2f} (rounds {', '.join(f'{x:.2f}' for x in r['speed_ratio_per_round'])}), "
               f"cache/rank {r['B']['cache_bytes_per_rank']} of {r['A']['cache_bytes']}, "
               f"sent/step {r['B']['sent_bytes_per_step']} (bound {r['B']['sent_bound']}), "
+              f"merges alone {r['B'].get('collective_alone_s_per_step', 0) * 1e3:.2f} ms/step, "
+              f"in collectives {r['B'].get('in_collectives_s_per_step_rank0', 0) * 1e3:.0f} ms/step, "
               f"same tokens {r['same_tokens']}")
     try:
         import matplotlib

@@ -90,8 +90,9 @@ class StorageMethod(Method):
         return None
 
     def prepare(self, model, plan: Plan) -> None:
-        """HF's own attention keeps running; GQA decode gets packed queries (see ``adapters/sdpa.py``)."""
-        model._kvslim_attn_previous = use_packed_sdpa(model)
+        """HF's own attention keeps running; GQA decode gets packed queries, int8/int4 decode the fused kernel
+        (see ``adapters/sdpa.py``)."""
+        model._kvslim_attn_previous = use_packed_sdpa(model, quantized=self.bits in (4, 8))
 
     def restore(self, model) -> None:
         restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))

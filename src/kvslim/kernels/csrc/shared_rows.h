@@ -118,7 +118,19 @@ inline int64_t auto_splits(int64_t B, int64_t n, int64_t T) {
   return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
 }
 
-// u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic)
+// normalise the h accumulators of one task (S = 1): u = acc / l, lse = m + log l
+inline void finish(float* u, float* lse, const float* m, const float* l, int64_t h, int64_t c) {
+  for (int64_t j = 0; j < h; ++j) {
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    float* o = u + j * c;
+    for (int64_t k = 0; k < c; ++k) o[k] *= inv;
+    lse[j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
+  }
+}
+
+// u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic).
+// One parallel region per call when S = 1 (each task normalises its own sequence): on a loaded machine every
+// region costs a wake-up of the other threads, which can exceed the work of a small decode step.
 inline void run(const Args& a, int64_t S, float* u, float* lse) {
   const int64_t T = chunk_rows(a.c);
   if (S <= 0) S = auto_splits(a.B, a.n, T);
@@ -132,11 +144,16 @@ inline void run(const Args& a, int64_t S, float* u, float* lse) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S;
       float* acc = S > 1 ? part_acc.data() + task * hc : u + b * hc;
-      fn(a, b, s, S, acc, part_m.data() + task * a.h, part_l.data() + task * a.h, sp);
+      float *m = part_m.data() + task * a.h, *l = part_l.data() + task * a.h;
+      fn(a, b, s, S, acc, m, l, sp);
+      if (S == 1) finish(acc, lse + b * a.h, m, l, a.h, a.c);
     }
   });
-  // normalise (S = 1) or merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
-  at::parallel_for(0, a.B * a.h, 16, [&](int64_t begin, int64_t end) {
+  if (S == 1) return;
+  // merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M); in parallel only when the
+  // merge itself is large (it reads B·h·S·c floats, usually a few µs of work)
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 18) / std::max<int64_t>(S * a.c, 1));
+  at::parallel_for(0, a.B * a.h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(S);
     for (int64_t bj = begin; bj < end; ++bj) {
       const int64_t b = bj / a.h, j = bj % a.h;
@@ -150,16 +167,12 @@ inline void run(const Args& a, int64_t S, float* u, float* lse) {
       }
       float* o = u + b * hc + j * a.c;
       const float inv = den > 0.f ? 1.f / den : 0.f;
-      if (S == 1) {
-        for (int64_t k = 0; k < a.c; ++k) o[k] *= inv;
-      } else {
-        std::fill(o, o + a.c, 0.f);
-        for (int64_t s = 0; s < S; ++s) {
-          const float f = w[s] * inv;
-          if (f == 0.f) continue;
-          const float* p = part_acc.data() + ((b * S + s) * a.h + j) * a.c;
-          for (int64_t k = 0; k < a.c; ++k) o[k] += f * p[k];
-        }
+      std::fill(o, o + a.c, 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float f = w[s] * inv;
+        if (f == 0.f) continue;
+        const float* p = part_acc.data() + ((b * S + s) * a.h + j) * a.c;
+        for (int64_t k = 0; k < a.c; ++k) o[k] += f * p[k];
       }
       lse[bj] = den > 0.f ? M + std::log(den) : -INFINITY;
     }
