@@ -63,7 +63,19 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimC
     plan = get_plan(model) or METHODS["dense"].plan_model(model)
     if hasattr(plan, "make_cache"):  # plans with their own cache class (encoder-decoder slim attention)
         return plan.make_cache(max_length)
-    return KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
+    cache = KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
+    if _fused_attention(model, plan):
+        cache.enable_fused_decode()
+    return cache
+
+
+def _fused_attention(model: torch.nn.Module, plan: Plan) -> bool:
+    """Whether ``model`` runs kvslim's attention (which reads int8/int4 codes directly) and the op is built."""
+    from .adapters.sdpa import NAME
+    from .kernels.quant_decode import available
+
+    return (getattr(model.config, "_attn_implementation", None) == NAME
+            and plan.method in ("int8", "int4") and available())
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:

@@ -6,6 +6,11 @@ each KV group packed as extra query rows (measured: 9.7 ms vs 2.6 ms per layer, 
 itself packs queries when a mask is present (a StaticCache always has one). This registers HF's own SDPA path
 under another name, changing one case: a single query token, no mask, GQA → packed queries. Same mathematics;
 registered through HF's public ``AttentionInterface`` / ``AttentionMaskInterface`` when a method is applied.
+
+Quantized caches (int8/int4) built for a model running this attention hand it, on decode steps, the codes
+instead of dequantized keys and values (``caches/fused.py``): those steps run the fused kernel
+(``attention/quant.py`` → ``torch.ops.kvslim.quant_decode``); anything that path does not take attends over the
+layer's ordinary dequantized reads.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from ..attention import quant
+from ..caches.fused import fused_of
+
 NAME = "kvslim_sdpa"
 
 
@@ -24,8 +32,17 @@ def packed_gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                             **kwargs) -> tuple[torch.Tensor, None]:
     """HF's SDPA attention; decode steps of GQA models without a mask run with packed queries.
 
-    Shapes as HF: query (B, H, S, D), key/value (B, Hkv, T, D); returns (B, S, H, D).
+    Shapes as HF: query (B, H, S, D), key/value (B, Hkv, T, D); returns (B, S, H, D). Key/value markers of a
+    quantized cache (``caches/fused.py``) run the fused int8/int4 decode kernel.
     """
+    fused = fused_of(key)
+    if fused is not None:
+        out = None
+        if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None:
+            out = quant.decode(fused, query, attention_mask, scaling)
+        if out is not None:
+            return out, None
+        key, value = fused.materialize()
     groups = getattr(module, "num_key_value_groups", 1)
     if (groups > 1 and query.shape[2] == 1 and attention_mask is None and dropout == 0.0
             and kwargs.get("position_bias") is None and key.shape[1] * groups == query.shape[1]):
@@ -37,13 +54,14 @@ def packed_gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, valu
                                   **kwargs)
 
 
-def use_packed_sdpa(model) -> str | None:
-    """Switch an ``sdpa`` GQA model to :func:`packed_gqa_sdpa_forward`; returns the previous implementation
-    name to restore, or ``None`` when nothing was changed."""
+def use_packed_sdpa(model, quantized: bool = False) -> str | None:
+    """Switch an ``sdpa`` GQA model (any ``sdpa`` model when ``quantized``: fused int8/int4 decode) to
+    :func:`packed_gqa_sdpa_forward`; returns the previous implementation name to restore, or ``None`` when
+    nothing was changed."""
     previous = getattr(model.config, "_attn_implementation", None)
     cfg = model.config
     groups = getattr(cfg, "num_attention_heads", 1) // max(1, getattr(cfg, "num_key_value_heads", None) or 1)
-    if previous != "sdpa" or groups <= 1:
+    if previous != "sdpa" or (groups <= 1 and not quantized):
         return None
     AttentionInterface.register(NAME, packed_gqa_sdpa_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -7,6 +7,7 @@ import functools
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .fused import fusable
 from .storage import StoreSpec, TensorStore, make_store
 
 
@@ -71,6 +72,9 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         self.v_store: TensorStore | None = None
         self.cumulative_length = 0
         self.scratch_pool = None  # set by KVSlimCache: shared buffers for dequantized reads
+        #: set by ``KVSlimCache.enable_fused_decode``: decode steps of int8/int4 layers hand attention the codes
+        #: (NaN marker tensors carrying a ``caches.fused.FusedKV``) instead of a dequantized copy
+        self.fused_decode = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bits={self.spec.bits}, seen={self.cumulative_length})"
@@ -115,6 +119,11 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
                     raise ValueError(f"{name}: {e}") from None
 
     # -- HF protocol -----------------------------------------------------------------------------------------
+    def _fused_step(self, key_states: torch.Tensor) -> bool:
+        """Whether this update is a decode step that returns markers (fused decode on, one token, int8/int4)."""
+        return (self.fused_decode and key_states.shape[2] == 1 and not torch.is_grad_enabled()
+                and fusable(self.k_store) and fusable(self.v_store))
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 

@@ -25,6 +25,13 @@ class KVSlimCache(Cache):
             if hasattr(layer, "slot_order_ok"):
                 layer.slot_order_ok = True
 
+    def enable_fused_decode(self) -> None:
+        """Decode steps of int8/int4 layers hand attention their codes (``caches/fused.py``): only for a model
+        whose attention knows them (``adapters/sdpa.py``; ``kvslim.make_cache`` decides)."""
+        for layer in self.layers:
+            if hasattr(layer, "fused_decode"):
+                layer.fused_decode = True
+
     @property
     def nbytes(self) -> int:
         """Exact bytes of live cached data (keys, values, latents, scales) over all layers."""

@@ -6,8 +6,11 @@ Quantized: each call attends to its own K/V in full precision; only the history 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import fused
 from .base import KVStoreLayer, check_crop
 from .storage import StoreSpec
 
@@ -49,6 +52,15 @@ class AppendLayer(KVStoreLayer):
         self.k_store.write(start, key_states)
         self.v_store.write(start, value_states)
         self.cumulative_length = end
+        if self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
+            reads = functools.partial(self._reads, start, key_states, value_states)
+            return fused.markers(fused.append_handle(self.k_store, self.v_store, start, key_states, value_states,
+                                                     reads), key_states)
+        return self._reads(start, key_states, value_states)
+
+    def _reads(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns after writing ``key_states``/``value_states`` at ``start``."""
         return (self._history_and_current(self.k_store, start, key_states, "k"),
                 self._history_and_current(self.v_store, start, value_states, "v"))
 

@@ -6,8 +6,11 @@ long generation runs. Exact against full-cache attention under the sliding-windo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import fused
 from .base import KVStoreLayer, check_crop
 from .storage import StoreSpec
 
@@ -99,6 +102,14 @@ class RingLayer(KVStoreLayer):
             return store.read(a, b)
         return torch.cat((store.read(a, w), store.read(0, b)), dim=2)
 
+    def _fused_reads(self, c: int, key_states: torch.Tensor, value_states: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused result of a decode step at position ``c`` (already written): the visible history in temporal
+        order, then the step's own token as given."""
+        first = max(0, c + 1 - self.window)
+        return (torch.cat((self._read_temporal(self.k_store, first, c), key_states), dim=2),
+                torch.cat((self._read_temporal(self.v_store, first, c), value_states), dim=2))
+
     def _write(self, first: int, x: torch.Tensor, store) -> None:
         """Write tokens at positions [first, first+S) into their slots (only the last W survive)."""
         w, s = self.window, x.shape[2]
@@ -117,6 +128,13 @@ class RingLayer(KVStoreLayer):
             self.lazy_initialization(key_states, value_states)
         c, s, w = self.cumulative_length, key_states.shape[2], self.window
         self._remember(key_states, value_states)
+        if s == 1 and self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
+            self._write(c, key_states, self.k_store)
+            self._write(c, value_states, self.v_store)
+            self.cumulative_length = c + 1
+            reads = functools.partial(self._fused_reads, c, key_states, value_states)
+            return fused.markers(fused.ring_handle(self.k_store, self.v_store, c + 1, w, key_states, value_states,
+                                                   reads), key_states)
         if s == 1 and c >= w - 1:
             # decode: overwrite the oldest slot, then read the whole window (positions c-W+1 .. c)
             self._write(c, key_states, self.k_store)

@@ -1,0 +1,83 @@
+"""Decode attention over an int8/int4 cache layer's codes (one query token), through ``kvslim.quant_decode``.
+
+The layer hands a :class:`kvslim.caches.fused.FusedKV` (the coded history plus the full-precision tail) instead
+of dequantized keys and values. Everything a store does to values before coding is undone on the query and the
+output, never on the history:
+
+* key smoothing (``x / c`` coded, c per channel): scores use ``q ⊙ c``; the tail keys are divided by c;
+* Hadamard rotation (``x·R`` coded): scores use ``q·R`` (key tail ``k·R``), the output is rotated back by
+  ``Rᵀ`` once (value tail ``v·R``);
+* GQA / MQA: the G query heads of a KV head share one pass over its codes (HF's ``repeat_kv`` order).
+
+:func:`reference` is the obviously-correct twin: the layer's own unfused reads, then softmax attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..caches.fused import FusedKV
+from ..kernels.quant_decode import quant_decode
+
+
+def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None | bool:
+    """HF's decode mask (bool "attend" or additive float; (B|1, 1, 1, T) or (B|1, T)) -> additive fp32 (B|1, T),
+    ``None`` (no mask) or ``False`` (a shape this path does not take)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 4:
+        if m.shape[1] != 1 or m.shape[2] != 1:
+            return False
+        m = m[:, 0, 0]
+    if m.dim() != 2 or m.shape[-1] != tokens:
+        return False
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
+    return m.float()
+
+
+def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
+           scaling: float | None) -> torch.Tensor | None:
+    """Attention output (B, 1, H, D) in the query's dtype for a decode step's query (B, H, 1, D), or ``None`` when
+    this path does not take the inputs (the caller then attends over ``h.materialize()``)."""
+    b, heads, s, d = query.shape
+    hk = h.k.data.shape[1]
+    mask = additive_mask(attention_mask, h.tokens)
+    if s != 1 or heads % hk or mask is False or query.device.type != "cpu":
+        return None
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    q = query.float().reshape(b, hk, heads // hk, d)  # head j·G + g -> (KV head j, g)
+    kt, vt = h.k_tail, h.v_tail
+    kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
+    channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
+    if channel is not None:
+        q = q * channel
+        kt = None if kt is None else kt / channel
+    if rot is not None:
+        q = q @ rot
+        kt = None if kt is None else kt @ rot
+    if vrot is not None and vt is not None:
+        vt = vt @ vrot
+    spec = h.k.spec
+    out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                          spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling)
+    if vrot is not None:
+        out = out @ vrot.T
+    return out.reshape(b, 1, heads, d).to(query.dtype)
+
+
+def reference(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
+              scaling: float | None) -> torch.Tensor:
+    """The twin of :func:`decode`: the layer's unfused keys/values (B, Hk, T, D), then fp32 softmax attention."""
+    keys, values = h.materialize()
+    b, heads, _, d = query.shape
+    hk = keys.shape[1]
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    q = query.float().reshape(b, hk, heads // hk, d)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q, keys.float()) * scaling
+    mask = additive_mask(attention_mask, keys.shape[2])
+    if mask is not None:
+        scores = scores + mask[:, None, None, :]
+    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), values.float())
+    return out.reshape(b, 1, heads, d).to(query.dtype)

@@ -1,0 +1,107 @@
+"""What a quantized cache layer hands to attention on a fused decode step: the codes, not a dequantized copy.
+
+With fused decode on (``KVSlimCache.enable_fused_decode``, done by ``kvslim.make_cache`` when the model runs
+kvslim's attention, ``adapters/sdpa.py``), a decode step (one new token) of an int8/int4 layer writes the token
+as usual and returns two *marker* tensors in place of K and V: zero-stride views of shape (B, H, n, D) filled
+with NaN (anything that reads them without knowing gets NaN, never plausible numbers) that carry a
+:class:`FusedKV`. kvslim's attention recognises the marker and runs :mod:`kvslim.attention.quant` on the codes
+(``torch.ops.kvslim.quant_decode``); :meth:`FusedKV.materialize` gives the exact tensors the unfused path
+returns, for any case the fused path does not take.
+
+Semantics are the unfused path's: the history is read from codes, the step's own key/value exactly as given
+(the *tail*, together with a residual store's full-precision window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .residual import ResidualStore
+from .storage import QuantizedStore, TensorStore
+
+ATTR = "_kvslim_fused"
+
+
+@dataclass
+class FusedKV:
+    """One decode step's keys and values, as stored.
+
+    ``k``/``v``: the coded stores (``QuantizedStore`` or its KIVI subclass); slots ``[0, n)`` hold the coded
+    history. ``k_tail``/``v_tail``: (B, H, r, D) tokens after it in full precision (a residual window and/or the
+    step's own token). Ring buffers (``ring`` = (first, skip)): history position i of HF's temporal order lives in
+    slot ``(first + i) % n``, and slot ``skip`` (the step's own token, re-coded) is not attended (the tail has the
+    exact token). ``materialize``: the unfused reads (the cache layer's own code path).
+    """
+
+    k: QuantizedStore
+    v: QuantizedStore
+    n: int
+    k_tail: torch.Tensor | None
+    v_tail: torch.Tensor | None
+    materialize: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    ring: tuple[int, int] | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Visible tokens (HF's key length): the coded history (a ring: less the skipped slot) plus the tail."""
+        tail = 0 if self.k_tail is None else self.k_tail.shape[2]
+        return self.n - (self.ring is not None) + tail
+
+    def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
+        slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
+        if self.ring is None:
+            return mask
+        first, skip = self.ring
+        n, b = self.n, 1 if mask is None else mask.shape[0]
+        out = torch.zeros(b, n + self.k_tail.shape[2], dtype=torch.float32, device=self.k_tail.device)
+        out[:, skip] = float("-inf")
+        if mask is not None:
+            slots = (first + torch.arange(n - 1)) % n
+            out[:, slots] = mask[:, :n - 1].float()
+            out[:, n:] = mask[:, n - 1:].float()
+        return out
+
+
+def fusable(store: TensorStore | None) -> bool:
+    """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual."""
+    inner = store.inner if isinstance(store, ResidualStore) else store
+    return isinstance(inner, QuantizedStore) and inner.spec.bits in (4, 8)
+
+
+def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,
+                  v_now: torch.Tensor, materialize) -> FusedKV:
+    """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``."""
+    if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
+        f, length = k_store.flushed, k_store.length
+        return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], v_store.fp[:, :, :length - f],
+                       materialize)
+    return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
+
+
+def ring_handle(k_store: TensorStore, v_store: TensorStore, length: int, window: int, k_now: torch.Tensor,
+                v_now: torch.Tensor, materialize) -> FusedKV:
+    """A ring layer of ``window`` slots holding ``length`` tokens after writing the step's token (position
+    ``length - 1``, slot ``(length - 1) % window``)."""
+    n = min(length, window)
+    first = length % n if length >= window else 0
+    return FusedKV(k_store, v_store, n, k_now, v_now, materialize, ring=(first, (length - 1) % window))
+
+
+def markers(h: FusedKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two NaN zero-stride (B, H, tokens, D) tensors shaped like the step's K/V, carrying ``h``."""
+    b, heads, _, d = like.shape
+    out = []
+    for _ in range(2):
+        m = torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(b, heads, h.tokens, d)
+        setattr(m, ATTR, h)
+        out.append(m)
+    return out[0], out[1]
+
+
+def fused_of(key: torch.Tensor) -> FusedKV | None:
+    """The :class:`FusedKV` a marker carries, or ``None`` for an ordinary tensor."""
+    return getattr(key, ATTR, None)
