@@ -53,6 +53,13 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
         layer.write(rows)
         return out
     b, t, _ = hidden_states.shape
+    held = layer.k_store.data.shape[0]
+    if b != held:
+        raise ValueError(f"past_key_values holds {held} sequences but this decoder pass has {b} ({t} new tokens): "
+                         "a cache continues only the sequences it holds. Whisper's generate hands a past_key_values "
+                         "you pass to every decoder pass (segments, fallback), which HF's own cache cannot serve "
+                         "either: pass the encoder attention_mask so a short-form input runs one decoder pass, or "
+                         "continue step by step with model(...)")
     q = adapter.query(self, hidden_states)  # (B, h, T, dk)
     layer.write(rows)
     cached = layer.read()  # (B, n, c)

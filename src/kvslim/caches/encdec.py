@@ -9,6 +9,9 @@ Paper: Graef & Wasielewski 2025, §6.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Sequence
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
@@ -156,3 +159,81 @@ class EncDecSlimCache(EncoderDecoderCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         self.self_attention_cache.crop(tokens_to_remove)
+
+    # -- whole sequences out of / into caches (Whisper's per-sequence split of its generate outputs) ----------
+    def _layers(self) -> list[CacheLayerMixin]:
+        return [*self.self_attention_cache.layers, *self.cross_attention_cache.layers]
+
+    def _walk(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every per-sequence tensor t (batch on axis 0) by ``fn(t)``, in a fixed order."""
+        for layer in self._layers():
+            _walk_layer(layer, fn)
+
+    def take(self, indices: Sequence[int] | torch.Tensor) -> EncDecSlimCache:
+        """A new cache holding only the sequences ``indices`` (their slim rows and E copied; this one unchanged).
+
+        Nothing is rebuilt: the copy keeps the same X/K/V rows and encoder output, so it continues generation
+        exactly like this cache would for those sequences.
+        """
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        batch = self.batch_size
+        if idx.numel() == 0 or (batch is not None and (int(idx.min()) < 0 or int(idx.max()) >= batch)):
+            raise ValueError(f"indices must be non-empty sequence indices in [0, {batch}), got {idx.tolist()}")
+        kept: list[torch.Tensor] = []
+
+        def select(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t)
+            return t.index_select(0, idx.to(t.device))
+
+        self._walk(select)
+        try:
+            out = copy.deepcopy(self, memo={id(self.plan): self.plan})  # the plan is shared, not copied
+        finally:
+            originals = iter(kept)
+            self._walk(lambda t: next(originals))
+        return out
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """The per-sequence tensors in :meth:`_walk` order."""
+        got: list[torch.Tensor] = []
+        self._walk(lambda t: got.append(t) or t)
+        return got
+
+    @property
+    def batch_size(self) -> int | None:
+        """Sequences held (``None`` before the first write)."""
+        tensors = self._tensors()
+        return tensors[0].shape[0] if tensors else None
+
+    @staticmethod
+    def concat(caches: Sequence[EncDecSlimCache]) -> EncDecSlimCache:
+        """One cache holding the sequences of ``caches`` one after the other (a single cache is returned as is).
+
+        Raises:
+            ValueError: the caches differ in anything but their batch (layers, lengths, buffer shapes): sequences
+                of decoder passes of different lengths cannot share one cache.
+        """
+        if not caches or not all(isinstance(c, EncDecSlimCache) for c in caches):
+            raise ValueError("caches must be a non-empty sequence of EncDecSlimCache")
+        if len(caches) == 1:
+            return caches[0]
+        per_cache = [c._tensors() for c in caches]
+        lengths = [[layer.get_seq_length() for layer in c._layers()] for c in caches]
+        shapes = [[t.shape[1:] for t in got] for got in per_cache]
+        if any(n != lengths[0] for n in lengths) or any(s != shapes[0] for s in shapes):
+            raise ValueError(f"caches must agree in everything but the batch; sequence lengths per cache: "
+                             f"{[c.get_seq_length() for c in caches]}")
+        out = caches[0].take(range(per_cache[0][0].shape[0]))
+        joined = iter(list(zip(*per_cache)))
+        out._walk(lambda t: torch.cat([x.to(t.device) for x in next(joined)], dim=0))
+        return out
+
+
+def _walk_layer(layer: CacheLayerMixin, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``fn`` over one layer's per-sequence tensors: kvslim layers through ``_map_batch``, HF's ``DynamicLayer``
+    (``cross="kv"``) through its ``keys``/``values``."""
+    if hasattr(layer, "_map_batch"):
+        layer._map_batch(fn)
+    elif getattr(layer, "is_initialized", False) and isinstance(getattr(layer, "keys", None), torch.Tensor) \
+            and layer.keys.numel():
+        layer.keys, layer.values = fn(layer.keys), fn(layer.values)

@@ -20,6 +20,7 @@ from ..adapters.encdec_patch import patch, unpatch
 from ..adapters.shape import ModelShape, shape_from_config
 from ..adapters.t5 import T5Adapter
 from ..adapters.whisper import WhisperAdapter
+from ..adapters.whisper import install as install_whisper_outputs
 from ..attention.encdec import CrossWeights
 from ..caches import StoreSpec
 from ..caches.encdec import EncDecSlimCache
@@ -93,6 +94,8 @@ class EncDecPlan(Plan):
         if max_length is not None and self.max_decoder_length is not None:
             max_length = min(max_length, self.max_decoder_length)
         cross = self.options.get("cross", "shared")
+        if self.model_type == "whisper":
+            install_whisper_outputs()  # Whisper's generate post-processing reads caches per sequence
         return EncDecSlimCache([lp.factory(max_length) for lp in self.layers], plan=self, cross=cross)
 
 
