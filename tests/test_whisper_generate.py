@@ -226,6 +226,22 @@ def test_bf16_after_apply_generates_and_agrees():
         assert agree >= BF16_TOKEN_AGREEMENT, f"{kw}: {agree:.2f} of tokens agree with HF bf16"
 
 
+def test_to_float64_after_apply_follows_the_weights():
+    """``model.to(torch.float64)`` after ``apply``: the cross-attention maps are rebuilt from the weights as they now
+    are (failed before: fp32 maps met fp64 queries, RuntimeError); tokens and scores are HF's fp64 ones (the slim
+    self-attention still computes in fp32)."""
+    ref, slim = pair()
+    ref, slim = ref.double(), slim.double()
+    gen = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True)
+    want, got = generate(ref, features().double(), **gen), generate(slim, features().double(), **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        finite = torch.isfinite(b)
+        assert_close(a[finite], b[finite], torch.float32, "fp64 scores vs HF (fp32 slim self-attention)")
+    w = slim.model.decoder.layers[0].encoder_attn.forward.extra[1]
+    assert w.w_k.dtype == torch.float64
+
+
 # -- the cache operations under the post-processing --------------------------------------------------------------
 @torch.no_grad()
 def _filled_cache(model, batch: int = 3, steps: int = 4) -> EncDecSlimCache:

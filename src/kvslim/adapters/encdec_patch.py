@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.encdec import CrossWeights, additive_bias, shared_cross_attention
+from ..attention.encdec import CrossWeights, additive_bias, shared_cross_attention, weights_key
 from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.encdec import EncDecSlimCache, SharedEncoderCache
 from ..caches.slim import SlimLayer
@@ -81,6 +81,19 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
     return _pack(adapter, out, position_bias)
 
 
+def current_cross_weights(attn, adapter, w: CrossWeights) -> CrossWeights:
+    """``w``, or the maps rebuilt from the module's weights as they are now when those moved since ``w`` was made
+    (``model.to(dtype/device)`` after ``apply``, an in-place load): the rebuilt maps are kept for the next call."""
+    lin = adapter.linears(attn)
+    k, v = lin["k"].weight, lin["v"].weight
+    if w.source == weights_key(k, v, lin["v"].bias):
+        return w
+    fresh = CrossWeights.from_linear(k, v, lin["v"].bias, adapter.num_heads(attn), w.scaling,
+                                     torch.promote_types(k.dtype, torch.float32))
+    attn.forward.extra = (adapter, fresh)
+    return fresh
+
+
 def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder cross-attention module (bound per instance)."""
     original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
@@ -89,6 +102,7 @@ def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *
     if (args or enc_in is None or not isinstance(past, EncDecSlimCache)
             or not isinstance(past.cross_attention_cache, SharedEncoderCache)):
         return original(hidden_states, *args, **kwargs)
+    w = current_cross_weights(self, adapter, w)
     store = past.encoder
     if store.enc is None or store.enc.shape[0] != enc_in.shape[0]:
         store.write(enc_in)  # once per generation, shared by every layer

@@ -25,12 +25,15 @@ class CrossWeights:
         w_v: (h, dk, d) — ``W_V,i^T``.
         b_v: (h, 1, dk) value bias added to the head outputs, or ``None``.
         scaling: the score scale the model applies after the dot product (1.0 where q is pre-scaled).
+        source: what the maps were built from — :func:`weights_key` of the HF ``k_proj``/``v_proj`` weights — so a
+            caller can tell when the model's weights moved (``model.to(dtype/device)``, in-place loads).
     """
 
     w_k: torch.Tensor
     w_v: torch.Tensor
     b_v: torch.Tensor | None = None
     scaling: float = 1.0
+    source: tuple = ()
 
     @property
     def num_heads(self) -> int:
@@ -47,7 +50,12 @@ class CrossWeights:
             return w.detach().to(dtype).view(num_heads, dk, d)
 
         bias = None if b_v is None else b_v.detach().to(dtype).view(num_heads, 1, dk)
-        return cls(heads(w_k), heads(w_v), bias, float(scaling))
+        return cls(heads(w_k), heads(w_v), bias, float(scaling), weights_key(w_k, w_v, b_v))
+
+
+def weights_key(*tensors: torch.Tensor | None) -> tuple:
+    """Identity of the weights' current contents: storage, in-place version, dtype and device of each tensor."""
+    return tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
