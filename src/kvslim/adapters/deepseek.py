@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import mla
+from ..caches.cache import KVSlimCache
 from .bound import BoundForward
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -102,6 +103,12 @@ def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tenso
                 past_key_values=None, position_embeddings=None, **kwargs):
     """Drop-in for ``DeepseekV2Attention.forward`` / ``DeepseekV3Attention.forward``; returns ``(out, None)``."""
     p: MLAPatch = getattr(module, _STATE)
+    if past_key_values is not None and not isinstance(past_key_values, KVSlimCache):
+        # a Hugging Face cache the user asked for (cache_implementation=..., past_key_values=DynamicCache()):
+        # it holds per-head K/V as HF's attention writes them, so HF's own forward serves it
+        return type(module).forward(module, hidden_states, attention_mask=attention_mask,
+                                    past_key_values=past_key_values, position_embeddings=position_embeddings,
+                                    **kwargs)
     b, s = hidden_states.shape[:-1]
     q_nope, q_pe, c_kv, k_pe = project(module, hidden_states, position_embeddings)
     w = weights(module)

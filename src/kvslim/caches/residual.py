@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.quant_formats import pack_codes, unpack_codes
-from .storage import QuantizedStore, ScratchPool, StoreSpec, TensorStore
+from .storage import QuantizedStore, ScratchPool, StoreSpec, TensorStore, check_finite
 
 
 class ChannelQuantizedStore(QuantizedStore):
@@ -116,6 +116,7 @@ class ResidualStore(TensorStore):
         crop); flush whole groups of the oldest window tokens into codes while more than ``residual`` wait."""
         if start > self.length:
             raise ValueError(f"a residual store appends: start {start} is past its {self.length} tokens")
+        check_finite(x)  # refused now, not when the token is flushed into codes later
         if start < self.flushed:  # rewind into coded history: bring the partial group back to the window
             keep = start - start % self.spec.flush
             self.fp[:, :, :start - keep] = self.inner.read(keep, keep + self.spec.flush)[:, :, :start - keep]

@@ -136,6 +136,22 @@ class StoreSpec:
         return " ".join(parts)
 
 
+def check_finite(x: torch.Tensor) -> None:
+    """``ValueError`` when ``x`` (the key or value states about to be quantized) holds ``inf`` or ``nan``.
+
+    Grouped codes cannot represent a non-finite value: an ``inf`` would set its group's scale to the largest
+    float and round every finite neighbour to 0, a ``nan`` would turn the whole group to ``nan``. Quantized stores
+    refuse such a write instead (nothing is written); a plain store keeps them as the model made them.
+    """
+    if not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()  # (b, h, s, d) of the first one
+        raise ValueError(f"key/value states hold a non-finite value ({x[tuple(bad)].item()} at batch {bad[0]}, "
+                         f"head {bad[1]}, token {bad[2]} of this write, channel {bad[3]}): a quantized cache "
+                         "cannot store inf/nan (it would silently zero or poison the rest of its group); nothing "
+                         "was written. Fix the overflow in the model (e.g. run it in float32 or bfloat16) or use "
+                         "an unquantized method (dense, window, slim, mla without bits)")
+
+
 class ScratchPool:
     """Reusable float32 buffers for dequantized reads, shared by the layers of one cache.
 
@@ -284,6 +300,9 @@ class QuantizedStore(TensorStore):
         return self._from_stored_basis(y, channel).to(self.dtype)
 
     def write(self, start: int, x: torch.Tensor) -> None:
+        """Quantize ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan (see
+        :func:`check_finite`), nothing written."""
+        check_finite(x)
         channel = self._channel_for(x)
         codes, scale, zero = self._encode(x, channel)
         end = start + x.shape[2]

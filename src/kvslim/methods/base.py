@@ -40,18 +40,25 @@ class Method:
         """Why this method does not apply to ``shape``, or ``None`` if it does."""
         return None
 
+    def supports(self, shape: ModelShape) -> bool:
+        """Whether this method applies to models of ``shape`` (its model_type and attention family)."""
+        return (not self.model_types or shape.model_type in self.model_types) and self.not_applicable(shape) is None
+
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
         raise NotImplementedError
 
     def check_model(self, model) -> ModelShape:
+        """The model's shape; ``ValueError`` saying why this method cannot serve it and which methods can."""
         shape = shape_from_config(model.config)
+        reason = self.not_applicable(shape)
+        if reason:
+            raise ValueError(f"method {self.name!r} does not apply to model_type {shape.model_type!r}: {reason} "
+                             f"(methods that apply: {', '.join(working_methods(shape)) or 'none'})")
         if self.model_types and shape.model_type not in self.model_types:
             raise ValueError(
                 f"method {self.name!r} does not support model_type {shape.model_type!r}; "
-                f"supported: {', '.join(self.model_types)}")
-        reason = self.not_applicable(shape)
-        if reason:
-            raise ValueError(f"method {self.name!r} does not apply to this {shape.model_type} model: {reason}")
+                f"supported: {', '.join(self.model_types)} (methods that apply to {shape.model_type}: "
+                f"{', '.join(working_methods(shape)) or 'none'})")
         return shape
 
     def plan_model(self, model, **options) -> Plan:
@@ -63,3 +70,10 @@ class Method:
 
     def restore(self, model) -> None:
         """Undo :meth:`prepare`."""
+
+
+def working_methods(shape: ModelShape) -> list[str]:
+    """Names of the registered methods that support ``shape`` (what a refusal suggests instead)."""
+    from . import METHODS  # the registry imports this module
+
+    return [name for name, m in METHODS.items() if m.supports(shape)]

@@ -7,7 +7,7 @@ K and V). Exact (fp32 tokens identical to HF) with plain storage; ``bits=8/4`` q
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from ..attention.mla import IMPLS
 from ..caches import StoreSpec
 from ..caches.factories import append_factory, latent_factory
 from ..caches.latent import LatentLayer
+from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
 from .base import Method, model_dtype, parse_dtype
 
@@ -84,8 +85,7 @@ class MLAMethod(Method):
 
     def not_applicable(self, shape: ModelShape) -> str | None:
         if shape.family != "mla":
-            return (f"it has {shape.family} attention, not multi-head latent attention (no kv_lora_rank); "
-                    "use method 'dense', 'int8', 'window' or 'slim'")
+            return f"it has {shape.family} attention, not multi-head latent attention (no kv_lora_rank)"
         return None
 
     def options(self, **options) -> MLAOptions:
@@ -101,6 +101,12 @@ class MLAMethod(Method):
             raise ValueError(f"method 'mla' does not apply: {reason}")
         opts = self.options(**options)
         dc, dr = shape.kv_lora_rank, shape.qk_rope_head_dim
+        chosen = ()
+        if opts.bits and "group_size" not in options:  # the default adapts to kv_lora_rank (the plan says so)
+            g = default_group_size(dc, opts.group_size)
+            if g != opts.group_size:
+                chosen = (f"group_size={g} (the default {opts.group_size} does not divide kv_lora_rank {dc})",)
+                opts = replace(opts, group_size=g)
         item = dtype.itemsize
         dense = shape.num_heads * (shape.qk_nope_head_dim + dr + shape.v_head_dim) * item
         if opts.impl == "decompressed":
@@ -118,7 +124,8 @@ class MLAMethod(Method):
         layers = tuple(LayerPlan(i, technique, per_token, None, exactness, note=note, factory=make)
                        for i in range(shape.num_layers))
         notes = (f"impl={opts.impl}" + (f", prefill ≥ {opts.prefill_threshold} tokens expands K/V once"
-                                        if opts.impl in ("absorbed", "elided") and opts.prefill_threshold else ""),)
+                                        if opts.impl in ("absorbed", "elided") and opts.prefill_threshold else ""),
+                 *chosen)
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), layers, dense,
                     options=dict(options), notes=notes)
 

@@ -123,6 +123,9 @@ class SlimMethod(Method):
                              f"{sorted(SlimOptions.__dataclass_fields__)}")
         return SlimOptions(**options)
 
+    def supports(self, shape: ModelShape) -> bool:
+        return self.not_applicable(shape) is None  # checks the decoder and encoder-decoder adapters itself
+
     # -- config-only plan ------------------------------------------------------------------------------------
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
         if shape.family == "encoder-decoder":

@@ -7,7 +7,7 @@ model itself runs with a sliding window are exact; ``window`` on full-attention 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,7 @@ from ..adapters.sdpa import restore_attention, use_packed_sdpa
 from ..adapters.shape import ModelShape
 from ..caches import StoreSpec
 from ..caches.factories import append_factory, ring_factory
+from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
 from .base import Method, parse_dtype
 
@@ -86,7 +87,8 @@ class StorageMethod(Method):
     def not_applicable(self, shape: ModelShape) -> str | None:
         if shape.family in ("mla", "encoder-decoder"):
             other = "mla" if shape.family == "mla" else "slim"
-            return f"{shape.family} attention keeps a different cache; use method={other!r} for it"
+            hint = " (bits=8 or 4 quantizes its latent)" if self.bits and other == "mla" else ""
+            return f"{shape.family} attention keeps a different cache; use method={other!r} for it{hint}"
         return None
 
     def prepare(self, model, plan: Plan) -> None:
@@ -118,6 +120,13 @@ class StorageMethod(Method):
         if reason:
             raise ValueError(f"method {self.name!r} does not apply: {reason}")
         opts = self.options(**options)
+        notes = []
+        if opts.bits and "group_size" not in options:  # the default adapts to the head dim (the plan says so)
+            g = default_group_size(shape.head_dim, opts.group_size)
+            if g != opts.group_size:
+                notes.append(f"group_size={g} (the default {opts.group_size} does not divide head dim "
+                             f"{shape.head_dim})")
+                opts = replace(opts, group_size=g)
         spec = opts.key_spec()
         try:
             spec.check_dim(shape.head_dim)
@@ -135,7 +144,7 @@ class StorageMethod(Method):
                 raise ValueError(
                     f"method 'window' needs window=W: this {shape.model_type} config has no sliding_window")
             window = shape.sliding_window
-        layers, notes = [], []
+        layers = []
         for i, sliding in enumerate(shape.is_sliding):
             lossy = "lossy" if opts.bits else "exact"
             if window is None or not (sliding or explicit):

@@ -34,6 +34,20 @@ def check_quant_args(head_dim: int, bits: int, group_size: int, *, bits_name: st
         raise ValueError(f"{bits_name}=4 packs two values per byte and needs an even head dimension, got {head_dim}")
 
 
+#: group sizes a method tries, largest first, when the user names none (a group must divide the head dimension)
+PREFERRED_GROUP_SIZES = (64, 32, 16, 8)
+
+
+def default_group_size(dim: int, preferred: int = 64) -> int:
+    """The group size used when none is asked for: ``preferred`` if it divides ``dim``, else the largest of
+    :data:`PREFERRED_GROUP_SIZES` below it that does (head dim 96 -> 32, 80 -> 16, 24 -> 8), else the largest
+    divisor of ``dim`` not above ``preferred``."""
+    for g in (preferred, *(g for g in PREFERRED_GROUP_SIZES if g < preferred)):
+        if dim % g == 0:
+            return g
+    return max(g for g in range(1, min(dim, preferred) + 1) if dim % g == 0)
+
+
 def codes_width(head_dim: int, bits: int) -> int:
     """Width of the stored code axis: ``head_dim`` for int8, ``head_dim // 2`` bytes for packed int4."""
     return head_dim if bits == 8 else head_dim // 2
