@@ -102,6 +102,11 @@ def _build_and_load(name: str, sources: list[Path], cflags: tuple[str, ...], bui
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    # cpp_extension runs ninja only when its in-process versioner sees new inputs: forget the entry, so that the
+    # retry after a failed load (the build dir deleted) really rebuilds instead of loading nothing again
+    versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+    if versioner is not None:
+        versioner.entries.pop(f"kvslim_{name}", None)
     cpp_extension.load(name=f"kvslim_{name}", sources=[str(s) for s in sources], extra_cflags=list(cflags),
                        extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
