@@ -138,6 +138,14 @@ def test_timestamps_match_hf_and_one_cache_per_pass(monkeypatch):
     assert torch.equal(got, want)
     assert counter.passes >= 1 and len(counter.caches) == counter.passes
     assert len({id(c) for c in counter.caches}) == counter.passes  # a fresh cache each pass
+    # with return_dict_in_generate each segment's result carries its sequence's own cache, as HF's does
+    gen = dict(max_new_tokens=8, return_timestamps=True, return_dict_in_generate=True)
+    want, got = generate(ref, features(), **gen), generate(slim, features(), **gen)
+    assert torch.equal(got["sequences"], want["sequences"])
+    for seg_got, seg_want in zip(got["segments"], want["segments"]):
+        cache, hf = seg_got[0]["result"]["past_key_values"], seg_want[0]["result"]["past_key_values"]
+        assert isinstance(cache, EncDecSlimCache) and cache.batch_size == 1
+        assert cache.get_seq_length() == hf.get_seq_length()
 
 
 def test_long_form_segments_match_hf(monkeypatch):
