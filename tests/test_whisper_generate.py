@@ -109,10 +109,12 @@ def test_modes_match_hf(kw):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_beams=3, num_return_sequences=2)], ids=["greedy", "beam"])
-def test_return_dict_scores_and_a_slim_cache(kw):
+@pytest.mark.parametrize("kw, options", [(dict(), {}), (dict(num_beams=3, num_return_sequences=2), {}),
+                                         (dict(num_beams=2), dict(cross="kv", cache="k"))],
+                         ids=["greedy", "beam", "beam-cross-kv-k-cache"])
+def test_return_dict_scores_and_a_slim_cache(kw, options):
     """Failed before: HF's Whisper post-processing read ``self_attention_cache.layers[i].keys`` (TypeError)."""
-    ref, slim = pair()
+    ref, slim = pair(**options)
     gen = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, **kw)
     want, got = generate(ref, features(), **gen), generate(slim, features(), **gen)
     assert torch.equal(got.sequences, want.sequences)
