@@ -71,9 +71,11 @@ inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64
 
 struct Scratch {
   int64_t T;
-  std::vector<float> q, k, sc, srow, zrow;
+  std::vector<float> q, k, sc, srow, zrow, qsum, ks, kz, vs, vz;
   int64_t row_group = -1;
-  Scratch(const QArgs& a, int64_t T_) : T(T_), q(a.G * a.D), k(T_ * a.D), sc(a.G * T_), srow(a.D), zrow(a.D) {}
+  Scratch(const QArgs& a, int64_t T_)
+      : T(T_), q(a.G * a.D), k(T_ * a.D), sc(a.G * T_), srow(a.D), zrow(a.D), qsum(a.G * (a.D / a.gs)),
+        ks(T_ * (a.D / a.gs)), kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)) {}
 };
 
 using TaskFn = void (*)(const QArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);

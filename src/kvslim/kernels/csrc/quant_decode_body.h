@@ -208,6 +208,149 @@ inline void block_values(const float* p, int64_t ps, int64_t G, int64_t D, const
   }
 }
 
+
+// ---- fast path (per-token groups, gs a multiple of W, D a multiple of the unit): codes converted in registers,
+// never stored. A unit is W int8 codes or W bytes of int4 codes (2W values).
+template <int BITS, bool ASYM>
+inline void unit(const uint8_t* c, typename V::R& x0, typename V::R& x1) {
+  if (BITS == 8) {
+    x0 = ASYM ? V::u8(c) : V::i8(reinterpret_cast<const int8_t*>(c));
+  } else {
+    V::template i4<!ASYM>(c, x0, x1);
+  }
+}
+
+// per-token parameters of tokens [t0, t0 + m) into dst[(t - t0)·ng + g] (fp32)
+inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t t0, int64_t m, float* dst) {
+  const int64_t ng = a.D / a.gs;
+  for (int64_t t = 0; t < m; ++t) {
+    float* o = dst + t * ng;
+    if (a.sdt == 0) {
+      const float* p = st.at<float>(b, h, t0 + t);
+      for (int64_t g = 0; g < ng; ++g) o[g] = p[g];
+    } else if (a.sdt == 1) {
+      const c10::Half* p = st.at<c10::Half>(b, h, t0 + t);
+      for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<float>(p[g]);
+    } else {
+      const c10::BFloat16* p = st.at<c10::BFloat16>(b, h, t0 + t);
+      for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<float>(p[g]);
+    }
+  }
+}
+
+// sc[j·ps + t] = q_j · k_t + mask[t], k_t = codes·s (+ z) decoded in registers; qsum[j·ng + g] = Σ_{i∈g} q_j[i]
+template <int BITS, bool ASYM>
+inline void fast_scores(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q,
+                        const float* qsum, const float* ks, const float* kz, const float* mask, float* sc,
+                        int64_t ps) {
+  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
+  constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
+  const int64_t rs = a.k.codes.ts;
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
+    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = q + j * D;
+      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+      for (int64_t g = 0; g < ng; ++g) {
+        auto p0 = V::zero(), p1 = V::zero(), p2 = V::zero(), p3 = V::zero();
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += U) {
+          const int64_t off = i * BITS / 8;
+          typename V::R x0, x1, y0, y1, z0, z1, w0, w1;
+          unit<BITS, ASYM>(cr[0] + off, x0, x1);
+          unit<BITS, ASYM>(cr[1] + off, y0, y1);
+          unit<BITS, ASYM>(cr[2] + off, z0, z1);
+          unit<BITS, ASYM>(cr[3] + off, w0, w1);
+          const auto qa = V::load(qj + i);
+          p0 = V::fma(qa, x0, p0);
+          p1 = V::fma(qa, y0, p1);
+          p2 = V::fma(qa, z0, p2);
+          p3 = V::fma(qa, w0, p3);
+          if (BITS == 4) {
+            const auto qb = V::load(qj + i + V::W);
+            p0 = V::fma(qb, x1, p0);
+            p1 = V::fma(qb, y1, p1);
+            p2 = V::fma(qb, z1, p2);
+            p3 = V::fma(qb, w1, p3);
+          }
+        }
+        const float* sg = ks + t * ng + g;
+        a0 = V::fma(p0, V::set1(sg[0]), a0);
+        if (r4 > 1) a1 = V::fma(p1, V::set1(sg[ng]), a1);
+        if (r4 > 2) a2 = V::fma(p2, V::set1(sg[2 * ng]), a2);
+        if (r4 > 3) a3 = V::fma(p3, V::set1(sg[3 * ng]), a3);
+      }
+      float sv[4];
+      V::hsum4(a0, a1, a2, a3, sv);
+      for (int64_t r = 0; r < r4; ++r) {
+        float z = 0.f;
+        if (ASYM)
+          for (int64_t g = 0; g < ng; ++g) z += kz[(t + r) * ng + g] * qsum[j * ng + g];
+        sc[j * ps + t + r] = sv[r] + z + (mask ? mask[t + r] : 0.f);
+      }
+    }
+  }
+}
+
+// acc[j] += Σ_t p[j][t] · v_t, v_t = codes·s (+ z) decoded in registers (weights folded into the scales)
+template <int BITS, bool ASYM>
+inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t ps,
+                        const float* vs, const float* vz, float* acc) {
+  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
+  constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
+  const int64_t rs = a.v.codes.ts;
+  const uint8_t* base = a.v.codes.at<uint8_t>(b, h, t0);
+  for (int64_t j = 0; j < G; ++j) {
+    const float* pj = p + j * ps;
+    float* aj = acc + j * D;
+    for (int64_t c = 0; c < D; c += 2 * U) {  // a tile of 2 units (4 vectors for int4, 2 for int8)
+      const bool two = c + U < D;
+      auto a0 = V::load(aj + c), a1 = BITS == 4 ? V::load(aj + c + V::W) : V::zero();
+      auto a2 = two ? V::load(aj + c + U) : V::zero();
+      auto a3 = (two && BITS == 4) ? V::load(aj + c + U + V::W) : V::zero();
+      const int64_t g0 = c / gs, g1 = (c + U) / gs;  // a unit lies inside one group (gs a multiple of U)
+      for (int64_t t = 0; t < m; ++t) {
+        const float w = pj[t];
+        if (w == 0.f) continue;
+        const uint8_t* ct = base + t * rs + c * BITS / 8;
+        typename V::R x0, x1;
+        unit<BITS, ASYM>(ct, x0, x1);
+        const auto w0 = V::set1(w * vs[t * ng + g0]);
+        a0 = V::fma(w0, x0, a0);
+        if (BITS == 4) a1 = V::fma(w0, x1, a1);
+        if (two) {
+          typename V::R y0, y1;
+          unit<BITS, ASYM>(ct + U * BITS / 8, y0, y1);
+          const auto w1 = V::set1(w * vs[t * ng + g1]);
+          a2 = V::fma(w1, y0, a2);
+          if (BITS == 4) a3 = V::fma(w1, y1, a3);
+        }
+      }
+      V::store(aj + c, a0);
+      if (BITS == 4) V::store(aj + c + V::W, a1);
+      if (two) {
+        V::store(aj + c + U, a2);
+        if (BITS == 4) V::store(aj + c + U + V::W, a3);
+      }
+    }
+    if (ASYM) {  // Σ_t p_t · z_{t,g} on every channel of group g
+      for (int64_t g = 0; g < ng; ++g) {
+        float zs = 0.f;
+        for (int64_t t = 0; t < m; ++t) zs += pj[t] * vz[t * ng + g];
+        const auto vz8 = V::set1(zs);
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += V::W) V::store(aj + i, V::add(V::load(aj + i), vz8));
+      }
+    }
+  }
+}
+
+template <int BITS>
+inline bool fast_ok(const QArgs& a) {
+  constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
+  return a.gs % U == 0 && a.D % U == 0;
+}
+
 // one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
 // acc (G × D) gets the unnormalised sum, mo / lo (G) the running max and denominator.
 template <int BITS, bool ASYM>
@@ -226,15 +369,36 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   }
   const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
   sp.row_group = -1;
+  const bool fast = fast_ok<BITS>(a);
+  const int64_t ng = D / a.gs;
+  if (fast && ASYM && a.kivi == 0)
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t g = 0; g < ng; ++g) {
+        float z = 0.f;
+        for (int64_t i = g * a.gs; i < (g + 1) * a.gs; ++i) z += sp.q[j * D + i];
+        sp.qsum[j * ng + g] = z;
+      }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
     const int64_t m = std::min(T, t_end - t0);
-    deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, t0, m, sp.k.data(), sp);
-    block_scores(sp.q.data(), G, D, sp.k.data(), D, m, mask ? mask + t0 : nullptr, sp.sc.data(), T);
+    const float* mk = mask ? mask + t0 : nullptr;
+    if (fast && a.kivi == 0) {
+      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
+      if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
+      fast_scores<BITS, ASYM>(a, b, h, t0, m, sp.q.data(), sp.qsum.data(), sp.ks.data(), sp.kz.data(), mk,
+                              sp.sc.data(), T);
+    } else {
+      deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, t0, m, sp.k.data(), sp);
+      block_scores(sp.q.data(), G, D, sp.k.data(), D, m, mk, sp.sc.data(), T);
+    }
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    const int64_t saved = sp.row_group;
-    deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups, reuse the buffer
-    sp.row_group = saved;
-    block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
+    if (fast) {
+      load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
+      if (ASYM) load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
+      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), acc);
+    } else {
+      deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups
+      block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
+    }
   }
   if (s != S - 1 || a.r == 0) return;
   for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
