@@ -25,6 +25,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -44,37 +45,47 @@ F16 = torch.float16
 
 # (label, method or "quanto", options). Options of kvslim methods are apply() keywords; "prerope" (bench only)
 # quantizes keys before RoPE (see PreRopeStore).
+def _int4(label_opts: str, **opts) -> tuple[str, str, dict]:
+    """An int4 row with every format option explicit (independent of the method's defaults)."""
+    full = dict(asymmetric=True, residual=0, key_channel_group=0, rotation=None, group_size=64, scale_dtype=F16,
+                smooth_keys=True)
+    full.update(opts)
+    return f"int4 {label_opts}", "int4", full
+
+
+def _int2(label_opts: str, **opts) -> tuple[str, str, dict]:
+    full = dict(asymmetric=True, residual=128, key_channel_group=0, rotation=None, group_size=32, scale_dtype=F16,
+                smooth_keys=True)
+    full.update(opts)
+    return f"int2 {label_opts}", "int2", full
+
+
+OLD_INT4 = dict(asymmetric=False, residual=0, key_channel_group=0, rotation=None, group_size=64,
+                scale_dtype="float32", smooth_keys=True)
 ABLATION = [
-    ("int4 old: sym g64 fp32 +smooth", "int4", dict(asymmetric=False, residual=0, key_channel_group=0,
-                                                    rotation=None, group_size=64, scale_dtype="float32",
-                                                    smooth_keys=True)),
-    ("int4 asym g64 fp16 +smooth", "int4", dict(asymmetric=True, residual=0, key_channel_group=0, rotation=None,
-                                                group_size=64, scale_dtype=F16, smooth_keys=True)),
-    ("int4 asym g64 fp16 +smooth +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
-                                                      rotation=None, group_size=64, scale_dtype=F16,
-                                                      smooth_keys=True)),
-    ("int4 asym g64 fp16 +kivi32 +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=32,
-                                                      rotation=None, group_size=64, scale_dtype=F16)),
-    ("int4 asym g64 fp16 +had(post) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
-                                                         rotation="hadamard", group_size=64, scale_dtype=F16,
-                                                         smooth_keys=False)),
-    ("int4 asym g64 fp16 +had(pre) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=0,
-                                                        rotation="hadamard", group_size=64, scale_dtype=F16,
-                                                        smooth_keys=False, prerope=True)),
-    ("int4 asym g64 fp16 +kivi32(pre) +r128", "int4", dict(asymmetric=True, residual=128, key_channel_group=32,
-                                                           rotation=None, group_size=64, scale_dtype=F16,
-                                                           prerope=True)),
+    ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
+    _int4("sym g32 fp32 +smooth", asymmetric=False, group_size=32, scale_dtype="float32"),
+    _int4("asym g64 fp16 +smooth"),
+    _int4("asym g32 fp16 +smooth", group_size=32),
+    _int4("asym g64 fp16 +smooth +r128", residual=128),
+    _int4("asym g64 fp16 +kivi32 +r32", key_channel_group=32, residual=32),
+    _int4("asym g64 fp16 +kivi32 +r128", key_channel_group=32, residual=128),
+    _int4("asym g32 fp16 +kivi32 +r128", key_channel_group=32, residual=128, group_size=32),
+    _int4("asym g32 fp16 +had(post)", rotation="hadamard", group_size=32, smooth_keys=False),
+    _int4("asym g64 fp16 +had(post) +r128", rotation="hadamard", residual=128, smooth_keys=False),
+    _int4("asym g64 fp16 +had(pre) +r128", rotation="hadamard", residual=128, smooth_keys=False, prerope=True),
+    _int4("asym g64 fp16 +kivi32(pre) +r128", key_channel_group=32, residual=128, prerope=True),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
-    ("int2 asym g32 fp16 +smooth +r128", "int2", dict(key_channel_group=0, smooth_keys=True)),
-    ("int2 asym g32 fp16 +kivi32 +r128", "int2", dict(key_channel_group=32)),
-    ("int2 asym g32 fp16 +had(post) +r128", "int2", dict(key_channel_group=0, rotation="hadamard",
-                                                         smooth_keys=False)),
-    ("int2 asym g32 fp16 +kivi32(pre) +r128", "int2", dict(key_channel_group=32, prerope=True)),
+    _int2("asym g32 fp16 +smooth +r128"),
+    _int2("asym g32 fp16 +kivi32 +r128", key_channel_group=32),
+    _int2("asym g32 fp16 +kivi32 +r32", key_channel_group=32, residual=32),
+    _int2("asym g32 fp16 +had(post) +r128", rotation="hadamard", smooth_keys=False),
+    _int2("asym g32 fp16 +kivi32(pre) +r128", key_channel_group=32, prerope=True),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
 FINAL = [
     ("int8 g64 (default)", "int8", {}),
-    ("int4 old: sym g64 fp32 +smooth", "int4", ABLATION[0][2]),
+    ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
     ("int4 (default)", "int4", {}),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
     ("int2 (default)", "int2", {}),
@@ -185,6 +196,7 @@ def main() -> None:
     p.add_argument("--greedy", type=int, default=0, help="also greedy agreement over N new tokens (256)")
     p.add_argument("--only", default=None, help="comma-separated substrings of row labels to keep")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tag", default="", help="suffix of the result files (e.g. _short for a ranking run)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -195,8 +207,8 @@ def main() -> None:
     ids = text_ids(tok, args.tokens)
     rows = ABLATION if args.suite == "ablation" else FINAL
     if args.only:
-        keys = args.only.split(",")
-        rows = [r for r in rows if any(k in r[0] for k in keys)]
+        keys = args.only.split(",")  # a key ending in "$" must match a whole label
+        rows = [r for r in rows if any(r[0] == k[:-1] if k.endswith("$") else k in r[0] for k in keys)]
     makers, facts = {}, {}
     for label, method, opts in rows:
         makers[label], facts[label] = cache_maker(model, method, opts, args.tokens + args.greedy + 8)
@@ -220,11 +232,12 @@ def main() -> None:
         out.append(rec)
         print(_row(rec), flush=True)
     record = {"suite": args.suite, "mode": args.mode, "tokens": args.tokens, "steps": args.steps,
+              "command": "python " + " ".join(sys.argv),
               "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)", "text": "botchan",
               "ref_ppl": next(iter(results.values())).ref_ppl, "seconds": time.time() - t0,
               "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(), "rows": out}
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"bench_quality_{args.suite}_{args.mode}"
+    stem = RESULTS / f"bench_quality_{args.suite}_{args.mode}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     stem.with_suffix(".md").write_text(markdown(record))
     if args.suite == "final":
