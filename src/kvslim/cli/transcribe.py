@@ -1,6 +1,6 @@
 """Transcribe a WAV file with real Whisper (tiny.en / base from PyPI, offline) and a kvslim cache.
 
-``kvslim transcribe FILE.wav [--model tiny.en|base] [--method slim|dense] [--beams N] [--timestamps]
+``kvslim transcribe FILE.wav [--model tiny.en|base] [--method slim] [--beams N] [--timestamps]
 [--compare]``: prints the transcript and the context memory against HF's ``EncoderDecoderCache``;
 ``--compare`` also decodes with HF's own cache and says whether the tokens are identical.
 """
@@ -22,8 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="PCM WAV file (any rate, mono or stereo); default: the shipped 17 s clip")
     p.add_argument("--model", default="tiny.en", choices=WHISPER_MODELS, help="Whisper checkpoint (default tiny.en)")
-    p.add_argument("--method", default="slim", choices=("slim", "dense"),
-                   help="kvslim method for the decoder (default slim: encoder output cached once)")
+    p.add_argument("--method", default="slim", choices=("slim",),
+                   help="kvslim method (slim: encoder output cached once for all layers, decoder X/K caches; "
+                        "the storage methods do not apply to encoder-decoders)")
     p.add_argument("--beams", type=int, default=1, help="beam width (default 1: greedy)")
     p.add_argument("--timestamps", action="store_true", help="predict segment timestamps")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="model dtype (default fp32)")
