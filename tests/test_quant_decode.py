@@ -1,0 +1,278 @@
+"""The fused int8/int4 decode op (``torch.ops.kvslim.quant_decode``) against its pure-torch twin and a float64
+oracle; the fused decode path of quantized caches against the unfused one (greedy tokens, logits); memory
+safety (NaN-poisoned slots past a sequence's length, named errors, torch.compile of a call to the op)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import assert_close
+
+import kvslim
+from kvslim.caches.residual import ChannelQuantizedStore
+from kvslim.caches.storage import QuantizedStore, StoreSpec
+from kvslim.kernels import quant_decode as kernel
+from kvslim.ops.quant import quantize
+from kvslim.ops.quant_formats import quantize_asym
+
+F32 = torch.float32
+
+
+def _ops():
+    if not kernel.available():
+        pytest.skip("no C++ compiler: the op cannot be built here (its twin is used)")
+
+
+def _codes(b, h, n, d, bits, gs, asym, sdt, gen):
+    x = torch.randn(b, h, n, d, generator=gen) * 2
+    if asym:
+        return quantize_asym(x, bits, gs, sdt)
+    c, s = quantize(x, bits, gs, sdt)
+    return c, s, None
+
+
+def _oracle(q, kc, ks, kz, vc, vs, vz, bits, gs, kivi, n, lengths, kt, vt, mask, scaling):
+    """float64: the values the codes stand for, masked softmax attention, token by token sequence."""
+    keys = kernel.dequantize_codes(kc[:, :, :-(-n // kivi) * kivi if kivi else n], ks[:, :, :-(-n // kivi) * kivi
+                                   if kivi else n], None if kz is None else kz[:, :, :-(-n // kivi) * kivi if kivi
+                                   else n], bits, gs, kivi)[:, :, :n].double()
+    values = kernel.dequantize_codes(vc[:, :, :n], vs[:, :, :n], None if vz is None else vz[:, :, :n], bits,
+                                     gs).double()
+    b = q.shape[0]
+    outs = []
+    for i in range(b):
+        ln = n if lengths is None else int(lengths[i])
+        k, v = keys[i, :, :ln], values[i, :, :ln]
+        cols = torch.arange(ln)
+        if kt is not None:
+            k, v = torch.cat((k, kt[i].double()), 1), torch.cat((v, vt[i].double()), 1)
+            cols = torch.cat((cols, n + torch.arange(kt.shape[2])))
+        s = torch.einsum("hgd,htd->hgt", q[i].double(), k) * scaling
+        if mask is not None:
+            s = s + mask[min(i, mask.shape[0] - 1), cols].double()
+        outs.append(torch.softmax(s, -1).nan_to_num(0.0) @ v)
+    return torch.stack(outs)
+
+
+CASES = [  # (head dim, group size, GQA group, bits, asymmetric, scale dtype)
+    (64, 32, 1, 8, False, torch.float32), (64, 64, 3, 4, False, torch.float16),
+    (64, 32, 7, 4, True, torch.bfloat16), (80, 16, 1, 4, False, torch.float32),
+    (80, 40, 3, 8, True, torch.float16), (128, 128, 1, 4, True, torch.float32),
+    (128, 64, 7, 8, False, torch.bfloat16), (128, 32, 3, 4, False, torch.float32),
+    (256, 128, 3, 8, False, torch.float32), (256, 64, 1, 4, True, torch.float16),
+    (36, 12, 3, 4, False, torch.float32), (36, 18, 1, 8, True, torch.float32),  # scalar path (D % 8 != 0)
+]
+
+
+@pytest.mark.parametrize("d,gs,g,bits,asym,sdt", CASES)
+def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt):
+    """Odd lengths, different lengths per sequence, a masked token, a tail; forced splits agree."""
+    _ops()
+    gen = torch.Generator().manual_seed(d * 7 + gs + g + bits)
+    b, h, n = 3, 2, 131
+    kc, ks, kz = _codes(b, h, n + 9, d, bits, gs, asym, sdt, gen)
+    vc, vs, vz = _codes(b, h, n + 9, d, bits, gs, asym, sdt, gen)
+    q = torch.randn(b, h, g, d, generator=gen)
+    lengths = torch.tensor([n, 57, 1])
+    kt, vt = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 3, d, generator=gen)
+    mask = torch.zeros(b, n + 3)
+    mask[0, 5] = mask[1, n + 1] = float("-inf")
+    mask[2, 40] = -3.0
+    args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, mask, d ** -0.5)
+    ref, ref_lse = kernel.reference(*args)
+    oracle = _oracle(*args)
+    assert_close(ref, oracle, F32, "twin vs float64")
+    for splits in (0, 1, 3):
+        out, lse = kernel.quant_decode(*args, splits=splits)
+        assert_close(out, oracle, F32, f"op (splits={splits}) vs float64")
+        assert_close(lse, ref_lse, F32, f"lse (splits={splits})")
+
+
+@pytest.mark.parametrize("bits,asym,sdt", [(8, False, torch.float32), (4, True, torch.float16),
+                                           (4, False, torch.bfloat16)])
+def test_kivi_keys_match_the_store_reads(bits, asym, sdt):
+    """Per-channel keys over token groups (ChannelQuantizedStore): op == twin == attention over the store's reads."""
+    _ops()
+    torch.manual_seed(1)
+    b, h, d, g, n = 2, 3, 64, 32, 96
+    spec = StoreSpec(bits, 32, sdt, asymmetric=asym, channel_group=g, residual=g, flush=g)
+    ks = ChannelQuantizedStore(spec, b, h, 128, d, F32, torch.device("cpu"))
+    vs = QuantizedStore(spec.for_values(), b, h, 128, d, F32, torch.device("cpu"))
+    ks.write(0, torch.randn(b, h, n, d))
+    vs.write(0, torch.randn(b, h, n, d))
+    q = torch.randn(b, h, 2, d)
+    lengths = torch.tensor([n - 7, 50])
+    args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 32, g, n - 7, lengths)
+    out, _ = kernel.quant_decode(*args, scaling=0.1)
+    ref, _ = kernel.reference(*args, scaling=0.1)
+    keys, values = ks.read(0, n).double(), vs.read(0, n).double()
+    s = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys) * 0.1
+    s[..., n - 7:] = float("-inf")
+    s[1, ..., 50:] = float("-inf")
+    oracle = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), values)
+    assert_close(ref, oracle, F32, "twin vs store reads")
+    assert_close(out, oracle, F32, "op vs store reads")
+
+
+def test_never_reads_past_a_sequence_length():
+    """Scales and zero-points NaN past each sequence's length: the result stays finite and equal to the twin's."""
+    _ops()
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, d = 2, 2, 70, 64
+    for bits, asym in ((8, False), (4, True)):
+        kc, ks, kz = _codes(b, h, n, d, bits, 32, asym, F32, gen)
+        vc, vs, vz = _codes(b, h, n, d, bits, 32, asym, F32, gen)
+        lengths = torch.tensor([33, 64])
+        for t in (ks, vs) + ((kz, vz) if asym else ()):
+            t[0, :, 33:] = float("nan")
+            t[1, :, 64:] = float("nan")
+        q = torch.randn(b, h, 3, d, generator=gen)
+        args = (q, kc, ks, kz, vc, vs, vz, bits, 32, 0, n, lengths)
+        out, lse = kernel.quant_decode(*args, splits=3)
+        ref, _ = kernel.reference(*args)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_close(out, ref, F32, f"int{bits} poisoned slots")
+
+
+def test_fully_masked_sequence_gives_zeros():
+    _ops()
+    gen = torch.Generator().manual_seed(4)
+    kc, ks, _ = _codes(2, 1, 20, 64, 8, 64, False, F32, gen)
+    mask = torch.zeros(2, 20)
+    mask[1] = float("-inf")
+    out, lse = kernel.quant_decode(torch.randn(2, 1, 1, 64), kc, ks, None, kc, ks, None, 8, 64, 0, 20, mask=mask)
+    assert (out[1] == 0).all() and lse[1].item() == float("-inf") and torch.isfinite(out[0]).all()
+
+
+@settings(max_examples=12, deadline=None)
+@given(d=st.sampled_from([32, 48, 64, 80, 128]), g=st.sampled_from([1, 2, 3, 7]), bits=st.sampled_from([4, 8]),
+       asym=st.booleans(), n=st.integers(1, 300), tail=st.integers(0, 5), b=st.integers(1, 3),
+       splits=st.integers(0, 4), seed=st.integers(0, 2 ** 16))
+def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed):
+    _ops()
+    gen = torch.Generator().manual_seed(seed)
+    gs = 16
+    kc, ks, kz = _codes(b, 2, n, d, bits, gs, asym, F32, gen)
+    vc, vs, vz = _codes(b, 2, n, d, bits, gs, asym, F32, gen)
+    q = torch.randn(b, 2, g, d, generator=gen)
+    lengths = torch.randint(1, n + 1, (b,), generator=gen)
+    kt = vt = None
+    if tail:
+        kt, vt = torch.randn(b, 2, tail, d, generator=gen), torch.randn(b, 2, tail, d, generator=gen)
+    args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, None, 0.2)
+    out, lse = kernel.quant_decode(*args, splits=splits)
+    ref, ref_lse = kernel.reference(*args)
+    assert_close(out, ref, F32, "fuzz out")
+    assert_close(lse, ref_lse, F32, "fuzz lse")
+
+
+def test_bad_input_is_refused_by_name():
+    _ops()
+    gen = torch.Generator().manual_seed(5)
+    kc, ks, _ = _codes(1, 2, 10, 64, 8, 32, False, F32, gen)
+    q = torch.randn(1, 2, 1, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        torch.ops.kvslim.quant_decode(q, kc, ks, None, kc, ks, None, 8, 48, 0, 10, None, None, None, None, 1.0)
+    with pytest.raises(ValueError, match="k_codes"):
+        torch.ops.kvslim.quant_decode(q, kc, ks, None, kc, ks, None, 8, 32, 0, 11, None, None, None, None, 1.0)
+    with pytest.raises(ValueError, match="codes must be"):
+        torch.ops.kvslim.quant_decode(q, kc.view(torch.uint8), ks, None, kc, ks, None, 8, 32, 0, 10, None, None,
+                                      None, None, 1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        torch.ops.kvslim.quant_decode(q, kc, ks, None, kc, ks, None, 8, 32, 0, 10, torch.tensor([11]), None, None,
+                                      None, 1.0)
+    with pytest.raises(ValueError, match="mask"):
+        torch.ops.kvslim.quant_decode(q, kc, ks, None, kc, ks, None, 8, 32, 0, 10, None, None, None,
+                                      torch.zeros(1, 9), 1.0)
+
+
+def test_torch_compile_of_a_call_to_the_op():
+    """The fake impl traces (aot_eager: fake tensors, functionalization) and the compiled call gives the op's result."""
+    _ops()
+    gen = torch.Generator().manual_seed(6)
+    kc, ks, _ = _codes(2, 2, 40, 64, 4, 32, False, F32, gen)
+    q = torch.randn(2, 2, 3, 64)
+
+    def f(q, kc, ks):
+        out, lse = torch.ops.kvslim.quant_decode(q, kc, ks, None, kc, ks, None, 4, 32, 0, 40, None, None, None, None,
+                                                 0.125)
+        return out * 2, lse
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = compiled(q, kc, ks), f(q, kc, ks)
+    assert_close(got[0], want[0], F32, "compiled out")
+    assert_close(got[1], want[1], F32, "compiled lse")
+
+
+def _tiny(kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+FORMATS = [("int8", {}), ("int4", {}),
+           ("int4", dict(asymmetric=True, scale_dtype="float16", key_channel_group=32, residual=64, group_size=32)),
+           ("int4", dict(rotation="hadamard", residual=32)), ("int8", dict(window=16)),
+           ("int4", dict(window=64, asymmetric=True))]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
+    """Padded batch, 12 new tokens: every decode step takes the kernel, tokens equal the unfused path's, and a
+    decode step's logits agree with it to fp32 rounding (windows shorter and longer than the context)."""
+    _ops()
+    from kvslim.adapters import sdpa
+
+    model = _tiny(kv_heads)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    taken = []
+    decode = sdpa.quant.decode
+    monkeypatch.setattr(sdpa.quant, "decode", lambda *a: taken.append(decode(*a) is not None) or decode(*a))
+    for method, opts in FORMATS:
+        if kv_heads == 2 and method == "int8" and opts:
+            continue
+        kvslim.apply(model, method, **opts)
+        try:
+            with torch.no_grad():
+                runs = []
+                for fused in (True, False):
+                    cache = kvslim.make_cache(model)
+                    assert all(layer.fused_decode for layer in cache.layers)
+                    for layer in cache.layers:
+                        layer.fused_decode = fused
+                    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                         past_key_values=cache)
+                    step = model(out[:, -1:], attention_mask=torch.cat((mask, torch.ones(2, 12, dtype=mask.dtype)),
+                                                                       1), past_key_values=cache).logits
+                    runs.append((out, step))
+        finally:
+            kvslim.restore(model)
+        assert torch.equal(runs[0][0], runs[1][0]), f"{method} {opts}: greedy tokens differ"
+        assert_close(runs[0][1], runs[1][1], F32, f"{method} {opts}: decode logits")
+    assert taken and all(taken)
+
+
+def test_make_cache_turns_fused_decode_on_only_for_kvslim_attention():
+    _ops()
+    model = _tiny(4)
+    kvslim.apply(model, "int8")
+    try:
+        assert all(layer.fused_decode for layer in kvslim.make_cache(model).layers)
+    finally:
+        kvslim.restore(model)
+    kvslim.apply(model, "dense")
+    try:
+        assert not any(layer.fused_decode for layer in kvslim.make_cache(model).layers)
+    finally:
+        kvslim.restore(model)
+
+
+def test_isa_names_a_path():
+    assert kernel.isa(64) in ("avx512", "avx2", "scalar", "twin")
