@@ -30,17 +30,20 @@ def write_json(path: Path, records: list[dict], bandwidth: dict, extra: dict | N
 
 
 def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
-    """One row per (model, context, batch, method) with tokens/s, ratio to ``baseline`` and to hf-dynamic."""
+    """One row per (model, context, batch, method) with tokens/s and ratios to ``baseline``, hf-dynamic and
+    kvslim-dense (same run)."""
     index = {(r["model"], r["context"], r["batch"], r["method"]): r for r in records}
-    lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | cache MiB | GB/s | % roofline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | × kvslim dense | cache MiB "
+             "| GB/s | % roofline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r: dict, method: str) -> str:
+        base = index.get((r["model"], r["context"], r["batch"], method))
+        return f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+
     for r in records:
-        base = index.get((r["model"], r["context"], r["batch"], baseline))
-        dyn = index.get((r["model"], r["context"], r["batch"], "hf-dynamic"))
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
-        dratio = f"{r['tokens_per_s'] / dyn['tokens_per_s']:.2f}" if dyn else "-"
         lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-                     f"{ratio} | {dratio} | {r['cache_bytes'] / 2**20:.0f} | {r['gbps']:.1f} | "
+                     f"{ratio(r, baseline)} | {ratio(r, 'hf-dynamic')} | {ratio(r, 'kvslim-dense')} | "
+                     f"{r['cache_bytes'] / 2**20:.0f} | {r['gbps']:.1f} | "
                      f"{100 * r['roofline_fraction']:.0f} |")
     return "\n".join(lines)
 
