@@ -20,7 +20,6 @@ from kvslim.caches import StoreSpec
 from kvslim.caches.dense import AppendLayer
 from kvslim.caches.storage import make_store
 from kvslim.caches.window import RingLayer
-from kvslim.ops.quant import default_group_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,6 +114,8 @@ def test_update_with_a_wrong_head_dim_names_the_tensor(bits):
 
 
 def test_default_group_size_adapts_to_the_head_dim():
+    from kvslim.ops.quant import default_group_size
+
     assert [default_group_size(d) for d in (128, 64, 96, 80, 24, 48, 12)] == [64, 64, 32, 16, 8, 16, 12]
     assert default_group_size(96, preferred=32) == 32 and default_group_size(80, preferred=32) == 16
 

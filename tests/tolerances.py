@@ -43,6 +43,7 @@ def assert_error_ratio(optimized: torch.Tensor, baseline: torch.Tensor, referenc
     assert e_opt <= bound, f"{what}: error {e_opt:.3e} > {RATIO_FACTOR}×{e_base:.3e} + floor ({dtype})"
 
 
-#: documented loss of the lossy cache methods end to end on the tiny random test models (fp32): max |Δlogit|
-#: against the same HF model with its ordinary cache (tests/test_compat_matrix.py, docs/compat.md)
-LOSSY_LOGIT_ATOL = {"int8": 5e-2, "int4": 1.0}
+#: documented loss of the lossy cache methods end to end on the tiny random test models of
+#: tests/test_compat_matrix.py (fp32; int4 with its window scaled to them): max |Δlogit| against the same HF
+#: model with its ordinary cache on the same tokens (measured: int8 ≤ 1.3e-3, int4 ≤ 2.4e-2; docs/compat.md)
+LOSSY_LOGIT_ATOL = {"int8": 1e-2, "int4": 1e-1}
