@@ -161,7 +161,8 @@ def test_quantized_store_refuses_non_finite_values_and_writes_nothing(spec, bad)
     y[0, 0, 1, 5] = bad  # one value; before the fix an inf zeroed its 7 finite group neighbours silently
     with pytest.raises(ValueError, match="non-finite.*token 1 of this write, channel 5"):
         store.write(4, y)
-    assert all(torch.equal(a, b) for a, b in zip(before, store.tensors(), strict=True))
+    assert all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))  # bitwise: unwritten
+               for a, b in zip(before, store.tensors(), strict=True))  # slots may hold NaN patterns
     plain = make_store(StoreSpec(), x, 8)
     plain.write(0, y)  # plain storage keeps what the model made
     assert torch.allclose(plain.read(0, 3), y, rtol=0, atol=0, equal_nan=True)
