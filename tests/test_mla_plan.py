@@ -96,5 +96,9 @@ def test_quantized_latent_layer_keeps_k_pe_in_model_dtype():
     out_c, out_r = layer.update(c, r)
     assert layer.c_kv_store.capacity == 16 and layer.c_kv_store.data.dtype == torch.uint8
     assert layer.k_pe_store.data.dtype == torch.bfloat16 and torch.equal(out_r, r)
-    assert out_c.dtype == torch.bfloat16 and 0 < (out_c.float() - c.float()).abs().max() < 0.5
+    assert out_c.dtype == torch.bfloat16 and torch.equal(out_c, c)  # the call's own tokens: full precision
     assert layer.nbytes == 5 * (16 + 2 * 4 + 8 * 2)
+    c2, r2 = torch.randn(1, 1, 1, 32, dtype=torch.bfloat16), torch.randn(1, 1, 1, 8, dtype=torch.bfloat16)
+    out_c, out_r = layer.update(c2, r2)  # the history now reads back from int4 codes, k_pe exactly
+    assert torch.equal(out_c[:, :, 5:], c2) and torch.equal(out_r, torch.cat([r, r2], 2))
+    assert 0 < (out_c[:, :, :5].float() - c.float()).abs().max() < 0.5
