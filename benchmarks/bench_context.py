@@ -184,11 +184,15 @@ def main() -> None:
     ms = models()
     bw = measure_bandwidth(nbytes=1 << 28, trials=5)
     points = []
-    for ctx in args.contexts:
+    for ctx in args.contexts:  # JSON and PNG rewritten after every context: a stopped run keeps what it measured
         configs = {}
         for names in (LLAMA, DEEPSEEK):
             configs.update(run_group(names, ms, args.batch, ctx, args.steps, args.trials, bw["roofline_gbps"]))
         points.append({"context": ctx, "configs": configs})
+        write(points, args, bw)
+
+
+def write(points: list[dict], args, bw: dict) -> None:
     record = {"benchmark": "bench_context", "dtype": "float32", "batch": args.batch, "threads": args.threads,
               "steps": args.steps, "trials": args.trials, "interleaved": True, "op_isa": slim_decode.isa(),
               "bandwidth": bw, "points": points,
