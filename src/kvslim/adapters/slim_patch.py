@@ -49,6 +49,32 @@ class RopeTable:
         return cos[positions], sin[positions]
 
 
+def project_and_row(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, kwargs: dict):
+    """The attention inputs of one call and the row slim stores for it.
+
+    Returns ``q, k, v`` (B, h, T, dk), RoPE applied to q and k when the model has it, and ``stored`` (B, T, c):
+    K (raw or rotated, as ``w.rope_storage`` says, plus the conditioning columns x·P), V, or the input X.
+    """
+    b, t, _ = hidden_states.shape
+    h, dk, e = w.num_heads, w.head_dim, w.num_heads * w.head_dim
+    q, k, v = adapter.qkv(self, hidden_states)  # (B, T, e) each
+    q, k, v = (z.reshape(b, t, h, dk).transpose(1, 2) for z in (q, k, v))  # (B, h, T, dk)
+    k_raw = k
+    if adapter.has_rope:
+        cos, sin = kwargs["position_embeddings"]
+        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+    if w.technique == "k":
+        stored = (k if w.rope and w.rope_storage == "rotated" else k_raw).transpose(1, 2).reshape(b, t, e)
+        if w.proj is not None:
+            z = (hidden_states.float() @ w.proj).to(hidden_states.dtype)  # x·P, rounded like the keys
+            stored = torch.cat((stored, z), dim=-1)
+    elif w.technique == "v":
+        stored = v.transpose(1, 2).reshape(b, t, e)
+    else:
+        stored = hidden_states
+    return q, k, v, stored
+
+
 def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hidden_states: torch.Tensor,
                  *args, **kwargs):
     """Replacement ``forward`` of one HF attention module (bound per instance)."""
@@ -59,23 +85,8 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
     if args or not isinstance(layer, SlimLayer) or kwargs.get("encoder_hidden_states") is not None:
         return original(hidden_states, *args, **kwargs)
     b, t, _ = hidden_states.shape
-    h, dk, e = w.num_heads, w.head_dim, w.num_heads * w.head_dim
-    q, k, v = adapter.qkv(self, hidden_states)  # (B, T, e) each
-    q, k, v = (z.reshape(b, t, h, dk).transpose(1, 2) for z in (q, k, v))  # (B, h, T, dk)
-    k_raw = k
-    if adapter.has_rope:
-        cos, sin = kwargs["position_embeddings"]
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
-    # the row to store: (B, T, c)
-    if w.technique == "k":
-        stored = (k if w.rope and w.rope_storage == "rotated" else k_raw).transpose(1, 2).reshape(b, t, e)
-        if w.proj is not None:
-            z = (hidden_states.float() @ w.proj).to(hidden_states.dtype)  # x·P, rounded like the keys
-            stored = torch.cat((stored, z), dim=-1)
-    elif w.technique == "v":
-        stored = v.transpose(1, 2).reshape(b, t, e)
-    else:
-        stored = hidden_states
+    e = w.num_heads * w.head_dim
+    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs)
     first = layer.get_seq_length() == 0
     layer.write(stored, kwargs.get("position_ids") if w.rope else None)
     mask = kwargs.get("attention_mask")

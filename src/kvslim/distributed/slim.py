@@ -18,8 +18,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..adapters.slim_patch import project_and_row
 from ..attention.slim import SlimLayerWeights
-from ..ops.rope import rotate, rotate_heads
+from ..ops.rope import rotate_heads
 from .attention import local_mask
 from .layers import ShardedRowLayer
 from .merge import Partial, merge, partial_from_scores
@@ -63,22 +64,8 @@ def seqpar_slim_forward(self, rt, adapter, w: SlimLayerWeights, rope, hidden_sta
         return getattr(self, _PREVIOUS)(hidden_states, *args, **kwargs)
     past.current = layer
     b, t, _ = hidden_states.shape
-    h, dk, e = w.num_heads, w.head_dim, w.num_heads * w.head_dim
-    q, k, v = adapter.qkv(self, hidden_states)  # (B, T, e) each
-    q, k, v = (z.reshape(b, t, h, dk).transpose(1, 2) for z in (q, k, v))  # (B, h, T, dk)
-    k_raw = k
-    if adapter.has_rope:
-        cos, sin = kwargs["position_embeddings"]
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
-    if w.technique == "k":
-        stored = (k if w.rope and w.rope_storage == "rotated" else k_raw).transpose(1, 2).reshape(b, t, e)
-        if w.proj is not None:
-            z = (hidden_states.float() @ w.proj).to(hidden_states.dtype)
-            stored = torch.cat((stored, z), dim=-1)
-    elif w.technique == "v":
-        stored = v.transpose(1, 2).reshape(b, t, e)
-    else:
-        stored = hidden_states
+    e = w.num_heads * w.head_dim
+    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs)
     prompt = layer.cumulative_length == 0
     layer.write(stored, kwargs.get("position_ids") if w.rope else None)
     mask = kwargs.get("attention_mask")

