@@ -68,6 +68,29 @@ def test_bench_refuses_bad_arguments(capsys):
     assert "--methods" in capsys.readouterr().err
 
 
+def test_bench_group_interleaves_kinds_on_separate_copies(monkeypatch):
+    from kvslim.bench import decode
+
+    model = tiny_model("llama")
+    order, real = [], decode.time_decode
+
+    def spy(m, cache, batch, context, steps, warmup=1):
+        order.append((kvslim.get_plan(m).method if kvslim.get_plan(m) else "hf", context))
+        return real(m, cache, batch, context, steps, warmup)
+
+    monkeypatch.setattr(decode, "time_decode", spy)
+    recs = decode.measure_group(model, "tiny", ["hf-dynamic", "kvslim-int8"], 2, 32, 2, 3, 10.0)
+    # A B A B A B, positions continue from the cache length (first round has one warm-up step)
+    assert order == [("hf", 32), ("int8", 32), ("hf", 35), ("int8", 35), ("hf", 37), ("int8", 37)]
+    assert [r["method"] for r in recs] == ["hf-dynamic", "kvslim-int8"]
+    for r in recs:
+        assert len(r["step_s_all"]) == 6 and len(r["step_s_round_medians"]) == 3 and r["rounds"] == 3
+    assert recs[1]["cache_bytes"] < recs[0]["cache_bytes"]
+    assert kvslim.get_plan(model) is None
+    with pytest.raises(ValueError, match="rounds"):
+        decode.measure_group(model, "tiny", ["hf-dynamic"], 2, 32, 2, 0, 10.0)
+
+
 def test_bench_point_measures_real_decode():
     from kvslim.bench.decode import measure_point
 

@@ -1,12 +1,17 @@
 """Decode throughput of one (model, cache kind, context, batch) point, against baselines in the same run.
 
 The cache is filled with ``context`` synthetic tokens through each cache's own ``update`` (a real prefill of
-8k tokens × batch 8 would take minutes on a CPU and does not change decode speed), then ``steps`` greedy decode
-steps are timed one by one; the median step time gives tokens/s.
+8k tokens × batch 8 would take minutes on a CPU and does not change decode speed), then greedy decode steps are
+timed one by one; the median step time gives tokens/s.
+
+:func:`measure_group` compares several cache kinds at one point the way a noisy shared machine needs: each kind
+gets its own copy of the model (applied once) and its own filled cache, then the kinds take turns, ``rounds``
+times ``steps`` steps each (A B C A B C ...), so a burst of load hits every kind alike.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,9 +22,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 from .. import api
 from ..adapters.shape import shape_from_config
 
-#: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments)
-KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {"group_size": 64}),
-                "kvslim-int4": ("int4", {"group_size": 64})}
+#: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments; each method's defaults, i.e.
+#: what ``apply(model, "int4")`` gives a user)
+KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
 
@@ -95,19 +100,46 @@ def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int 
 
 def measure_point(model, model_name: str, kind: str, batch: int, context: int, steps: int,
                   roofline_gbps: float) -> dict:
-    """One JSON record: median tokens/s, cache bytes, bytes read per step, effective GB/s."""
-    cache = make_filled_cache(model, kind, batch, context, steps)
-    cache_bytes = _cache_bytes(cache, context)
-    times = time_decode(model, cache, batch, context, steps)
+    """One JSON record for one kind alone (see :func:`measure_group` to compare kinds)."""
+    return measure_group(model, model_name, [kind], batch, context, steps, 1, roofline_gbps)[0]
+
+
+def measure_group(model, model_name: str, kinds: list[str], batch: int, context: int, steps: int, rounds: int,
+                  roofline_gbps: float) -> list[dict]:
+    """One JSON record per kind: median over ``rounds`` × ``steps`` interleaved decode steps, cache bytes, bytes
+    read per step, effective GB/s. ``model`` itself is left unapplied; each kind runs on its own copy."""
+    if steps <= 0 or rounds <= 0:
+        raise ValueError(f"steps and rounds must be positive ints, got steps={steps}, rounds={rounds}")
     api.restore(model)
-    step = statistics.median(times)
-    bytes_per_step = weight_bytes(model) + cache_bytes
-    gbps = bytes_per_step / step / 1e9
-    return {"method": kind, "model": model_name, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "context": context, "batch": batch, "steps": steps, "step_s_median": step,
-            "step_s_all": times, "tokens_per_s": batch / step, "cache_bytes": cache_bytes,
-            "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
-            "roofline_fraction": gbps / roofline_gbps}
+    room = rounds * (steps + 1) + 1
+    runs = {}
+    for kind in kinds:  # every copy and cache is built before any timing
+        m = copy.deepcopy(model)
+        runs[kind] = {"model": m, "cache": make_filled_cache(m, kind, batch, context, room), "pos": context,
+                      "times": [], "rounds": []}
+        runs[kind]["bytes"] = _cache_bytes(runs[kind]["cache"], context)
+    for r in range(rounds):
+        for kind in kinds:
+            run = runs[kind]
+            times = time_decode(run["model"], run["cache"], batch, run["pos"], steps, warmup=1 if r == 0 else 0)
+            run["pos"] += steps + (1 if r == 0 else 0)
+            run["times"] += times
+            run["rounds"].append(statistics.median(times))
+    records = []
+    for kind in kinds:
+        run = runs.pop(kind)
+        step = statistics.median(run["times"])
+        bytes_per_step = weight_bytes(model) + run["bytes"]
+        gbps = bytes_per_step / step / 1e9
+        records.append({"method": kind, "model": model_name,
+                        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "context": context,
+                        "batch": batch, "steps": steps, "rounds": rounds, "step_s_median": step,
+                        "step_s_all": run["times"], "step_s_round_medians": run["rounds"],
+                        "tokens_per_s": batch / step, "cache_bytes": run["bytes"],
+                        "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
+                        "roofline_fraction": gbps / roofline_gbps})
+        del run
+    return records
 
 
 def _cache_bytes(cache, context: int) -> int:

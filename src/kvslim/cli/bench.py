@@ -1,7 +1,8 @@
 """Decode benchmark: kvslim methods against HF DynamicCache and StaticCache in the same run.
 
 ``kvslim bench [--models mha-100m,smollm2] [--contexts 1024,4096,8192] [--batches 1,8] [--methods ...]``
-Writes ``bench_decode.json``, ``bench_decode.png`` and ``bench_decode.md`` under ``--out``.
+At each (model, batch, context) point the methods take turns (``--rounds`` × ``--steps`` steps each, interleaved),
+so ratios between methods come from the same stretch of machine time. Writes ``bench_decode.json``, ``bench_decode.png`` and ``bench_decode.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ..bench.decode import ALL_KINDS, measure_point, mha_100m
+from ..bench.decode import ALL_KINDS, measure_group, mha_100m
 from ..bench.report import markdown_table, plot, write_json
 from ..bench.roofline import measure_bandwidth
 from ..methods.base import parse_dtype
@@ -44,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,4096,8192", help="context lengths (tokens)")
     p.add_argument("--batches", default="1,8", help="batch sizes")
     p.add_argument("--methods", default=",".join(ALL_KINDS), help=f"from {', '.join(ALL_KINDS)}")
-    p.add_argument("--steps", type=int, default=5, help="timed decode steps per point (median reported)")
+    p.add_argument("--steps", type=int, default=3, help="timed decode steps per method per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds (A B C A B C ...); the median over rounds × steps is reported")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
@@ -65,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     kinds = _names(args.methods, ALL_KINDS, "--methods")
     if args.steps <= 0:
         raise ValueError(f"--steps must be a positive int, got {args.steps}")
+    if args.rounds <= 0:
+        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
     dtype = parse_dtype(args.dtype, "--dtype")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
@@ -73,21 +78,24 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"measured bandwidth: read {bandwidth['read_gbps']:.1f} GB/s, copy {bandwidth['copy_gbps']:.1f} "
                   f"GB/s (roofline {bandwidth['roofline_gbps']:.1f} GB/s), {torch.get_num_threads()} threads")
     records = []
-    total = len(models) * len(contexts) * len(batches) * len(kinds)
+    total = len(models) * len(contexts) * len(batches)
     with Progress(console=console) as progress:
         task = progress.add_task("decode points", total=total)
         for model_name in models:
             model = load_model(model_name, dtype, args.device)
             for batch in batches:
                 for context in contexts:
-                    for kind in kinds:
-                        rec = measure_point(model, model_name, kind, batch, context, args.steps,
-                                            bandwidth["roofline_gbps"])
-                        records.append(rec)
+                    group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,
+                                          bandwidth["roofline_gbps"])
+                    records += group
+                    base = next((r for r in group if r["method"] == "kvslim-dense"), None)
+                    for rec in group:
+                        vs = f" {rec['tokens_per_s'] / base['tokens_per_s']:5.2f}× dense" if base else ""
                         progress.console.print(
-                            f"{model_name:9s} b{batch:<3d} ctx {context:6d} {kind:13s} {rec['tokens_per_s']:8.2f} tok/s "
-                            f"{rec['gbps']:6.1f} GB/s ({100 * rec['roofline_fraction']:.0f}% roofline)")
-                        progress.advance(task)
+                            f"{model_name:9s} b{batch:<3d} ctx {context:6d} {rec['method']:13s} "
+                            f"{rec['tokens_per_s']:8.2f} tok/s{vs} {rec['gbps']:6.1f} GB/s "
+                            f"({100 * rec['roofline_fraction']:.0f}% roofline)")
+                    progress.advance(task)
             del model
     out = Path(args.out)
     write_json(out / f"{args.name}.json", records, bandwidth)
