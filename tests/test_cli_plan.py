@@ -91,6 +91,21 @@ def test_bench_group_interleaves_kinds_on_separate_copies(monkeypatch):
         decode.measure_group(model, "tiny", ["hf-dynamic"], 2, 32, 2, 0, 10.0)
 
 
+def test_bench_group_runs_slim_on_mha_and_says_why_not_on_gqa():
+    from kvslim.bench import decode
+
+    mha = tiny_model("llama", kv_heads=4)
+    recs = decode.measure_group(mha, "tiny", ["kvslim-dense", "kvslim-slim"], 2, 32, 2, 2, 10.0)
+    dense, slim = recs
+    assert slim["method"] == "kvslim-slim" and slim["tokens_per_s"] > 0
+    assert slim["cache_bytes"] * 2 == dense["cache_bytes"]  # K only
+    gqa = decode.measure_group(tiny_model("llama"), "tiny", ["kvslim-dense", "kvslim-slim"], 2, 32, 1, 1, 10.0)
+    assert gqa[0]["method"] == "kvslim-slim" and "skipped" in gqa[0] and gqa[1]["tokens_per_s"] > 0
+    from kvslim.bench.report import markdown_table
+
+    assert "kvslim-slim not run on tiny" in markdown_table(gqa)
+
+
 def test_bench_point_measures_real_decode():
     from kvslim.bench.decode import measure_point
 

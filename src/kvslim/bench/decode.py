@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,9 @@ from ..adapters.shape import shape_from_config
 
 #: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments; each method's defaults, i.e.
 #: what ``apply(model, "int4")`` gives a user)
-KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {})}
+#: ``kvslim-slim`` is slim attention option 2 (K-only cache, V rebuilt after the softmax-weighted sum; MHA only).
+KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {}),
+                "kvslim-slim": ("slim", {"cache": "k", "rank": 0})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
 
@@ -56,11 +59,18 @@ def make_filled_cache(model, kind: str, batch: int, context: int, steps: int):
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
     elif kind in KVSLIM_KINDS:
         method, opts = KVSLIM_KINDS[kind]
-        api.apply(model, method, **opts)
+        with warnings.catch_warnings():  # random weights: slim's fp32 K-cache error is measured elsewhere
+            warnings.simplefilter("ignore")
+            api.apply(model, method, **opts)
         cache = api.make_cache(model, max_length=context + steps + 1)
     else:
         raise ValueError(f"kind must be one of {ALL_KINDS}, got {kind!r}")
     g = torch.Generator(device=device).manual_seed(0)
+    if kind == "kvslim-slim":  # slim layers store one row per token (K or X), written directly
+        pos = torch.arange(context, device=device)[None].expand(batch, -1)
+        for layer in cache.layers:
+            layer.write(torch.randn(batch, context, layer.width, generator=g, device=device).to(dtype), pos)
+        return cache
     for i in range(shape.num_layers):
         k = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, generator=g, device=device).to(dtype)
         cache.update(k, k.clone(), i)
@@ -107,26 +117,34 @@ def measure_point(model, model_name: str, kind: str, batch: int, context: int, s
 def measure_group(model, model_name: str, kinds: list[str], batch: int, context: int, steps: int, rounds: int,
                   roofline_gbps: float) -> list[dict]:
     """One JSON record per kind: median over ``rounds`` × ``steps`` interleaved decode steps, cache bytes, bytes
-    read per step, effective GB/s. ``model`` itself is left unapplied; each kind runs on its own copy."""
+    read per step, effective GB/s; a kvslim method that does not apply to ``model`` gives a record with only a
+    ``skipped`` reason. ``model`` itself is left unapplied; each kind runs on its own copy."""
     if steps <= 0 or rounds <= 0:
         raise ValueError(f"steps and rounds must be positive ints, got steps={steps}, rounds={rounds}")
     api.restore(model)
     room = rounds * (steps + 1) + 1
-    runs = {}
+    runs, skipped = {}, {}
     for kind in kinds:  # every copy and cache is built before any timing
         m = copy.deepcopy(model)
-        runs[kind] = {"model": m, "cache": make_filled_cache(m, kind, batch, context, room), "pos": context,
-                      "times": [], "rounds": []}
-        runs[kind]["bytes"] = _cache_bytes(runs[kind]["cache"], context)
+        try:
+            cache = make_filled_cache(m, kind, batch, context, room)
+        except ValueError as err:  # the method does not apply to this model (e.g. slim on a GQA model)
+            if kind not in KVSLIM_KINDS:
+                raise
+            skipped[kind] = str(err)
+            continue
+        runs[kind] = {"model": m, "cache": cache, "pos": context, "times": [], "rounds": [],
+                      "bytes": _cache_bytes(cache, context)}
     for r in range(rounds):
-        for kind in kinds:
+        for kind in runs:
             run = runs[kind]
             times = time_decode(run["model"], run["cache"], batch, run["pos"], steps, warmup=1 if r == 0 else 0)
             run["pos"] += steps + (1 if r == 0 else 0)
             run["times"] += times
             run["rounds"].append(statistics.median(times))
-    records = []
-    for kind in kinds:
+    records = [{"method": kind, "model": model_name, "context": context, "batch": batch, "skipped": reason}
+               for kind, reason in skipped.items()]
+    for kind in list(runs):
         run = runs.pop(kind)
         step = statistics.median(run["times"])
         bytes_per_step = weight_bytes(model) + run["bytes"]

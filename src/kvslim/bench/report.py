@@ -32,6 +32,8 @@ def write_json(path: Path, records: list[dict], bandwidth: dict, extra: dict | N
 def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
     """One row per (model, context, batch, method) with tokens/s and ratios to ``baseline``, hf-dynamic and
     kvslim-dense (same run)."""
+    skipped = [r for r in records if "skipped" in r]
+    records = [r for r in records if "skipped" not in r]
     index = {(r["model"], r["context"], r["batch"], r["method"]): r for r in records}
     lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | × kvslim dense | cache MiB "
              "| GB/s | % roofline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -45,6 +47,8 @@ def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
                      f"{ratio(r, baseline)} | {ratio(r, 'hf-dynamic')} | {ratio(r, 'kvslim-dense')} | "
                      f"{r['cache_bytes'] / 2**20:.0f} | {r['gbps']:.1f} | "
                      f"{100 * r['roofline_fraction']:.0f} |")
+    reasons = {(r["model"], r["method"]): r["skipped"] for r in skipped}
+    lines += [f"\n{method} not run on {model}: {why}" for (model, method), why in reasons.items()]
     return "\n".join(lines)
 
 
@@ -54,6 +58,7 @@ def plot(records: list[dict], path: Path, roofline_gbps: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [r for r in records if "skipped" not in r]
     groups = sorted({(r["model"], r["batch"]) for r in records})
     fig, axes = plt.subplots(2, len(groups), figsize=(4.6 * len(groups), 7.5), squeeze=False)
     for col, (model, batch) in enumerate(groups):

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
                     records += group
                     base = next((r for r in group if r["method"] == "kvslim-dense"), None)
                     for rec in group:
+                        if "skipped" in rec:
+                            progress.console.print(f"{model_name:9s} {rec['method']}: not run ({rec['skipped']})")
+                            continue
                         vs = f" {rec['tokens_per_s'] / base['tokens_per_s']:5.2f}× dense" if base else ""
                         progress.console.print(
                             f"{model_name:9s} b{batch:<3d} ctx {context:6d} {rec['method']:13s} "
