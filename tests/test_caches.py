@@ -77,7 +77,7 @@ def test_ring_layer_returns_visible_tokens_in_temporal_order(steps, window):
         assert (kv_len, kv_off) == (ref_k.shape[2], c - min(c, window - 1))
         c += s
         assert layer.get_seq_length() == c
-        assert layer.stored_tokens() == min(c, window)
+        assert layer.stored_tokens() == min(c, window - 1)  # HF keeps W − 1 rows too
 
 
 def test_ring_memory_is_flat_after_window_for_ten_windows():
@@ -89,6 +89,55 @@ def test_ring_memory_is_flat_after_window_for_ten_windows():
         sizes.append((layer.nbytes, layer.allocated_nbytes))
     assert len({s for s in sizes[w - 1:]}) == 1, "bytes must not grow after W tokens"
     assert sizes[-1][0] == sizes[-1][1]
+
+
+def test_ring_bytes_equal_hf_sliding_layer():
+    """The ring stores W − 1 rows, as HF's ``DynamicSlidingWindowLayer`` (the current token is attended as given)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    w, g = 6, torch.Generator().manual_seed(1)
+    ours, hf = RingLayer(w), DynamicSlidingWindowLayer(w)
+    for s in (4, 1, 3, 1, 1, 1, 9, 1, 1):
+        k, v = torch.randn(2, 3, s, 8, generator=g), torch.randn(2, 3, s, 8, generator=g)
+        got, ref = ours.update(k, v), hf.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert ours.nbytes == hf.keys.nbytes + hf.values.nbytes
+    assert ours.allocated_nbytes == ours.nbytes == 2 * 2 * 3 * (w - 1) * 8 * 4  # the buffers: W − 1 rows
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_fused_ring_step_attends_what_its_unfused_twin_reads(window):
+    """Fused decode on a W − 1-slot ring: the step's token takes the slot of position c−W+1, which the step still
+    attends (from the tail, read before the write). Its reads equal an unfused ring's, and the kernel's attention
+    over the codes equals attention over those reads under a random padding mask."""
+    from kvslim.attention import quant
+    from kvslim.caches.fused import fused_of
+    from kvslim.kernels import quant_decode as kernel
+
+    if not kernel.available():
+        pytest.skip("no C++ compiler: the op cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    fused, plain = RingLayer(window, StoreSpec(8, 4)), RingLayer(window, StoreSpec(8, 4))
+    fused.fused_decode = True
+    with torch.no_grad():
+        k, v = torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)
+        fused.update(k, v), plain.update(k, v)
+        for step in range(3 * window + 2):
+            k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
+            mk, _ = fused.update(k, v)
+            ref_k, ref_v = plain.update(k, v)
+            h = fused_of(mk)
+            if window == 1:  # nothing stored: the step attends its own token only
+                assert h is None and torch.equal(mk, k)
+                continue
+            assert h is not None and h.tokens == ref_k.shape[2] == min(3 + step, window - 1) + 1
+            got_k, got_v = h.materialize()
+            assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+            q = torch.randn(2, 4, 1, 8, generator=g)
+            mask = torch.rand(2, 1, 1, h.tokens, generator=g) < 0.7
+            mask[..., -1] = True
+            assert_close(quant.decode(h, q, mask, None), quant.reference(h, q, mask, None), torch.float32,
+                         f"step {step}")
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -19,7 +19,8 @@ class LayerPlan:
         index: decoder layer index.
         technique: what the layer caches (``"dense"``, ``"window"``, ``"int8"``, ``"slim-k"``, ``"mla-latent"``…).
         bytes_per_token: exact bytes stored per token at batch 1 (scales included).
-        window: ring capacity in tokens, or ``None`` for an unbounded layer.
+        window: the sliding window W of a ring-buffer layer (it stores the last W − 1 tokens, as HF's
+            ``DynamicSlidingWindowLayer``), or ``None`` for an unbounded layer.
         exactness: ``"exact"``, ``"lossy"`` or ``"approximate"`` plus, where measured, the dtype and error.
         error: measured relative error of this layer's choice, when measured.
         note: free text shown in the plan table.
@@ -45,7 +46,7 @@ class LayerPlan:
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         if context == 0:
             return 0
-        tokens = context if self.window is None else min(context, self.window)
+        tokens = context if self.window is None else min(context, self.window - 1)  # a ring stores W − 1
         coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
         return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
                         + self.fixed_bytes)

@@ -33,7 +33,9 @@ class FusedKV:
     history. ``k_tail``/``v_tail``: (B, H, r, D) tokens after it in full precision (a residual window and/or the
     step's own token). Ring buffers (``ring`` = (first, skip)): history position i of HF's temporal order lives in
     slot ``(first + i) % n``, and slot ``skip`` (the step's own token, re-coded) is not attended (the tail has the
-    exact token). ``materialize``: the unfused reads (the cache layer's own code path).
+    exact token); the first ``lead`` tail tokens come before the coded history in temporal order (a full ring's
+    oldest visible token, read before the step's token took its slot). ``materialize``: the unfused reads (the
+    cache layer's own code path).
     """
 
     k: QuantizedStore
@@ -43,6 +45,7 @@ class FusedKV:
     v_tail: torch.Tensor | None
     materialize: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     ring: tuple[int, int] | None = None
+    lead: int = 0
 
     @property
     def tokens(self) -> int:
@@ -60,9 +63,11 @@ class FusedKV:
         out = torch.zeros(b, n + self.k_tail.shape[2], dtype=torch.float32, device=self.k_tail.device)
         out[:, skip] = float("-inf")
         if mask is not None:
+            lead = self.lead
             slots = (first + torch.arange(n - 1)) % n
-            out[:, slots] = mask[:, :n - 1].float()
-            out[:, n:] = mask[:, n - 1:].float()
+            out[:, n:n + lead] = mask[:, :lead].float()
+            out[:, slots] = mask[:, lead:lead + n - 1].float()
+            out[:, n + lead:] = mask[:, lead + n - 1:].float()
         return out
 
 
@@ -83,12 +88,17 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
 
 
 def ring_handle(k_store: TensorStore, v_store: TensorStore, length: int, window: int, k_now: torch.Tensor,
-                v_now: torch.Tensor, materialize) -> FusedKV:
+                v_now: torch.Tensor, materialize, evicted: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> FusedKV:
     """A ring layer of ``window`` slots holding ``length`` tokens after writing the step's token (position
-    ``length - 1``, slot ``(length - 1) % window``)."""
+    ``length - 1``, slot ``(length - 1) % window``). ``evicted``: the (B, H, 1, D) key and value the step's token
+    overwrote when that token is still visible to the step (it is attended first, from the tail)."""
     n = min(length, window)
     first = length % n if length >= window else 0
-    return FusedKV(k_store, v_store, n, k_now, v_now, materialize, ring=(first, (length - 1) % window))
+    if evicted is not None:
+        k_now, v_now = torch.cat((evicted[0], k_now), dim=2), torch.cat((evicted[1], v_now), dim=2)
+    return FusedKV(k_store, v_store, n, k_now, v_now, materialize, ring=(first, (length - 1) % window),
+                   lead=0 if evicted is None else 1)
 
 
 def markers(h: FusedKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

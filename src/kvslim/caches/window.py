@@ -1,7 +1,9 @@
 """Ring-buffer cache layer for sliding-window attention (SPEC §2).
 
-Stores: the last W tokens only (token at position t in slot t mod W); memory is flat after W tokens however
-long generation runs. Exact against full-cache attention under the sliding-window mask (plain storage).
+Stores: the last W − 1 tokens only (token at position t in slot t mod (W − 1)), as HF's
+``DynamicSlidingWindowLayer``: a query at position t sees positions t−W+1 … t, and its own token is handed to
+attention as given, so W − 1 stored rows suffice. Memory is flat after W − 1 tokens however long generation runs.
+Exact against full-cache attention under the sliding-window mask (plain storage).
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from .storage import StoreSpec
 
 
 class RingLayer(KVStoreLayer):
-    """Capacity ``window`` slots; O(1) writes; reads return the visible tokens in temporal order."""
+    """Capacity ``window - 1`` slots; O(1) writes; reads return the visible tokens in temporal order."""
 
     is_sliding = True
     is_croppable = True
 
     def __init__(self, window: int, spec: StoreSpec | None = None):
         super().__init__(spec)
-        if not isinstance(window, int) or window <= 0:
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ValueError(f"window must be a positive int, got {window!r}")
         self.window = window
-        #: no sequence has padding: decode may return the ring in slot order (no copy), see ``update``
+        #: stored slots: the W − 1 most recent tokens (a window of 1 stores nothing)
+        self.slots = window - 1
+        #: no sequence has padding: a full decode step may hand attention the ring in slot order (the current
+        #: token last), saving the temporal reorder of quantized reads, see ``update``
         self.slot_order_ok = False
         #: HF's ``activate_past_recording``: remember the ring before each step, and the step's tokens, until
         #: the next ``crop`` (which can then take speculative tokens back exactly)
@@ -36,7 +41,7 @@ class RingLayer(KVStoreLayer):
 
     def activate_past_recording(self) -> None:
         """HF's hook before speculative decoding (assisted decoding, prompt lookup): from now on each step can be
-        rolled back by :meth:`crop`. Costs one copy of the W-slot ring per step while recording."""
+        rolled back by :meth:`crop`. Costs one copy of the ring per step while recording."""
         self.record_past = True
 
     def _remember(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -49,13 +54,14 @@ class RingLayer(KVStoreLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """HF semantics (``DynamicSlidingWindowLayer.crop``): ``-n`` removes the last n tokens, 0 removes nothing,
-        a positive value raises ``ValueError``. Taking back tokens that left the window needs
+        a positive value raises ``ValueError``. Taking back tokens whose window has left the ring needs
         :meth:`activate_past_recording` first (``RuntimeError`` otherwise, as HF). Ends the recorded step."""
         check_crop(tokens_to_remove)
         c, target = self.cumulative_length, max(0, self.cumulative_length + tokens_to_remove)
         if target < c:
             if self._snapshot is None:
-                if max(0, target - (self.window - 1)) < max(0, c - self.window):
+                r = self.slots  # the next step after the crop needs positions >= target - r; the ring has >= c - r
+                if max(0, target - r) < max(0, c - r):
                     raise RuntimeError("`crop` was called, but this ring-buffer layer does not track past states "
                                        "and its window is full. Call `activate_past_recording` before `crop` to be "
                                        "able to roll the cache back.")
@@ -90,34 +96,56 @@ class RingLayer(KVStoreLayer):
         self._snapshot, self._log = None, []
 
     def _initial_capacity(self, incoming: int) -> int:
-        return self.window
+        return max(1, self.slots)  # a window of 1 keeps one idle slot (stored_tokens stays 0)
+
+    def _pieces(self, store, first: int, last: int) -> list[torch.Tensor]:
+        """Positions [first, last) (all still in the ring) in temporal order: one or two (B, H, n, D) reads."""
+        r = self.slots
+        if last - first <= 0:
+            return [store.read(0, 0)]
+        a, b = first % r, (last - 1) % r + 1
+        if a < b:
+            return [store.read(a, b)]
+        return [store.read(a, r), store.read(0, b)]
 
     def _read_temporal(self, store, first: int, last: int) -> torch.Tensor:
         """Positions [first, last) (all still in the ring) in temporal order, (B, H, last-first, D)."""
-        w = self.window
-        a, b = first % w, (last - 1) % w + 1
-        if last - first == 0:
-            return store.read(0, 0)
-        if a < b:
-            return store.read(a, b)
-        return torch.cat((store.read(a, w), store.read(0, b)), dim=2)
+        pieces = self._pieces(store, first, last)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
-    def _fused_reads(self, c: int, key_states: torch.Tensor, value_states: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _visible(self, store, c: int, states: torch.Tensor) -> torch.Tensor:
+        """What a call at positions [c, c+S) attends: the last min(c, W−1) stored tokens, then ``states`` as
+        given (B, H, min(c, W−1) + S, D), one copy. Must run before the call's tokens are written."""
+        past = min(c, self.slots)
+        if past == 0:
+            return states
+        if self.slot_order_ok and past == self.slots and states.shape[2] == 1 and self.spec.bits:
+            pieces = [store.read(0, past)]  # slot order: one dequantization, no reorder (nothing is masked)
+        else:
+            pieces = self._pieces(store, c - past, c)
+        return torch.cat(pieces + [states], dim=2)
+
+    def _fused_reads(self, c: int, evicted: tuple[torch.Tensor, torch.Tensor] | None, key_states: torch.Tensor,
+                     value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The unfused result of a decode step at position ``c`` (already written): the visible history in temporal
-        order, then the step's own token as given."""
-        first = max(0, c + 1 - self.window)
-        return (torch.cat((self._read_temporal(self.k_store, first, c), key_states), dim=2),
-                torch.cat((self._read_temporal(self.v_store, first, c), value_states), dim=2))
+        order (``evicted``: position c−W+1, read before the step's token took its slot), then the token as given."""
+        first = max(0, c - self.slots)
+        out = []
+        for store, now, j in ((self.k_store, key_states, 0), (self.v_store, value_states, 1)):
+            head = [] if evicted is None else [evicted[j]]
+            out.append(torch.cat(head + self._pieces(store, first + len(head), c) + [now], dim=2))
+        return out[0], out[1]
 
     def _write(self, first: int, x: torch.Tensor, store) -> None:
-        """Write tokens at positions [first, first+S) into their slots (only the last W survive)."""
-        w, s = self.window, x.shape[2]
-        if s > w:
-            x, first = x[:, :, s - w:], first + s - w
-            s = w
-        a = first % w
-        head = min(s, w - a)
+        """Write tokens at positions [first, first+S) into their slots (only the last W − 1 survive)."""
+        r, s = self.slots, x.shape[2]
+        if r == 0:
+            return
+        if s > r:
+            x, first = x[:, :, s - r:], first + s - r
+            s = r
+        a = first % r
+        head = min(s, r - a)
         store.write(a, x[:, :, :head])
         if head < s:
             store.write(0, x[:, :, head:])
@@ -126,38 +154,23 @@ class RingLayer(KVStoreLayer):
         self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        c, s, w = self.cumulative_length, key_states.shape[2], self.window
+        c, s, r = self.cumulative_length, key_states.shape[2], self.slots
         self._remember(key_states, value_states)
-        if s == 1 and self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
+        if s == 1 and r and self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
+            evicted = None
+            if c >= r:  # the slot about to be taken holds position c−W+1, still visible to this step
+                slot = c % r
+                evicted = (self.k_store.read(slot, slot + 1), self.v_store.read(slot, slot + 1))
             self._write(c, key_states, self.k_store)
             self._write(c, value_states, self.v_store)
             self.cumulative_length = c + 1
-            reads = functools.partial(self._fused_reads, c, key_states, value_states)
-            return fused.markers(fused.ring_handle(self.k_store, self.v_store, c + 1, w, key_states, value_states,
-                                                   reads), key_states)
-        if s == 1 and c >= w - 1:
-            # decode: overwrite the oldest slot, then read the whole window (positions c-W+1 .. c)
-            self._write(c, key_states, self.k_store)
-            self._write(c, value_states, self.v_store)
-            self.cumulative_length = c + 1
-            if self.slot_order_ok:
-                # every visible position is unmasked and attention does not depend on key order: no copy
-                # (quantized: the decoded window is a fresh tensor; the current token's slot gets it unquantized)
-                keys, values = self.k_store.read(0, w), self.v_store.read(0, w)
-                if self.spec.bits:
-                    keys[:, :, c % w], values[:, :, c % w] = key_states[:, :, 0], value_states[:, :, 0]
-                return keys, values
-            # HF's padding mask is positional: return positions c-W+1 .. c in temporal order
-            if not self.spec.bits:
-                return (self._read_temporal(self.k_store, c + 1 - w, c + 1),
-                        self._read_temporal(self.v_store, c + 1 - w, c + 1))
-            return (torch.cat((self._read_temporal(self.k_store, c + 1 - w, c), key_states), dim=2),
-                    torch.cat((self._read_temporal(self.v_store, c + 1 - w, c), value_states), dim=2))
-        # prefill / short history: the visible past is the last min(c, W-1) cached tokens plus all new ones
-        # (quantized storage: the current tokens are attended in full precision, as given)
-        past = min(c, w - 1)
-        keys = torch.cat((self._read_temporal(self.k_store, c - past, c), key_states), dim=2)
-        values = torch.cat((self._read_temporal(self.v_store, c - past, c), value_states), dim=2)
+            reads = functools.partial(self._fused_reads, c, evicted, key_states, value_states)
+            return fused.markers(fused.ring_handle(self.k_store, self.v_store, c + 1, r, key_states, value_states,
+                                                   reads, evicted), key_states)
+        # the visible past (last min(c, W−1) stored tokens) plus the call's own tokens as given (quantized storage:
+        # they are attended in full precision); read before the write takes the oldest slots
+        keys = self._visible(self.k_store, c, key_states)
+        values = self._visible(self.v_store, c, value_states)
         self._write(c, key_states, self.k_store)
         self._write(c, value_states, self.v_store)
         self.cumulative_length = c + s
@@ -165,11 +178,11 @@ class RingLayer(KVStoreLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         c = self.cumulative_length
-        past = min(c, self.window - 1)
+        past = min(c, self.slots)
         return past + query_length, c - past
 
     def get_max_length(self) -> int:
         return self.window
 
     def stored_tokens(self) -> int:
-        return min(self.cumulative_length, self.window)
+        return min(self.cumulative_length, self.slots)

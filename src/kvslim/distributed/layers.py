@@ -178,12 +178,15 @@ class ShardedLayer(BatchOpsMixin, CacheLayerMixin):
 
     # -- accounting ------------------------------------------------------------------------------------------
     def live_tokens(self) -> int:
+        """Local tokens a later step can still attend: a window layer's last W − 1 positions job-wide (as one
+        process and HF's ``DynamicSlidingWindowLayer``; the slot of the W-th, seen only by the step that just
+        ran, is free for the next token)."""
         if self.stores is None:
             return 0
         cols = self.slot_index[: self.used]
         if self.window is None:
             return int((cols >= 0).sum())
-        return int(((cols >= 0) & (cols > self.cumulative_length - 1 - self.window)).sum())
+        return int(((cols >= 0) & (cols > self.cumulative_length - self.window)).sum())
 
     @property
     def nbytes(self) -> int:

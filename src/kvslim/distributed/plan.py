@@ -45,7 +45,7 @@ def per_rank(plan: Plan, shape: ModelShape, context: int, batch: int, ranks: int
     cache = 0
     payload = 0
     for lp in plan.layers:
-        tokens = context if lp.window is None else min(context, lp.window)
+        tokens = context if lp.window is None else min(context, lp.window - 1)  # live after a step: W − 1
         cache += replace(lp, window=None).cache_bytes(-(-tokens // ranks), batch) if tokens else 0
         payload += batch * shape.num_heads * (merge_width(shape, lp, project) + 2) * PARTIAL_ITEMSIZE
     how = merge_how(ranks, merge)
