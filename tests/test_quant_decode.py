@@ -90,30 +90,34 @@ def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt):
         assert_close(lse, ref_lse, F32, f"lse (splits={splits})")
 
 
-@pytest.mark.parametrize("bits,asym,sdt", [(8, False, torch.float32), (4, True, torch.float16),
-                                           (4, False, torch.bfloat16)])
-def test_kivi_keys_match_the_store_reads(bits, asym, sdt):
-    """Per-channel keys over token groups (ChannelQuantizedStore): op == twin == attention over the store's reads."""
+@pytest.mark.parametrize("bits,asym,sdt,d,g,heads", [
+    (8, False, torch.float32, 64, 32, 2), (4, True, torch.float16, 64, 32, 2), (4, False, torch.bfloat16, 64, 32, 2),
+    (4, True, torch.float16, 80, 40, 3), (8, True, torch.float16, 128, 32, 7), (4, True, torch.float32, 256, 64, 1),
+    (4, True, torch.float16, 128, 16, 3)])
+def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, g, heads):
+    """Per-channel keys over token groups (ChannelQuantizedStore): op == twin == attention over the store's reads
+    (token groups that straddle the kernel's blocks, GQA head chunks)."""
     _ops()
     torch.manual_seed(1)
-    b, h, d, g, n = 2, 3, 64, 32, 96
-    spec = StoreSpec(bits, 32, sdt, asymmetric=asym, channel_group=g, residual=g, flush=g)
-    ks = ChannelQuantizedStore(spec, b, h, 128, d, F32, torch.device("cpu"))
-    vs = QuantizedStore(spec.for_values(), b, h, 128, d, F32, torch.device("cpu"))
+    b, h, n = 2, 3, 3 * g
+    spec = StoreSpec(bits, 32 if d % 32 == 0 else 16, sdt, asymmetric=asym, channel_group=g, residual=g, flush=g)
+    ks = ChannelQuantizedStore(spec, b, h, 4 * g, d, F32, torch.device("cpu"))
+    vs = QuantizedStore(spec.for_values(), b, h, 4 * g, d, F32, torch.device("cpu"))
     ks.write(0, torch.randn(b, h, n, d))
     vs.write(0, torch.randn(b, h, n, d))
-    q = torch.randn(b, h, 2, d)
-    lengths = torch.tensor([n - 7, 50])
-    args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 32, g, n - 7, lengths)
-    out, _ = kernel.quant_decode(*args, scaling=0.1)
-    ref, _ = kernel.reference(*args, scaling=0.1)
-    keys, values = ks.read(0, n).double(), vs.read(0, n).double()
-    s = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys) * 0.1
-    s[..., n - 7:] = float("-inf")
-    s[1, ..., 50:] = float("-inf")
-    oracle = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), values)
-    assert_close(ref, oracle, F32, "twin vs store reads")
-    assert_close(out, oracle, F32, "op vs store reads")
+    q = torch.randn(b, h, heads, d)
+    lengths = torch.tensor([n - 7, g + 5])
+    for splits in (0, 2):
+        args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, spec.group_size, g, n - 7, lengths)
+        out, _ = kernel.quant_decode(*args, scaling=0.1, splits=splits)
+        ref, _ = kernel.reference(*args, scaling=0.1)
+        keys, values = ks.read(0, n).double(), vs.read(0, n).double()
+        s = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys) * 0.1
+        s[..., n - 7:] = float("-inf")
+        s[1, ..., g + 5:] = float("-inf")
+        oracle = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), values)
+        assert_close(ref, oracle, F32, "twin vs store reads")
+        assert_close(out, oracle, F32, f"op vs store reads (splits={splits})")
 
 
 def test_never_reads_past_a_sequence_length():

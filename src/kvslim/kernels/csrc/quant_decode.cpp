@@ -71,11 +71,12 @@ inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64
 
 struct Scratch {
   int64_t T;
-  std::vector<float> q, k, sc, srow, zrow, qsum, ks, kz, vs, vz;
+  std::vector<float> q, qp, qs, zq, k, sc, pw, srow, zrow, qsum, ks, kz, vs, vz;
   int64_t row_group = -1;
   Scratch(const QArgs& a, int64_t T_)
-      : T(T_), q(a.G * a.D), k(T_ * a.D), sc(a.G * T_), srow(a.D), zrow(a.D), qsum(a.G * (a.D / a.gs)),
-        ks(T_ * (a.D / a.gs)), kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)) {}
+      : T(T_), q(a.G * a.D), qp(a.G * a.D), qs(a.G * a.D), zq(a.G), k(T_ * a.D), sc(a.G * T_),
+        pw(a.G * (a.D / a.gs) * T_), srow(a.D), zrow(a.D), qsum(a.G * (a.D / a.gs)), ks(T_ * (a.D / a.gs)),
+        kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)) {}
 };
 
 using TaskFn = void (*)(const QArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
@@ -151,6 +152,15 @@ inline int64_t auto_splits(int64_t tasks, int64_t n, int64_t T) {
   return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
 }
 
+// normalise one (sequence, KV head)'s G rows in place and write their lse (one split: no merge needed)
+inline void finish_rows(float* o, const float* m, const float* l, float* lse, int64_t G, int64_t D) {
+  for (int64_t j = 0; j < G; ++j) {
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    for (int64_t i = 0; i < D; ++i) o[j * D + i] *= inv;
+    lse[j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
+  }
+}
+
 void run(const QArgs& a, int64_t S, float* out, float* lse) {
   const int64_t T = block_tokens(a.D);
   const int64_t BH = a.B * a.Hk, GD = a.G * a.D;
@@ -159,15 +169,21 @@ void run(const QArgs& a, int64_t S, float* out, float* lse) {
   const TaskFn fn = task_fn(isa_for(a.D), a.bits, a.asym);
   std::vector<float> part_acc, part_m(BH * S * a.G), part_l(BH * S * a.G);
   if (S > 1) part_acc.resize(BH * S * GD);
-  at::parallel_for(0, BH * S, 1, [&](int64_t begin, int64_t end) {
+  // one task per (sequence, KV head, split); a grain that keeps small problems (1k x 1) on few threads
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(BH * S, 4096 / std::max<int64_t>(a.n, 1)));
+  at::parallel_for(0, BH * S, grain, [&](int64_t begin, int64_t end) {
     Scratch sp(a, T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / S, s = task % S;
       float* acc = S > 1 ? part_acc.data() + task * GD : out + bh * GD;
-      fn(a, bh / a.Hk, bh % a.Hk, s, S, acc, part_m.data() + task * a.G, part_l.data() + task * a.G, sp);
+      float* m = part_m.data() + task * a.G;
+      float* l = part_l.data() + task * a.G;
+      fn(a, bh / a.Hk, bh % a.Hk, s, S, acc, m, l, sp);
+      if (S == 1) finish_rows(acc, m, l, lse + bh * a.G, a.G, a.D);
     }
   });
-  // normalise (S = 1) or merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
+  if (S == 1) return;
+  // merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
   at::parallel_for(0, BH * a.G, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> w(S);
     for (int64_t row = begin; row < end; ++row) {
@@ -182,16 +198,12 @@ void run(const QArgs& a, int64_t S, float* out, float* lse) {
       }
       float* o = out + row * a.D;
       const float inv = den > 0.f ? 1.f / den : 0.f;
-      if (S == 1) {
-        for (int64_t i = 0; i < a.D; ++i) o[i] *= inv;
-      } else {
-        std::fill(o, o + a.D, 0.f);
-        for (int64_t s = 0; s < S; ++s) {
-          const float f = w[s] * inv;
-          if (f == 0.f) continue;
-          const float* p = part_acc.data() + (bh * S + s) * GD + j * a.D;
-          for (int64_t i = 0; i < a.D; ++i) o[i] += f * p[i];
-        }
+      std::fill(o, o + a.D, 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float f = w[s] * inv;
+        if (f == 0.f) continue;
+        const float* p = part_acc.data() + (bh * S + s) * GD + j * a.D;
+        for (int64_t i = 0; i < a.D; ++i) o[i] += f * p[i];
       }
       lse[row] = den > 0.f ? M + std::log(den) : -INFINITY;
     }

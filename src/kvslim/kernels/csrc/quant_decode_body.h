@@ -209,15 +209,35 @@ inline void block_values(const float* p, int64_t ps, int64_t G, int64_t D, const
 }
 
 
-// ---- fast path (per-token groups, gs a multiple of W, D a multiple of the unit): codes converted in registers,
-// never stored. A unit is W int8 codes or W bytes of int4 codes (2W values).
+// ---- fast path (gs and D multiples of 2W; KIVI keys included): codes converted in registers, never stored.
+// A unit is W codes (int8: one vector) or W bytes of int4 codes (2W values: two vectors in chunk order, see
+// vec_quant.h i4p). With int4, the query of the scores and the accumulator of the values live in chunk order
+// (`perm4`), undone once per task; a code is converted once per pass and used by a chunk of up to 3 query heads.
 template <int BITS, bool ASYM>
 inline void unit(const uint8_t* c, typename V::R& x0, typename V::R& x1) {
   if (BITS == 8) {
     x0 = ASYM ? V::u8(c) : V::i8(reinterpret_cast<const int8_t*>(c));
   } else {
-    V::template i4<!ASYM>(c, x0, x1);
+    V::template i4p<!ASYM>(c, x0, x1);
   }
+}
+
+// natural element order <-> chunk order of int4 units: in each chunk of 2W elements, position m < W holds element
+// 2m and position W + m element 2m + 1
+inline void to_chunk_order(const float* x, float* y, int64_t D) {
+  for (int64_t c = 0; c < D; c += 2 * V::W)
+    for (int64_t m = 0; m < V::W; ++m) {
+      y[c + m] = x[c + 2 * m];
+      y[c + V::W + m] = x[c + 2 * m + 1];
+    }
+}
+inline void from_chunk_order(float* x, float* tmp, int64_t D) {
+  std::copy(x, x + D, tmp);
+  for (int64_t c = 0; c < D; c += 2 * V::W)
+    for (int64_t m = 0; m < V::W; ++m) {
+      x[c + 2 * m] = tmp[c + m];
+      x[c + 2 * m + 1] = tmp[c + V::W + m];
+    }
 }
 
 // per-token parameters of tokens [t0, t0 + m) into dst[(t - t0)·ng + g] (fp32)
@@ -238,103 +258,155 @@ inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h,
   }
 }
 
-// sc[j·ps + t] = q_j · k_t + mask[t], k_t = codes·s (+ z) decoded in registers; qsum[j·ng + g] = Σ_{i∈g} q_j[i]
-template <int BITS, bool ASYM>
-inline void fast_scores(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q,
-                        const float* qsum, const float* ks, const float* kz, const float* mask, float* sc,
-                        int64_t ps) {
-  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
+// scores of 4 tokens (rows cr[0..3], only the first r4 real) for HC query heads (q: HC rows of stride D, chunk
+// order for int4) over channels [i0, i1): sv[j][r] = q_j · codes_r (no scales)
+template <int BITS, bool ASYM, int HC>
+inline void dot4(const uint8_t* const* cr, const float* q, int64_t D, int64_t i0, int64_t i1, float (*sv)[4]) {
   constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
+  typename V::R acc[HC][4];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) acc[j][r] = V::zero();
+  for (int64_t i = i0; i < i1; i += U) {
+    const int64_t off = i * BITS / 8;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      typename V::R x0, x1;
+      unit<BITS, ASYM>(cr[r] + off, x0, x1);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        acc[j][r] = V::fma(V::load(q + j * D + i), x0, acc[j][r]);
+        if (BITS == 4) acc[j][r] = V::fma(V::load(q + j * D + i + V::W), x1, acc[j][r]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j) V::hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], sv[j]);
+}
+
+// sc[j·ps + t] = q_j · k_t (+ mask) for tokens [t0, t0 + m) and heads [j0, j0 + HC): per-token groups (k_t =
+// codes·s (+ z)) or KIVI (q already ⊙ the group's scales, zq[j] = q_j · z of the group; all m tokens in one group)
+template <int BITS, bool ASYM, int HC, bool KIVI>
+inline void scores_heads(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, int64_t j0,
+                         const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask,
+                         float* sc, int64_t ps) {
+  const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs;
   const int64_t rs = a.k.codes.ts;
   for (int64_t t = 0; t < m; t += 4) {
     const int64_t r4 = std::min<int64_t>(4, m - t);
     const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
     const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
-    for (int64_t j = 0; j < G; ++j) {
-      const float* qj = q + j * D;
-      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-      for (int64_t g = 0; g < ng; ++g) {
-        auto p0 = V::zero(), p1 = V::zero(), p2 = V::zero(), p3 = V::zero();
-        for (int64_t i = g * gs; i < (g + 1) * gs; i += U) {
-          const int64_t off = i * BITS / 8;
-          typename V::R x0, x1, y0, y1, z0, z1, w0, w1;
-          unit<BITS, ASYM>(cr[0] + off, x0, x1);
-          unit<BITS, ASYM>(cr[1] + off, y0, y1);
-          unit<BITS, ASYM>(cr[2] + off, z0, z1);
-          unit<BITS, ASYM>(cr[3] + off, w0, w1);
-          const auto qa = V::load(qj + i);
-          p0 = V::fma(qa, x0, p0);
-          p1 = V::fma(qa, y0, p1);
-          p2 = V::fma(qa, z0, p2);
-          p3 = V::fma(qa, w0, p3);
-          if (BITS == 4) {
-            const auto qb = V::load(qj + i + V::W);
-            p0 = V::fma(qb, x1, p0);
-            p1 = V::fma(qb, y1, p1);
-            p2 = V::fma(qb, z1, p2);
-            p3 = V::fma(qb, w1, p3);
-          }
-        }
-        const float* sg = ks + t * ng + g;
-        a0 = V::fma(p0, V::set1(sg[0]), a0);
-        if (r4 > 1) a1 = V::fma(p1, V::set1(sg[ng]), a1);
-        if (r4 > 2) a2 = V::fma(p2, V::set1(sg[2 * ng]), a2);
-        if (r4 > 3) a3 = V::fma(p3, V::set1(sg[3 * ng]), a3);
-      }
-      float sv[4];
-      V::hsum4(a0, a1, a2, a3, sv);
+    float tot[HC][4] = {};
+    for (int64_t g = 0; g < ng; ++g) {
+      float sv[HC][4];
+      dot4<BITS, ASYM, HC>(cr, q + j0 * D, D, g * gs, (g + 1) * gs, sv);
+      for (int j = 0; j < HC; ++j)
+        for (int64_t r = 0; r < r4; ++r) tot[j][r] += KIVI ? sv[j][r] : sv[j][r] * ks[(t + r) * ng + g];
+    }
+    for (int j = 0; j < HC; ++j)
       for (int64_t r = 0; r < r4; ++r) {
         float z = 0.f;
-        if (ASYM)
-          for (int64_t g = 0; g < ng; ++g) z += kz[(t + r) * ng + g] * qsum[j * ng + g];
-        sc[j * ps + t + r] = sv[r] + z + (mask ? mask[t + r] : 0.f);
+        if (ASYM && KIVI) z = zq[j0 + j];
+        if (ASYM && !KIVI)
+          for (int64_t g = 0; g < ng; ++g) z += kz[(t + r) * ng + g] * qsum[(j0 + j) * ng + g];
+        sc[(j0 + j) * ps + t + r] = tot[j][r] + z + (mask ? mask[t + r] : 0.f);
+      }
+  }
+}
+
+template <int BITS, bool ASYM, bool KIVI>
+inline void fast_scores(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q,
+                        const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask,
+                        float* sc, int64_t ps) {
+  int64_t j0 = 0;
+  for (; j0 + 3 <= a.G; j0 += 3)
+    scores_heads<BITS, ASYM, 3, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 2) scores_heads<BITS, ASYM, 2, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 1) scores_heads<BITS, ASYM, 1, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+}
+
+// acc[j][c, c + NV·W) += Σ_t pw[j·pws + t] · codes_t[c, c + NV·W) for HC heads (pw: weights × the tile's group
+// scale); tokens whose weights are all 0 are skipped (a masked row is never read)
+template <int BITS, bool ASYM, int NV, int HC>
+inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* pw, int64_t pws, int64_t c,
+                       float* acc, int64_t D) {
+  constexpr int UV = BITS == 8 ? 1 : 2;  // vectors per unit
+  typename V::R A[HC][NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) A[j][v] = V::load(acc + j * D + c + v * V::W);
+  const uint8_t* ct = base + c * BITS / 8;
+  for (int64_t t = 0; t < m; ++t, ct += rs) {
+    typename V::R w[HC];
+    bool any = false;
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) {
+      const float x = pw[j * pws + t];
+      any |= x != 0.f;
+      w[j] = V::set1(x);
+    }
+    if (!any) continue;
+#pragma GCC unroll 8
+    for (int u = 0; u < NV / UV; ++u) {
+      typename V::R x0, x1;
+      unit<BITS, ASYM>(ct + u * UV * V::W * BITS / 8, x0, x1);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        A[j][u * UV] = V::fma(w[j], x0, A[j][u * UV]);
+        if (BITS == 4) A[j][u * UV + 1] = V::fma(w[j], x1, A[j][u * UV + 1]);
       }
     }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) V::store(acc + j * D + c + v * V::W, A[j][v]);
+}
+
+// the widest tile (vectors) inside one group of gs channels for HC heads: ≤ 8 vectors for 1 head, ≤ 4 for 2-3
+inline int tile_vectors(int64_t gs, int hc) {
+  const int64_t nv = gs / V::W;  // even (gs a multiple of 2W)
+  if (hc == 1 && nv % 8 == 0) return 8;
+  return nv % 4 == 0 ? 4 : 2;
+}
+
+template <int BITS, bool ASYM, int HC>
+inline void values_heads(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* pw, int64_t T,
+                         int64_t j0, float* acc) {
+  const int64_t D = a.D, gs = a.gs, ng = D / gs;
+  const uint8_t* base = a.v.codes.at<uint8_t>(b, h, t0);
+  const int64_t rs = a.v.codes.ts;
+  const int nv = tile_vectors(gs, HC);
+  for (int64_t c = 0; c < D; c += nv * V::W) {
+    const float* pg = pw + (j0 * ng + c / gs) * T;  // pw[(j·ng + g)·T + t]
+    float* aj = acc + j0 * D;
+    if (nv == 8) value_tile<BITS, ASYM, 8, HC>(base, rs, m, pg, ng * T, c, aj, D);
+    else if (nv == 4) value_tile<BITS, ASYM, 4, HC>(base, rs, m, pg, ng * T, c, aj, D);
+    else value_tile<BITS, ASYM, 2, HC>(base, rs, m, pg, ng * T, c, aj, D);
   }
 }
 
 // acc[j] += Σ_t p[j][t] · v_t, v_t = codes·s (+ z) decoded in registers (weights folded into the scales)
 template <int BITS, bool ASYM>
 inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t ps,
-                        const float* vs, const float* vz, float* acc) {
-  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
-  constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
-  const int64_t rs = a.v.codes.ts;
-  const uint8_t* base = a.v.codes.at<uint8_t>(b, h, t0);
-  for (int64_t j = 0; j < G; ++j) {
-    const float* pj = p + j * ps;
-    float* aj = acc + j * D;
-    for (int64_t c = 0; c < D; c += 2 * U) {  // a tile of 2 units (4 vectors for int4, 2 for int8)
-      const bool two = c + U < D;
-      auto a0 = V::load(aj + c), a1 = BITS == 4 ? V::load(aj + c + V::W) : V::zero();
-      auto a2 = two ? V::load(aj + c + U) : V::zero();
-      auto a3 = (two && BITS == 4) ? V::load(aj + c + U + V::W) : V::zero();
-      const int64_t g0 = c / gs, g1 = (c + U) / gs;  // a unit lies inside one group (gs a multiple of U)
-      for (int64_t t = 0; t < m; ++t) {
-        const float w = pj[t];
-        if (w == 0.f) continue;
-        const uint8_t* ct = base + t * rs + c * BITS / 8;
-        typename V::R x0, x1;
-        unit<BITS, ASYM>(ct, x0, x1);
-        const auto w0 = V::set1(w * vs[t * ng + g0]);
-        a0 = V::fma(w0, x0, a0);
-        if (BITS == 4) a1 = V::fma(w0, x1, a1);
-        if (two) {
-          typename V::R y0, y1;
-          unit<BITS, ASYM>(ct + U * BITS / 8, y0, y1);
-          const auto w1 = V::set1(w * vs[t * ng + g1]);
-          a2 = V::fma(w1, y0, a2);
-          if (BITS == 4) a3 = V::fma(w1, y1, a3);
-        }
-      }
-      V::store(aj + c, a0);
-      if (BITS == 4) V::store(aj + c + V::W, a1);
-      if (two) {
-        V::store(aj + c + U, a2);
-        if (BITS == 4) V::store(aj + c + U + V::W, a3);
-      }
+                        const float* vs, const float* vz, float* pw, float* acc) {
+  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs, T = ps;
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t g = 0; g < ng; ++g) {
+      float* o = pw + (j * ng + g) * T;
+      const float* pj = p + j * ps;
+      for (int64_t t = 0; t < m; ++t) o[t] = pj[t] * vs[t * ng + g];
     }
-    if (ASYM) {  // Σ_t p_t · z_{t,g} on every channel of group g
+  int64_t j0 = 0;
+  for (; j0 + 3 <= G; j0 += 3) values_heads<BITS, ASYM, 3>(a, b, h, t0, m, pw, T, j0, acc);
+  if (G - j0 == 2) values_heads<BITS, ASYM, 2>(a, b, h, t0, m, pw, T, j0, acc);
+  if (G - j0 == 1) values_heads<BITS, ASYM, 1>(a, b, h, t0, m, pw, T, j0, acc);
+  if (ASYM) {  // Σ_t p_t · z_{t,g} on every channel of group g (chunk order keeps a group's channels together)
+    for (int64_t j = 0; j < G; ++j) {
+      const float* pj = p + j * ps;
+      float* aj = acc + j * D;
       for (int64_t g = 0; g < ng; ++g) {
         float zs = 0.f;
         for (int64_t t = 0; t < m; ++t) zs += pj[t] * vz[t * ng + g];
@@ -345,10 +417,20 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   }
 }
 
+// KIVI keys: the D per-channel scales (zeros) of token group g -> srow (zrow), fp32
+template <bool ASYM>
+inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* srow, float* zrow) {
+  const int64_t per = a.D / a.kivi;
+  for (int64_t r = 0; r < a.kivi; ++r)
+    for (int64_t c = 0; c < per; ++c) {
+      srow[r * per + c] = load_param(a.k.scale, b, h, g * a.kivi + r, c, a.sdt);
+      zrow[r * per + c] = ASYM ? load_param(a.k.zero, b, h, g * a.kivi + r, c, a.sdt) : 0.f;
+    }
+}
+
 template <int BITS>
 inline bool fast_ok(const QArgs& a) {
-  constexpr int64_t U = BITS == 8 ? V::W : 2 * V::W;
-  return a.gs % U == 0 && a.D % U == 0;
+  return a.gs % (2 * V::W) == 0;  // D is a multiple of gs
 }
 
 // one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
@@ -370,7 +452,13 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
   sp.row_group = -1;
   const bool fast = fast_ok<BITS>(a);
+  const bool perm = fast && BITS == 4;  // int4 fast path: query and accumulator in chunk order
   const int64_t ng = D / a.gs;
+  float* qk = sp.q.data();  // the query the key codes see (chunk order for int4)
+  if (perm) {
+    for (int64_t j = 0; j < G; ++j) to_chunk_order(sp.q.data() + j * D, sp.qp.data() + j * D, D);
+    qk = sp.qp.data();
+  }
   if (fast && ASYM && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t g = 0; g < ng; ++g) {
@@ -384,8 +472,28 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     if (fast && a.kivi == 0) {
       load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
       if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
-      fast_scores<BITS, ASYM>(a, b, h, t0, m, sp.q.data(), sp.qsum.data(), sp.ks.data(), sp.kz.data(), mk,
-                              sp.sc.data(), T);
+      fast_scores<BITS, ASYM, false>(a, b, h, t0, m, qk, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
+                                     sp.sc.data(), T);
+    } else if (fast) {  // KIVI: per token group, the query ⊙ its scales (and q · zeros), then plain dot products
+      for (int64_t u0 = t0; u0 < t0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+        kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
+        for (int64_t j = 0; j < G; ++j) {
+          const float* qj = sp.q.data() + j * D;
+          float* o = sp.qs.data() + j * D;  // q ⊙ s, natural order
+          float z = 0.f;
+          for (int64_t i = 0; i < D; ++i) {
+            o[i] = qj[i] * sp.srow[i];
+            z += qj[i] * sp.zrow[i];
+          }
+          sp.zq[j] = z;
+          if (BITS == 4) to_chunk_order(o, sp.qp.data() + j * D, D);
+        }
+        const float* qs = BITS == 4 ? sp.qp.data() : sp.qs.data();
+        fast_scores<BITS, ASYM, true>(a, b, h, u0, u1 - u0, qs, nullptr, sp.zq.data(), nullptr, nullptr,
+                                      mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+        u0 = u1;
+      }
     } else {
       deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, t0, m, sp.k.data(), sp);
       block_scores(sp.q.data(), G, D, sp.k.data(), D, m, mk, sp.sc.data(), T);
@@ -394,12 +502,14 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     if (fast) {
       load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
       if (ASYM) load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
-      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), acc);
+      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
     } else {
       deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups
       block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
     }
   }
+  if (perm)
+    for (int64_t j = 0; j < G; ++j) from_chunk_order(acc + j * D, sp.srow.data(), D);
   if (s != S - 1 || a.r == 0) return;
   for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
     const int64_t m = std::min(T, a.r - t0);

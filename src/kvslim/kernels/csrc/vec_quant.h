@@ -6,6 +6,9 @@
 //   i4(p, lo, hi) W bytes of packed nibbles (element 2i in the low nibble of byte i, SPEC §1) -> 2W floats in
 //              natural element order: lo = elements [0, W), hi = elements [W, 2W); `sign` sign-extends the nibble
 //              (two's complement, symmetric codes) or not (unsigned, asymmetric codes).
+//   i4p(p, ev, od) W bytes of packed nibbles -> 2W floats in *chunk order*: ev = elements 0, 2, ..., 2W-2 (low
+//              nibbles), od = elements 1, 3, ..., 2W-1 (high nibbles). Cheaper than i4 (no byte interleave); the
+//              kernel permutes the query (scores) and its accumulator (values) to match once per task.
 // Each struct is compiled for its own target (`#pragma GCC target`), like vec_slim.h.
 #pragma once
 
@@ -27,6 +30,8 @@ struct QuantScalar : VecScalar {
       hi = static_cast<float>(b >> 4);
     }
   }
+  template <bool sign>
+  static inline void i4p(const uint8_t* p, R& ev, R& od) { i4<sign>(p, ev, od); }  // one lane: chunk order = order
 };
 
 }  // namespace kvslim_vec
@@ -56,6 +61,20 @@ struct QuantAVX2 : VecAVX2 {
     } else {
       lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e));
       hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e, 8)));
+    }
+  }
+  template <bool sign>
+  static inline void i4p(const uint8_t* p, R& ev, R& od) {
+    // 8 bytes widened to 8 dwords straight from memory; low nibble = even element, high nibble = odd element
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if (sign) {
+      const __m256i x = _mm256_cvtepi8_epi32(b);
+      ev = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28));
+      od = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 4));
+    } else {
+      const __m256i x = _mm256_cvtepu8_epi32(b);
+      ev = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xF)));
+      od = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
     }
   }
 };
@@ -90,6 +109,19 @@ struct QuantAVX512 : VecAVX512 {
     } else {
       lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0));
       hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1));
+    }
+  }
+  template <bool sign>
+  static inline void i4p(const uint8_t* p, R& ev, R& od) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (sign) {
+      const __m512i x = _mm512_cvtepi8_epi32(b);
+      ev = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 28), 28));
+      od = _mm512_cvtepi32_ps(_mm512_srai_epi32(x, 4));
+    } else {
+      const __m512i x = _mm512_cvtepu8_epi32(b);
+      ev = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xF)));
+      od = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
     }
   }
 };
