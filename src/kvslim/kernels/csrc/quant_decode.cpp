@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -94,7 +95,7 @@ using V = kvslim_vec::QuantScalar;
 }  // namespace kvslim_quant
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace kvslim_quant {
 namespace avx2 {
 using V = kvslim_vec::QuantAVX2;
@@ -124,7 +125,9 @@ inline std::string cpu_isa() {
     if (want == "avx512" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       return std::string("avx512");
-    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return std::string("avx2");
+    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return std::string("avx2");
     return std::string("scalar");
   }();
   return name;

@@ -240,22 +240,30 @@ inline void from_chunk_order(float* x, float* tmp, int64_t D) {
     }
 }
 
+// n contiguous parameters (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32
+inline void params_f32(const void* p, int sdt, float* o, int64_t n) {
+  if (sdt == 0) {
+    std::memcpy(o, p, n * sizeof(float));
+    return;
+  }
+  const uint16_t* hp = static_cast<const uint16_t*>(p);
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) V::store(o + i, sdt == 1 ? V::f16(hp + i) : V::load(hp + i));
+  for (; i < n; ++i) o[i] = sdt == 1 ? kvslim_vec::QuantScalar::f16(hp + i) : kvslim_vec::QuantScalar::load(hp + i);
+}
+
+inline const void* param_ptr(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t) {
+  return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
+}
+
 // per-token parameters of tokens [t0, t0 + m) into dst[(t - t0)·ng + g] (fp32)
 inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t t0, int64_t m, float* dst) {
   const int64_t ng = a.D / a.gs;
-  for (int64_t t = 0; t < m; ++t) {
-    float* o = dst + t * ng;
-    if (a.sdt == 0) {
-      const float* p = st.at<float>(b, h, t0 + t);
-      for (int64_t g = 0; g < ng; ++g) o[g] = p[g];
-    } else if (a.sdt == 1) {
-      const c10::Half* p = st.at<c10::Half>(b, h, t0 + t);
-      for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<float>(p[g]);
-    } else {
-      const c10::BFloat16* p = st.at<c10::BFloat16>(b, h, t0 + t);
-      for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<float>(p[g]);
-    }
+  if (st.ts == ng) {  // rows back to back: one run
+    params_f32(param_ptr(st, a.sdt, b, h, t0), a.sdt, dst, m * ng);
+    return;
   }
+  for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
 }
 
 // scores of 4 tokens (rows cr[0..3], only the first r4 real) for HC query heads (q: HC rows of stride D, chunk
@@ -417,15 +425,21 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   }
 }
 
-// KIVI keys: the D per-channel scales (zeros) of token group g -> srow (zrow), fp32
+// KIVI keys: the D per-channel parameters of token group g (rows [g·kivi, (g+1)·kivi), D/kivi each) -> fp32
+inline void kivi_row(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g, float* out) {
+  const int64_t per = a.D / a.kivi;
+  if (st.ts == per) {  // rows back to back: one run of D
+    params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi), a.sdt, out, a.D);
+    return;
+  }
+  for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
+}
+
 template <bool ASYM>
 inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* srow, float* zrow) {
-  const int64_t per = a.D / a.kivi;
-  for (int64_t r = 0; r < a.kivi; ++r)
-    for (int64_t c = 0; c < per; ++c) {
-      srow[r * per + c] = load_param(a.k.scale, b, h, g * a.kivi + r, c, a.sdt);
-      zrow[r * per + c] = ASYM ? load_param(a.k.zero, b, h, g * a.kivi + r, c, a.sdt) : 0.f;
-    }
+  kivi_row(a, a.k.scale, b, h, g, srow);
+  if (ASYM) kivi_row(a, a.k.zero, b, h, g, zrow);
+  else std::fill(zrow, zrow + a.D, 0.f);
 }
 
 template <int BITS>
