@@ -46,12 +46,15 @@ kvslim, with its ordinary `DynamicCache` / `EncoderDecoderCache`, run in the sam
 | ❌ | failed (the test failed or did not run): never shown as green |
 
 Families: `llama` (MHA, head dim 16), `gpt2`, `qwen2` (GQA 4/2, sliding window 8 on every layer), `phi3` (head dim
-24: the int8/int4 default group size adapts to 8), `deepseek_v3` (MLA, kv_lora_rank 24), `t5` (encoder-decoder,
-`slim` = shared encoder-output cross-attention + slim decoder self-attention). `window` on the full-attention
-families uses `window=64` (longer than every sequence here: exercises the ring buffer, stays exact); on `qwen2`
-it is the model's own window 8, which every mode overflows. `int8` runs with its defaults; `int4` with its format
-(asymmetric codes, per-channel KIVI keys, full-precision recent window) scaled to these short sequences
-(`residual=8, key_channel_group=8`: the default window of 128 tokens would keep every token here unquantized).
+24: the int8/int4 default group size adapts to 8), `gemma3_text` (Gemma-3: MQA 2/1, head dim 40, a sliding layer
+with window 8 then a full-attention layer, as Gemma-3's 5 local : 1 global pattern), `deepseek_v3` (MLA,
+kv_lora_rank 24), `t5` (encoder-decoder, `slim` = shared encoder-output cross-attention + slim decoder
+self-attention). `window` on the full-attention families uses `window=64` (longer than every sequence here:
+exercises the ring buffer, stays exact); on `qwen2` and `gemma3_text` it is the model's own window 8 (ring buffer
+of W − 1 = 7 rows on the sliding layers, as HF's; Gemma-3's full layer stays full), which every mode overflows.
+`int8` runs with its defaults; `int4` with its format (asymmetric codes, per-channel KIVI keys, full-precision
+recent window) scaled to these short sequences (`residual=8, key_channel_group=8`: the default window of 128
+tokens would keep every token here unquantized).
 """
 
 NOTES = """

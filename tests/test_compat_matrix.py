@@ -36,6 +36,8 @@ from transformers import (
     DynamicCache,
     EncoderDecoderCache,
     GPT2Config,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
@@ -73,6 +75,10 @@ def _build(family: str, seed: int = 0):
                                              sliding_window=8, use_sliding_window=True, max_window_layers=0))
     elif family == "phi3":  # head dim 24: not a multiple of 64 (the default group size must adapt)
         model = Phi3ForCausalLM(Phi3Config(**_DEC, hidden_size=48, num_attention_heads=2, num_key_value_heads=2))
+    elif family == "gemma3_text":  # MQA 2/1, head dim 40, a sliding layer (window 8) then a full one
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **_DEC, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=40, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=40))
     elif family == "deepseek_v3":  # MLA, kv_lora_rank 24
         model = DeepseekV3ForCausalLM(DeepseekV3Config(
             **_DEC, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
@@ -90,7 +96,7 @@ def _build(family: str, seed: int = 0):
     return model.eval()
 
 
-FAMILIES = ("llama", "gpt2", "qwen2", "phi3", "deepseek_v3", "t5")
+FAMILIES = ("llama", "gpt2", "qwen2", "phi3", "gemma3_text", "deepseek_v3", "t5")
 METHODS = ("dense", "window", "int8", "int4", "slim", "mla")
 LOSSY = {"int8", "int4"}
 #: options per (family, method) where the bare method needs one; full-attention families get a window ≥ every
@@ -99,12 +105,13 @@ OPTIONS = {("llama", "window"): {"window": 64}, ("gpt2", "window"): {"window": 6
            ("phi3", "window"): {"window": 64},
            # int4's format with its full-precision window and key groups scaled to these short sequences (the
            # defaults keep 128 recent tokens unquantized: nothing here would ever reach the codes)
-           **{(f, "int4"): {"residual": 8, "key_channel_group": 8} for f in ("llama", "gpt2", "qwen2", "phi3")}}
+           **{(f, "int4"): {"residual": 8, "key_channel_group": 8}
+              for f in ("llama", "gpt2", "qwen2", "phi3", "gemma3_text")}}
 #: (family, method) pairs kvslim refuses, with a word the refusal must contain (it names what works instead)
-REFUSED = {("qwen2", "slim"): "(?i)gqa", ("deepseek_v3", "dense"): "mla", ("deepseek_v3", "window"): "mla",
+REFUSED = {("qwen2", "slim"): "(?i)gqa", ("gemma3_text", "slim"): "(?i)mqa", ("deepseek_v3", "dense"): "mla", ("deepseek_v3", "window"): "mla",
            ("deepseek_v3", "int8"): "mla", ("deepseek_v3", "int4"): "mla", ("deepseek_v3", "slim"): "MLA",
            ("t5", "dense"): "slim", ("t5", "window"): "slim", ("t5", "int8"): "slim", ("t5", "int4"): "slim",
-           **{(f, "mla"): "not multi-head latent" for f in ("llama", "gpt2", "qwen2", "phi3", "t5")}}
+           **{(f, "mla"): "not multi-head latent" for f in ("llama", "gpt2", "qwen2", "phi3", "gemma3_text", "t5")}}
 PAIRS = [(f, m) for f in FAMILIES for m in METHODS if (f, m) not in REFUSED]
 MODES = ("greedy", "sample", "beam", "padded_batch", "multi_turn", "prompt_lookup", "assisted", "dict_scores",
          "use_cache_false", "cache_static", "cache_dynamic", "cache_ops", "deepcopy_model", "pickle_model",
