@@ -158,6 +158,48 @@ def test_ct2_conversion_exact_and_cached(ct2_dir, tmp_path, monkeypatch):
     assert again.dtype == torch.bfloat16 and len(list(tmp_path.iterdir())) == 1
 
 
+def test_loading_shows_one_kvslim_line_and_nothing_from_transformers(ct2_dir, tmp_path, capfd):
+    """A conversion prints one line (stderr is not a terminal here); a cached load prints nothing; no
+    transformers progress bars or warnings either way."""
+    import warnings
+
+    d, _, _ = ct2_dir
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_whisper_ct2(d, cache_dir=tmp_path)
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("kvslim: converting model.bin") and "done in" in err, err
+        load_whisper_ct2(d, cache_dir=tmp_path)
+        assert capfd.readouterr().err == ""
+
+
+def test_whisper_generate_notice_of_transformers_is_dropped(monkeypatch, caplog):
+    """transformers' Whisper ``generate`` passes ``suppress_tokens`` beside its own generation config and logs a
+    deprecation notice about it on every first call; transcribe_tokens drops exactly that notice."""
+    import logging
+
+    from kvslim.models import whisper_run
+
+    class Fake:
+        dtype = torch.float32
+        generation_config = type("G", (), {})()
+
+        def generate(self, **kwargs):
+            log = logging.getLogger("transformers.generation.utils")
+            log.warning("Passing `generation_config` together with generation-related "
+                        "arguments=({'begin_suppress_tokens', 'suppress_tokens'}) is deprecated")
+            log.warning("another warning")
+            return torch.zeros(1, 2, dtype=torch.long)
+
+    monkeypatch.setattr(whisper_run, "whisper_inputs", lambda *a: {})
+    with caplog.at_level(logging.WARNING):
+        whisper_run.transcribe_tokens(Fake(), None, np.zeros(16000, np.float32))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["another warning"], said
+    assert not logging.getLogger("transformers.generation.utils").filters  # the filter is gone after the call
+
+
 def test_ct2_reader_roundtrip_and_bad_files(tmp_path):
     vars_ = {"a/w": np.arange(6, dtype=np.float16).reshape(2, 3), "a/n": np.array(7, np.int16),
              "b": np.ones(4, np.float32), "c": np.array([1, -2], np.int8)}

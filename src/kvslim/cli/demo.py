@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -57,9 +56,7 @@ def measure(model, tokenizer, runs, ids: torch.Tensor, text_ids: torch.Tensor, n
     """Run each (label, method, options) and compare with the first run (teacher-forced for logits)."""
     rows, dense = [], None
     for label, method, opts in track(runs, description="methods"):
-        with warnings.catch_warnings():  # an over-budget layer is shown in the table's exactness column
-            warnings.simplefilter("ignore", UserWarning)
-            plan = api.apply(model, method, **opts)
+        plan = api.apply(model, method, **opts)
         free = greedy_decode(model, ids, new_tokens, api.make_cache(model))
         if dense is None:
             dense = free

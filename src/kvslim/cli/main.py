@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command].run(args) or 0
-    except ValueError as exc:  # bad input: a clear message, no traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad input, missing file or package: a message, no traceback
         print(f"kvslim {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -40,14 +40,15 @@ def load_whisper(name: str, dtype: torch.dtype):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import api
     from ..audio import read_wav, speech_clip
-    from ..models.whisper_run import context_bytes, transcribe_tokens
 
     if args.beams < 1:
         raise ValueError(f"--beams must be ≥ 1, got {args.beams}")
     path = args.file or speech_clip()[0]
-    audio = read_wav(path)
+    audio = read_wav(path)  # a missing or bad file is refused before the model loads
+
+    from .. import api
+    from ..models.whisper_run import context_bytes, transcribe_tokens
     console = Console()
     model, processor = load_whisper(args.model, DTYPES[args.dtype])
     opts = {"num_beams": args.beams, "timestamps": args.timestamps}

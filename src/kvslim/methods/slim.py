@@ -188,11 +188,10 @@ class SlimMethod(Method):
                 warnings.warn(f"slim layer {i}: {cand.label} with int{opts.bits} rows has {cand.ratio:.1f}× the "
                               f"error of a plain int{opts.bits} K+V cache ({cand.error:.2e}); quantized keys are "
                               "amplified by cond(W_K) when V is rebuilt", stacklevel=3)
-            elif not within:
-                warnings.warn(f"slim layer {i}: {cand.label} error {cand.error:.2e} is {cand.ratio:.1f}× the plain "
-                              f"cache's ({_dname(dtype)}), over budget {opts.budget}×", stacklevel=3)
             lp = _layer_plan(i, cand.technique, cand.rank, d, e, dk, dtype, spec, opts.chunk)
-            kind = "lossy" if opts.bits else ("exact" if within else "over budget")
+            # only a technique the caller forced (cache="k"/"v"/"x") can miss the budget: nothing was decided by
+            # it, so the plan states the measured error rather than a warning
+            kind = "lossy" if opts.bits else ("exact" if within else f"approximate (cache={opts.cache!r})")
             exactness = f"{kind} in {_dname(dtype)}: {cand.ratio:.2f}× plain error"
             note = f"cond W_K {num.cond_k:.1e}, W_V {num.cond_v:.1e}"
             layers.append(LayerPlan(i, lp.technique, lp.bytes_per_token, None, exactness, cand.error, note,

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .files import fingerprint
+from .progress import status
 
 CT2_BINARY_VERSION = 6
 # dtype ids of model_spec._dtype_to_type_id; bfloat16 is read as its raw 16 bits and widened below
@@ -367,52 +368,29 @@ def convert_whisper(model_dir: str | Path, out_dir: str | Path, *, bin_parts: li
     for p in [*parts, model_dir / "config.json", model_dir / "tokenizer.json"]:
         if not p.is_file():
             raise FileNotFoundError(f"model_dir {str(model_dir)!r}: missing {p.name}")
-    with _status(f"reading {' + '.join(p.name for p in parts)}"):
-        if len(parts) == 1:
-            ct2 = read_ct2(parts[0])
-        else:
-            ct2 = _parse(b"".join(p.read_bytes() for p in parts), " + ".join(map(str, parts)))
+    if len(parts) == 1:
+        ct2 = read_ct2(parts[0])
+    else:
+        ct2 = _parse(b"".join(p.read_bytes() for p in parts), " + ".join(map(str, parts)))
     tokenizer_json = fix_tokenizer_json(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")))
     config, gen = whisper_configs(ct2, json.loads((model_dir / "config.json").read_text()), tokenizer_json)
-    with _status("converting CTranslate2 -> Hugging Face Whisper"):
-        state = {k: np.ascontiguousarray(v) for k, v in whisper_state_dict(ct2).items()}
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-        try:
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            config.save_pretrained(tmp)
-            gen.save_pretrained(tmp)
-            (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
-            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer_json), indent=1))
-            WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(tmp)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    state = {k: np.ascontiguousarray(v) for k, v in whisper_state_dict(ct2).items()}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        gen.save_pretrained(tmp)
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer_json), indent=1))
+        WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out_dir
-
-
-class _status:
-    """A transient spinner with the step's name on stderr when it is a terminal (silent otherwise)."""
-
-    def __init__(self, text: str):
-        self.text, self._ctx = text, None
-
-    def __enter__(self):
-        import sys
-
-        if sys.stderr.isatty():
-            from rich.console import Console
-
-            self._ctx = Console(stderr=True).status(f"kvslim: {self.text}")
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 def load_whisper_ct2(model_dir: str | Path, dtype: torch.dtype = torch.float32, *,
@@ -443,8 +421,10 @@ def load_whisper_ct2(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
     out = root / f"whisper-ct2-{_fingerprint([*parts, model_dir / 'tokenizer.json', model_dir / 'config.json'])}"
     if not (out / "model.safetensors").is_file():
-        convert_whisper(model_dir, out, bin_parts=bin_parts and parts)
-    with _status(f"loading {out.name}"):
+        with status(f"converting {' + '.join(p.name for p in parts)} (CTranslate2 -> Hugging Face Whisper, once)",
+                    long=True):
+            convert_whisper(model_dir, out, bin_parts=bin_parts and parts)
+    with status(f"loading {out.name}"):
         model = WhisperForConditionalGeneration.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
         processor = WhisperProcessor.from_pretrained(out, local_files_only=True)
     return model, processor

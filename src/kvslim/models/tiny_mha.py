@@ -39,7 +39,10 @@ def load_tiny_mha(dtype: torch.dtype = torch.float32):
     path = tiny_mha_path()
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"tiny MHA model weights not found in {path}")
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    from .progress import status
+
+    with status("loading the tiny MHA model"):
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer

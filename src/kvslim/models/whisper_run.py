@@ -5,12 +5,27 @@ Shared by ``kvslim transcribe``, ``kvslim demo --model whisper-*`` and the real-
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from ..audio import SAMPLE_RATE
 
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
+
+
+class _WhisperOwnKwargs(logging.Filter):
+    """Drops the deprecation notice transformers' Whisper ``generate`` triggers itself: it hands
+    ``suppress_tokens`` / ``begin_suppress_tokens`` to ``GenerationMixin.generate`` beside its own
+    ``generation_config`` (transformers 5.x), on every call, whatever the caller passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("together with generation-related" in msg and "suppress_tokens" in msg)
+
+
+_GENERATE_LOGGER = "transformers.generation.utils"
 
 
 def whisper_inputs(processor, audio: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -38,7 +53,13 @@ def transcribe_tokens(model, processor, audio: np.ndarray, *, num_beams: int = 1
     if getattr(model.generation_config, "is_multilingual", False):
         kwargs.setdefault("task", "transcribe")
         kwargs.setdefault("language", "en")
-    return model.generate(**inputs, **kwargs)
+    notice = _WhisperOwnKwargs()
+    logger = logging.getLogger(_GENERATE_LOGGER)
+    logger.addFilter(notice)
+    try:
+        return model.generate(**inputs, **kwargs)
+    finally:
+        logger.removeFilter(notice)
 
 
 @torch.no_grad()
