@@ -403,3 +403,103 @@ def test_shared_cross_attention_op_matches_reference():
             assert_rel_close(fused, ref, torch.float32, "op path vs float64 reference")
         two = encdec.shared_cross_attention(q.expand(b, h, 2, dk), enc, w, bb)[:, :, :1]  # T = 2: torch path
         assert_rel_close(fused, two, torch.float32, "op path vs torch path")
+
+
+# -- the mapped ops: per-head maps folded into the op (kvslim::slim_decode_mapped, kvslim::encdec_decode_mapped) ---
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", ["none", "raw", "rotated"])
+def test_slim_mapped_op_matches_float64(rope, dtype, splits):
+    """out_j = u_j · W_KV,j inside the op: against the float64 oracle mapped in float64, and the twin."""
+    _ops()
+    h, dk = 5, 64
+    q, rows, cos, sin, mask, lens = _case(3, h, dk, 0 if rope == "none" else dk, 7, 409, dtype, seed=11)
+    vmap = torch.randn(h, h * dk + 7, 48, generator=torch.Generator().manual_seed(2)) / 20
+    rotated, scaling = rope == "rotated", dk ** -0.5
+    out, lse = kernel.slim_decode_mapped(q, rows, vmap, cos, sin, mask, lens, scaling, rotated, splits)
+    ref_u, ref_lse = oracle(q, rows, cos, sin, mask, lens, scaling, rotated)
+    ref = torch.einsum("bhc,hck->bhk", ref_u, vmap.double())
+    assert out.shape == (3, h, 48) and torch.isfinite(out).all()
+    assert_rel_close(out, ref, torch.float32, "mapped op vs float64")
+    assert_rel_close(lse, ref_lse, torch.float32, "mapped op lse vs float64")
+    tw, _ = kernel.reference_mapped(q, rows, vmap, cos, sin, mask, lens, scaling, rotated)
+    assert_rel_close(tw, ref, torch.float32, "mapped twin vs float64")
+
+
+def _enc_mapped_case(b, h, dk, dv, d, n, dtype, seed, bias=True):
+    qt, enc, mask, lens = _enc_case(b, h, d, n, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, h, dk, generator=g)
+    w_k = torch.randn(h, dk, d, generator=g) / d ** 0.5
+    w_v = torch.randn(h, dv, d, generator=g) / d ** 0.5
+    b_v = torch.randn(h, dv, generator=g) if bias else None
+    return q, enc, w_k, w_v, b_v, mask, lens
+
+
+@pytest.mark.parametrize("splits", [0, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 64, 64, 384), (3, 20, 12, 70), (8, 64, 64, 512)])
+def test_encdec_mapped_op_matches_float64(shape, dtype, splits):
+    """Absorbed query, one pass over E, W_V and b_V inside one op: against materialised K/V in float64."""
+    _enc_ops()
+    from kvslim.kernels import encdec_decode as ek
+
+    h, dk, dv, d = shape
+    for bias in (True, False):
+        q, enc, w_k, w_v, b_v, mask, lens = _enc_mapped_case(3, h, dk, dv, d, 333, dtype, seed=d + h, bias=bias)
+        out, lse = ek.encdec_decode_mapped(q, enc, w_k, w_v, b_v, mask, lens, 0.7, splits)
+        qt = torch.einsum("bhk,hkc->bhc", q.double(), w_k.double())
+        ref_u, ref_lse = _enc_oracle(qt, enc, mask, lens, 0.7)
+        ref = torch.einsum("bhc,hkc->bhk", ref_u, w_v.double()) + (0 if b_v is None else b_v.double())
+        assert out.shape == (3, h, dv) and torch.isfinite(out).all()
+        assert_rel_close(out, ref, torch.float32, "encdec mapped op vs float64")
+        assert_rel_close(lse, ref_lse, torch.float32, "encdec mapped op lse vs float64")
+        tw, _ = ek.reference_mapped(q, enc, w_k, w_v, b_v, mask, lens, 0.7)
+        assert_rel_close(tw, ref, torch.float32, "encdec mapped twin vs float64")
+
+
+def test_mapped_ops_refuse_bad_maps_by_name():
+    _ops()
+    _enc_ops()
+    q, rows, cos, sin, mask, lens = _case(2, 3, 16, 16, 4, 50, torch.float32, seed=1)
+    vmap = torch.randn(3, 52, 8)
+    for bad, what in [(vmap[:2], "value_map must be a float32"), (vmap.double(), "value_map must be a float32"),
+                      (vmap[0], "value_map must be")]:
+        with pytest.raises(ValueError, match=what):
+            torch.ops.kvslim.slim_decode_mapped(q, rows, bad, cos, sin, mask, lens, 1.0, False)
+    q, enc, w_k, w_v, b_v, mask, lens = _enc_mapped_case(2, 3, 8, 8, 32, 40, torch.float32, seed=2)
+    op = torch.ops.kvslim.encdec_decode_mapped
+    for args, what in [((q, enc, w_k[:, :4], w_v, b_v), "w_k must be"), ((q, enc, w_k, w_v[..., :5], b_v), "w_v must"),
+                       ((q, enc, w_k, w_v, b_v[:, :3]), "b_v must be"), ((q.double(), enc, w_k, w_v, b_v), "q must")]:
+        with pytest.raises(ValueError, match=what):
+            op(*args, mask, lens, 1.0)
+
+
+def test_attention_modules_use_the_mapped_ops(monkeypatch):
+    """The decode step of slim (K-cache, option 2) and of the shared-E cross-attention goes through the mapped op
+    (one op per layer and step), and its output equals the torch path."""
+    _ops()
+    _enc_ops()
+    from kvslim.attention import encdec
+    from kvslim.kernels import encdec_decode as ek
+
+    calls = []
+    for mod, name in ((kernel, "slim_decode_mapped"), (ek, "encdec_decode_mapped")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    b, h, dk, n = 2, 4, 32, 90
+    vmap = torch.randn(h, h * dk, dk, generator=g) / 10
+    w = SlimLayerWeights("k", h, dk, h * dk, value_map=vmap, value_map_full=vmap.permute(1, 0, 2).reshape(h * dk, -1))
+    q, cache = torch.randn(b, h, 1, dk, generator=g), torch.randn(b, n, h * dk, generator=g)
+    fused = slim_attention(q, cache, w, None, dk ** -0.5)
+    torch_path = slim_attention(q, cache, replace(w, kernel="torch"), None, dk ** -0.5)
+    assert_rel_close(fused, torch_path, torch.float32, "mapped slim op vs torch path")
+    w_k, w_v = torch.randn(h * dk, 64, generator=g) / 8, torch.randn(h * dk, 64, generator=g) / 8
+    cw = encdec.CrossWeights.from_linear(w_k, w_v, torch.randn(h * dk, generator=g), h, 1.0, torch.float32)
+    enc = torch.randn(b, n, 64, generator=g)
+    one = encdec.shared_cross_attention(q, enc, cw)
+    two = encdec.shared_cross_attention(q.expand(b, h, 2, dk), enc, cw)[:, :, :1]  # T = 2: torch path
+    assert_rel_close(one, two, torch.float32, "mapped encdec op vs torch path")
+    assert calls == ["slim_decode_mapped", "encdec_decode_mapped"]

@@ -78,14 +78,12 @@ def shared_cross_attention(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights,
     b, h, t, dk = q.shape
     n, d = enc.shape[1], enc.shape[2]
     ct = _compute_dtype(q.dtype)
-    if _fused(q, enc, w, bias):  # one pass over E for all heads: scores, softmax, u = softmax·E
-        qt = _per_head(q[:, :, 0].float(), w.w_k)  # absorbed queries "bhk,hkc->bhc": (B, h, d)
-        u, _ = kernel.encdec_decode(qt, enc, None if bias is None else bias.reshape(bias.shape[0], n), None,
-                                    w.scaling)
-        out = _per_head(u, w.w_v.transpose(1, 2))[:, :, None]  # "bhc,hck->bhk": (B, h, 1, dk)
-        if w.b_v is not None:
-            out = out + w.b_v
-        return out.to(q.dtype)
+    if _fused(q, enc, w, bias):  # one op: absorbed queries, one pass over E for all heads, W_V and b_V
+        b_v = None if w.b_v is None else w.b_v.reshape(h, -1)
+        out, _ = kernel.encdec_decode_mapped(q[:, :, 0], enc, w.w_k, w.w_v, b_v,
+                                             None if bias is None else bias.reshape(bias.shape[0], n), None,
+                                             w.scaling)
+        return out[:, :, None].to(q.dtype)  # (B, h, 1, dk)
     e_c = enc.to(ct)
     qt = torch.matmul(q.to(ct), w.w_k)  # absorbed queries "bhtk,hkc->bhtc": (B, h, T, d)
     scores = torch.bmm(qt.reshape(b, h * t, d), e_c.transpose(1, 2)).view(b, h, t, n)  # all heads, one product
@@ -112,11 +110,6 @@ def _fused(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights, bias: torch.Tens
     grad = torch.is_grad_enabled() and (q.requires_grad or enc.requires_grad or w.w_k.requires_grad)
     return (not grad and enc.device.type == "cpu" and enc.dtype in (torch.float32, torch.bfloat16)
             and kernel.available())
-
-
-def _per_head(x: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
-    """"bhc,hck->bhk" as one bmm batched over heads: x (B, h, c), maps (h, c, k) -> (B, h, k)."""
-    return torch.bmm(x.transpose(0, 1), maps).transpose(0, 1)
 
 
 def reference_cross_attention(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, b_k: torch.Tensor | None,

@@ -115,7 +115,12 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
     rope = w.technique == "k" and w.rope
     rotated = rope and w.rope_storage == "rotated"
     if _fused_option2(q, cache, w, mask):  # one pass over the rows per step: scores, softmax, u = softmax·C
-        u, _ = option2_partials(q, cache, mask, scaling, cos if rope else None, sin if rope else None, rotated)
+        cs, sn = (cos, sin) if rope else (None, None)
+        if w.value_map.dtype == torch.float32 and w.value_map.device.type == "cpu":  # u·W_KV inside the op too
+            out, _ = kernel.slim_decode_mapped(q[:, :, 0], cache, w.value_map, cs, sn, _mask_rows(mask, n), None,
+                                               scaling, rotated)
+            return out[:, :, None].to(q.dtype)
+        u, _ = option2_partials(q, cache, mask, scaling, cs, sn, rotated)
         return _per_head_map(u[:, :, None], w.value_map).to(q.dtype)
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":

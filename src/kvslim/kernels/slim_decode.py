@@ -27,12 +27,18 @@ def available() -> bool:
     if not load_ops(FAMILY):
         return False
     torch.library.register_fake("kvslim::slim_decode")(_fake)
+    torch.library.register_fake("kvslim::slim_decode_mapped")(_fake_mapped)
     return True
 
 
 def _fake(q, rows, cos, sin, mask, lengths, scaling, rotated, splits=0):
     b, h, _ = q.shape
     return q.new_empty(b, h, rows.shape[2]), q.new_empty(b, h)
+
+
+def _fake_mapped(q, rows, value_map, cos, sin, mask, lengths, scaling, rotated, splits=0):
+    b, h, _ = q.shape
+    return q.new_empty(b, h, value_map.shape[2]), q.new_empty(b, h)
 
 
 def isa() -> str:
@@ -113,6 +119,38 @@ def slim_decode(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = 
         return torch.ops.kvslim.slim_decode(q.float(), rows, cos, sin, mask, lengths, float(scaling), bool(rotated),
                                             int(splits))
     return reference(q, rows, cos, sin, mask, lengths, scaling, rotated)
+
+
+def reference_mapped(q: torch.Tensor, rows: torch.Tensor, value_map: torch.Tensor, cos: torch.Tensor | None = None,
+                     sin: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                     lengths: torch.Tensor | None = None, scaling: float = 1.0, rotated: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of the mapped op: :func:`reference` then ``out_j = u_j · value_map[j]`` ("bhc,hck->bhk").
+
+    ``value_map`` (h, c, odk); returns out (B, h, odk) and lse (B, h), fp32.
+    """
+    u, lse = reference(q, rows, cos, sin, mask, lengths, scaling, rotated)
+    return torch.einsum("bhc,hck->bhk", u, value_map.float()), lse
+
+
+def slim_decode_mapped(q: torch.Tensor, rows: torch.Tensor, value_map: torch.Tensor, cos: torch.Tensor | None = None,
+                       sin: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                       lengths: torch.Tensor | None = None, scaling: float = 1.0, rotated: bool = False,
+                       splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`slim_decode` with ``W_KV`` applied inside the op (one parallel region per layer and step):
+    ``(out (B, h, odk), lse (B, h))`` of :func:`reference_mapped`, through the op where it applies, else the twin.
+
+    ``value_map`` (h, c, odk), fp32 (the layer's ``SlimLayerWeights.value_map``); other shapes as in
+    :func:`reference`. ``lse`` still merges shards exactly (the map is linear: ``merge`` works on ``out`` too).
+    """
+    if cos is not None and sin is None or cos is None and sin is not None:
+        raise ValueError("cos and sin come together")
+    if (available() and supported(q, rows, cos, mask) and value_map.dtype == torch.float32
+            and value_map.device.type == "cpu" and not (torch.is_grad_enabled() and value_map.requires_grad)):
+        cos, sin, mask = (None if z is None else z.float() for z in (cos, sin, mask))
+        return torch.ops.kvslim.slim_decode_mapped(q.float(), rows, value_map, cos, sin, mask, lengths,
+                                                   float(scaling), bool(rotated), int(splits))
+    return reference_mapped(q, rows, value_map, cos, sin, mask, lengths, scaling, rotated)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

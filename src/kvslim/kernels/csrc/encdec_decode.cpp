@@ -37,12 +37,51 @@ std::tuple<at::Tensor, at::Tensor> encdec_decode_cpu(const at::Tensor& qt, const
   return {u, lse};
 }
 
+// the same pass with the per-head maps inside the op (one parallel region per layer and step):
+//   qt[b, j] = q[b, j] · w_k[j]       q (B, h, dk), w_k (h, dk, d)  (HF k_proj.weight viewed per head)
+//   out[b, j] = u[b, j] · w_v[j]ᵀ + b_v[j]   w_v (h, dv, d), b_v (h, dv) or none            -> out (B, h, dv)
+std::tuple<at::Tensor, at::Tensor> encdec_decode_mapped_cpu(const at::Tensor& q, const at::Tensor& enc,
+                                                            const at::Tensor& w_k, const at::Tensor& w_v,
+                                                            const c10::optional<at::Tensor>& b_v,
+                                                            const c10::optional<at::Tensor>& mask,
+                                                            const c10::optional<at::Tensor>& lengths,
+                                                            double scaling, int64_t splits) {
+  const char* op = "kvslim::encdec_decode_mapped";
+  kvslim_rows::Args a;
+  at::Tensor e = kvslim_rows::set_rows(a, enc, op, "enc");
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == a.B && q.size(1) >= 1 && q.size(2) >= 1, op,
+                    ": q must be (B=", a.B, ", h, dk), got ", q.sizes());
+  TORCH_CHECK_VALUE(w_v.dim() == 3 && w_v.size(1) >= 1, op, ": w_v must be (h, dv, d), got ", w_v.sizes());
+  a.h = q.size(1);
+  a.qdk = q.size(2);
+  a.odk = w_v.size(1);
+  at::Tensor qk, wk, wv, bv, mk, lk;
+  a.qraw = kvslim_rows::f32_exact(q, {a.B, a.h, a.qdk}, qk, op, "q");
+  a.absorb = kvslim_rows::f32_exact(w_k, {a.h, a.qdk, a.c}, wk, op, "w_k");
+  a.vmap = kvslim_rows::f32_exact(w_v, {a.h, a.odk, a.c}, wv, op, "w_v");
+  a.vmap_rows_out = true;
+  if (b_v.has_value()) a.vbias = kvslim_rows::f32_exact(*b_v, {a.h, a.odk}, bv, op, "b_v");
+  a.L = a.c;
+  a.koff = 0;
+  a.scaling = static_cast<float>(scaling);
+  kvslim_rows::set_mask_lengths(a, mask, lengths, mk, lk, op);
+  at::Tensor out = at::empty({a.B, a.h, a.odk}, q.options());
+  at::Tensor lse = at::empty({a.B, a.h}, q.options());
+  kvslim_rows::run(a, splits, nullptr, lse.data_ptr<float>(), out.data_ptr<float>());
+  return {out, lse};
+}
+
 std::string encdec_decode_isa() { return kvslim_rows::isa_name(); }
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("encdec_decode(Tensor qt, Tensor enc, Tensor? mask, Tensor? lengths, float scaling, int splits=0) "
         "-> (Tensor, Tensor)");
+  m.def("encdec_decode_mapped(Tensor q, Tensor enc, Tensor w_k, Tensor w_v, Tensor? b_v, Tensor? mask, "
+        "Tensor? lengths, float scaling, int splits=0) -> (Tensor, Tensor)");
   m.def("encdec_decode_isa() -> str", &encdec_decode_isa);
 }
 
-TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("encdec_decode", &encdec_decode_cpu); }
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) {
+  m.impl("encdec_decode", &encdec_decode_cpu);
+  m.impl("encdec_decode_mapped", &encdec_decode_mapped_cpu);
+}

@@ -41,6 +41,14 @@ struct Args {
   int64_t mask_bs = 0;
   const int64_t* lengths = nullptr;  // (B,) rows to read per sequence (1 ≤ len ≤ n), or all n
   float scaling = 1.f;
+  // optional per-head maps folded into the op (fp32, contiguous, checked by the op):
+  const float* absorb = nullptr;  // (h, qdk, L): the pass uses q[b, j] = Σ_i qraw[b, j, i] · absorb[j, i, :]
+  const float* qraw = nullptr;    // (B, h, qdk) raw queries (with `absorb`)
+  int64_t qdk = 0;
+  const float* vmap = nullptr;  // out[b, j] = u[b, j] · vmap[j] + vbias[j]: vmap (h, c, odk), or (h, odk, c) with
+  bool vmap_rows_out = false;   // vmap_rows_out
+  int64_t odk = 0;
+  const float* vbias = nullptr;  // (h, odk) or none
 };
 
 struct Scratch {
@@ -87,6 +95,8 @@ using V = kvslim_vec::VecAVX512;
 namespace kvslim_rows {
 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
+using AbsorbFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+using MapFn = void (*)(const float*, const float*, bool, int64_t, int64_t, const float*, float*);
 
 // the instruction set: KVSLIM_ISA=scalar|avx2|avx512 caps it (tests), else the best the CPU has
 inline const char* isa_name() {
@@ -103,11 +113,17 @@ inline const char* isa_name() {
   return name;
 }
 
-inline TaskFn task_fn() {
+struct Fns {
+  TaskFn task;
+  AbsorbFn absorb;
+  MapFn map;
+};
+
+inline Fns fns() {
   const std::string isa = isa_name();
-  if (isa == "avx512") return avx512::run_task;
-  if (isa == "avx2") return avx2::run_task;
-  return scalar::run_task;
+  if (isa == "avx512") return {avx512::run_task, avx512::absorb_seq, avx512::map_head};
+  if (isa == "avx2") return {avx2::run_task, avx2::absorb_seq, avx2::map_head};
+  return {scalar::run_task, scalar::absorb_seq, scalar::map_head};
 }
 
 // splits per sequence: enough tasks for every thread when the batch is small, ≥ 2 chunks per split
@@ -128,25 +144,49 @@ inline void finish(float* u, float* lse, const float* m, const float* l, int64_t
   }
 }
 
-// u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic).
-// One parallel region per call when S = 1 (each task normalises its own sequence): on a loaded machine every
-// region costs a wake-up of the other threads, which can exceed the work of a small decode step.
-inline void run(const Args& a, int64_t S, float* u, float* lse) {
-  const int64_t T = chunk_rows(a.c);
-  if (S <= 0) S = auto_splits(a.B, a.n, T);
-  S = std::max<int64_t>(1, std::min<int64_t>(S, (a.n + T - 1) / T));
-  const TaskFn fn = task_fn();
-  const int64_t hc = a.h * a.c;
+// u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic). With a.vmap, `out`
+// (B, h, odk) receives the mapped head outputs and `u` may be null (an internal buffer is used). With a.absorb,
+// the queries are absorbed first (inside each task when S = 1, else up front: S > 1 only for small batches).
+// One parallel region per call when S = 1 (each task normalises and maps its own sequence): on a loaded machine
+// every region costs a wake-up of the other threads, which can exceed the work of a small decode step.
+inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nullptr) {
+  const int64_t T = chunk_rows(a0.c);
+  if (S <= 0) S = auto_splits(a0.B, a0.n, T);
+  S = std::max<int64_t>(1, std::min<int64_t>(S, (a0.n + T - 1) / T));
+  const Fns f = fns();
+  Args a = a0;
+  const int64_t hc = a.h * a.c, hL = a.h * a.L;
+  std::vector<float> qbuf, ubuf;
+  if (a.absorb) {
+    qbuf.resize(a.B * hL);
+    a.q = qbuf.data();
+    a.qbs = hL;
+    if (S > 1)
+      for (int64_t b = 0; b < a.B; ++b) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.h, a.qdk, a.L, qbuf.data() + b * hL);
+  }
+  if (a.vmap && u == nullptr) {
+    ubuf.resize(a.B * hc);
+    u = ubuf.data();
+  }
+  auto map_seq = [&](int64_t b, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      f.map(u + b * hc + j * a.c, a.vmap + j * a.c * a.odk, a.vmap_rows_out, a.c, a.odk,
+            a.vbias ? a.vbias + j * a.odk : nullptr, out + (b * a.h + j) * a.odk);
+  };
   std::vector<float> part_acc, part_m(a.B * S * a.h), part_l(a.B * S * a.h);
   if (S > 1) part_acc.resize(a.B * S * hc);
   at::parallel_for(0, a.B * S, 1, [&](int64_t begin, int64_t end) {
     Scratch sp(a, T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S;
+      if (a.absorb && S == 1) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.h, a.qdk, a.L, qbuf.data() + b * hL);
       float* acc = S > 1 ? part_acc.data() + task * hc : u + b * hc;
       float *m = part_m.data() + task * a.h, *l = part_l.data() + task * a.h;
-      fn(a, b, s, S, acc, m, l, sp);
-      if (S == 1) finish(acc, lse + b * a.h, m, l, a.h, a.c);
+      f.task(a, b, s, S, acc, m, l, sp);
+      if (S == 1) {
+        finish(acc, lse + b * a.h, m, l, a.h, a.c);
+        if (a.vmap) map_seq(b, 0, a.h);
+      }
     }
   });
   if (S == 1) return;
@@ -169,12 +209,13 @@ inline void run(const Args& a, int64_t S, float* u, float* lse) {
       const float inv = den > 0.f ? 1.f / den : 0.f;
       std::fill(o, o + a.c, 0.f);
       for (int64_t s = 0; s < S; ++s) {
-        const float f = w[s] * inv;
-        if (f == 0.f) continue;
+        const float fs = w[s] * inv;
+        if (fs == 0.f) continue;
         const float* p = part_acc.data() + ((b * S + s) * a.h + j) * a.c;
-        for (int64_t k = 0; k < a.c; ++k) o[k] += f * p[k];
+        for (int64_t k = 0; k < a.c; ++k) o[k] += fs * p[k];
       }
       lse[bj] = den > 0.f ? M + std::log(den) : -INFINITY;
+      if (a.vmap) map_seq(b, j, j + 1);
     }
   });
 }
@@ -208,6 +249,16 @@ inline void set_mask_lengths(Args& a, const c10::optional<at::Tensor>& mask, con
       TORCH_CHECK_VALUE(p[b] >= 1 && p[b] <= a.n, op, ": lengths[", b, "] = ", p[b], " is outside [1, n=", a.n, "]");
     a.lengths = p;
   }
+}
+
+// an fp32 CPU tensor of exactly `shape`, made contiguous into `keep` (maps, queries, biases of the mapped ops)
+inline const float* f32_exact(const at::Tensor& t, at::IntArrayRef shape, at::Tensor& keep, const char* op,
+                              const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.sizes() == shape, op, ": ", name,
+                    " must be a float32 CPU tensor of shape ", shape, ", got ", t.scalar_type(), " ", t.sizes(),
+                    " on ", t.device());
+  keep = t.contiguous();
+  return keep.data_ptr<float>();
 }
 
 // rows (B, n, c) fp32/bf16 with unit column stride into Args
