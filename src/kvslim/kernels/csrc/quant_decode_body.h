@@ -417,7 +417,13 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
       float* aj = acc + j * D;
       for (int64_t g = 0; g < ng; ++g) {
         float zs = 0.f;
-        for (int64_t t = 0; t < m; ++t) zs += pj[t] * vz[t * ng + g];
+        int64_t t = 0;
+        if (ng == 1) {
+          auto zv = V::zero();
+          for (; t + V::W <= m; t += V::W) zv = V::fma(V::load(pj + t), V::load(vz + t), zv);
+          zs = V::hsum(zv);
+        }
+        for (; t < m; ++t) zs += pj[t] * vz[t * ng + g];
         const auto vz8 = V::set1(zs);
         for (int64_t i = g * gs; i < (g + 1) * gs; i += V::W) V::store(aj + i, V::add(V::load(aj + i), vz8));
       }
@@ -492,18 +498,23 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
       for (int64_t u0 = t0; u0 < t0 + m;) {
         const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
         kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
-        for (int64_t j = 0; j < G; ++j) {
-          const float* qj = sp.q.data() + j * D;
-          float* o = sp.qs.data() + j * D;  // q ⊙ s, natural order
-          float z = 0.f;
-          for (int64_t i = 0; i < D; ++i) {
-            o[i] = qj[i] * sp.srow[i];
-            z += qj[i] * sp.zrow[i];
-          }
-          sp.zq[j] = z;
-          if (BITS == 4) to_chunk_order(o, sp.qp.data() + j * D, D);
+        const float* srow = sp.srow.data();
+        if (BITS == 4) {  // scales into chunk order, like the query in qk
+          to_chunk_order(sp.srow.data(), sp.k.data(), D);
+          srow = sp.k.data();
         }
-        const float* qs = BITS == 4 ? sp.qp.data() : sp.qs.data();
+        for (int64_t j = 0; j < G; ++j) {  // qs_j = q_j ⊙ s (the key codes' order), zq_j = q_j · z
+          const float* qj = qk + j * D;
+          const float* qn = sp.q.data() + j * D;
+          float* o = sp.qs.data() + j * D;
+          auto z = V::zero();
+          for (int64_t i = 0; i < D; i += V::W) {
+            V::store(o + i, V::mul(V::load(qj + i), V::load(srow + i)));
+            if (ASYM) z = V::fma(V::load(qn + i), V::load(sp.zrow.data() + i), z);
+          }
+          sp.zq[j] = ASYM ? V::hsum(z) : 0.f;
+        }
+        const float* qs = sp.qs.data();
         fast_scores<BITS, ASYM, true>(a, b, h, u0, u1 - u0, qs, nullptr, sp.zq.data(), nullptr, nullptr,
                                       mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
         u0 = u1;
