@@ -448,7 +448,7 @@ def test_encdec_mapped_op_matches_float64(shape, dtype, splits):
     h, dk, dv, d = shape
     for bias in (True, False):
         q, enc, w_k, w_v, b_v, mask, lens = _enc_mapped_case(3, h, dk, dv, d, 333, dtype, seed=d + h, bias=bias)
-        out, lse = ek.encdec_decode_mapped(q, enc, w_k, w_v, b_v, mask, lens, 0.7, splits)
+        out, lse = ek.encdec_decode_mapped(q, enc, w_k, w_v, b_v, mask, lens, 0.7, splits=splits)
         qt = torch.einsum("bhk,hkc->bhc", q.double(), w_k.double())
         ref_u, ref_lse = _enc_oracle(qt, enc, mask, lens, 0.7)
         ref = torch.einsum("bhc,hkc->bhk", ref_u, w_v.double()) + (0 if b_v is None else b_v.double())
@@ -503,3 +503,37 @@ def test_attention_modules_use_the_mapped_ops(monkeypatch):
     two = encdec.shared_cross_attention(q.expand(b, h, 2, dk), enc, cw)[:, :, :1]  # T = 2: torch path
     assert_rel_close(one, two, torch.float32, "mapped encdec op vs torch path")
     assert calls == ["slim_decode_mapped", "encdec_decode_mapped"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_cache_decode_uses_the_mapped_op(dtype, monkeypatch):
+    """slim's X-cache decode step (Whisper's self-attention) through kvslim::encdec_decode_mapped (dk_last maps):
+    equal to the torch path and to float64, padding mask included; the op is really called."""
+    _enc_ops()
+    from kvslim.kernels import encdec_decode as ek
+
+    calls = []
+    real = ek.encdec_decode_mapped
+    monkeypatch.setattr(ek, "encdec_decode_mapped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(7)
+    b, h, dk, d, n = 3, 6, 16, 40, 37
+    score_map, value_map = torch.randn(h, d, dk, generator=g) / 4, torch.randn(h, d, dk, generator=g) / 4
+    w = SlimLayerWeights("x", h, dk, d, value_map=value_map, value_map_full=value_map.permute(1, 0, 2).reshape(d, -1),
+                         score_map=score_map)
+    q, cache = torch.randn(b, h, 1, dk, generator=g), torch.randn(b, n, d, generator=g).to(dtype)
+    mask = torch.zeros(b, 1, 1, n)
+    mask[1, ..., :5] = F32_MIN
+    for m in (None, mask):
+        fused = slim_attention(q, cache, w, m, 0.3)
+        torch_path = slim_attention(q, cache, replace(w, kernel="torch"), m, 0.3)
+        assert_rel_close(fused, torch_path, torch.float32, "X-cache op vs torch path")
+        s = (torch.einsum("bhk,hck->bhc", q[:, :, 0].double(), score_map.double()) @ cache.double().transpose(1, 2))
+        s = s * 0.3 + (0 if m is None else m[:, 0].double())
+        ref = torch.einsum("bhc,hck->bhk", torch.softmax(s, -1) @ cache.double(), value_map.double())
+        assert_rel_close(fused[:, :, 0], ref, torch.float32, "X-cache op vs float64")
+    assert len(calls) == 2
+    ok = torch.ops.kvslim.encdec_decode_mapped(q[:, :, 0], cache, score_map, value_map, None, None, None, 1.0, True)
+    with pytest.raises(ValueError, match="w_k must be"):  # (h, dk, d) is the other layout
+        torch.ops.kvslim.encdec_decode_mapped(q[:, :, 0], cache, score_map.transpose(1, 2).contiguous(), value_map,
+                                              None, None, None, 1.0, True)
+    assert ok[0].shape == (b, h, dk)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import encdec_decode as rows_kernel
 from ..kernels import slim_decode as kernel
 from ..ops.rope import rotate_heads
 
@@ -122,6 +123,10 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
             return out[:, :, None].to(q.dtype)
         u, _ = option2_partials(q, cache, mask, scaling, cs, sn, rotated)
         return _per_head_map(u[:, :, None], w.value_map).to(q.dtype)
+    if _fused_x(q, cache, w, mask):  # X-cache: absorbed query, one pass over X for all heads, value map: one op
+        out, _ = rows_kernel.encdec_decode_mapped(q[:, :, 0], cache, w.score_map, w.value_map, None,
+                                                  _mask_rows(mask, n), None, scaling, dk_last=True)
+        return out[:, :, None].to(q.dtype)
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":
         keys = cache[..., :e]  # (B, n, e) head-interleaved
@@ -160,6 +165,23 @@ def _fused_option2(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
                              or mask.shape[3] != cache.shape[1]):
         return False
     return kernel.available() and kernel.supported(q[:, :, 0], cache)
+
+
+def _fused_x(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None) -> bool:
+    """Whether an X-cache decode step goes through ``kvslim::encdec_decode_mapped`` (the X rows play E's part:
+    scores ``(q_i score_map_iᵀ) Xᵀ``, output ``(s_i X) value_map_i``): one query token, a mask shared by the heads,
+    fp32 maps, CPU, no autograd."""
+    if w.technique != "x" or w.kernel == "torch" or q.shape[2] != 1 or q.device.type != "cpu":
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
+                             or mask.shape[3] != cache.shape[1]):
+        return False
+    maps = (w.score_map, w.value_map)
+    if any(m is None or m.dtype != torch.float32 or m.device.type != "cpu" for m in maps):
+        return False
+    grad = torch.is_grad_enabled() and (q.requires_grad or cache.requires_grad or any(m.requires_grad for m in maps))
+    return (not grad and cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16)
+            and cache.shape[1] > 0 and rows_kernel.available())
 
 
 def option2_partials(q: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor | None, scaling: float,

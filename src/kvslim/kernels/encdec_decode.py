@@ -34,9 +34,9 @@ def _fake(qt, enc, mask, lengths, scaling, splits=0):
     return qt.new_empty(b, h, d), qt.new_empty(b, h)
 
 
-def _fake_mapped(q, enc, w_k, w_v, b_v, mask, lengths, scaling, splits=0):
+def _fake_mapped(q, enc, w_k, w_v, b_v, mask, lengths, scaling, dk_last=False, splits=0):
     b, h, _ = q.shape
-    return q.new_empty(b, h, w_v.shape[1]), q.new_empty(b, h)
+    return q.new_empty(b, h, w_v.shape[2 if dk_last else 1]), q.new_empty(b, h)
 
 
 def isa() -> str:
@@ -97,29 +97,33 @@ def encdec_decode(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None
 
 def reference_mapped(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
                      b_v: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                     lengths: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     lengths: torch.Tensor | None = None, scaling: float = 1.0, dk_last: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of the mapped op: absorbed queries ``qt_j = q_j · w_k[j]``, :func:`reference`, then
     ``out_j = u_j · w_v[j]ᵀ + b_v[j]``.
 
     Args:
-        q: (B, h, dk) queries. w_k: (h, dk, d), w_v: (h, dv, d) (HF ``k_proj``/``v_proj`` weights viewed per head).
+        q: (B, h, dk) queries. w_k: (h, dk, d), w_v: (h, dv, d) (HF ``k_proj``/``v_proj`` weights viewed per head);
+            with ``dk_last`` (h, d, dk) and (h, d, dv) instead (slim's X-cache ``score_map`` / ``value_map``).
         b_v: (h, dv) value bias or ``None``. Other arguments as in :func:`reference`.
 
     Returns:
         out (B, h, dv) and lse (B, h), fp32.
     """
-    qt = torch.einsum("bhk,hkc->bhc", q.float(), w_k.float())
+    w_k, w_v = (w.float().transpose(1, 2) if dk_last else w.float() for w in (w_k, w_v))
+    qt = torch.einsum("bhk,hkc->bhc", q.float(), w_k)
     u, lse = reference(qt, enc, mask, lengths, scaling)
-    out = torch.einsum("bhc,hkc->bhk", u, w_v.float())
+    out = torch.einsum("bhc,hkc->bhk", u, w_v)
     return (out if b_v is None else out + b_v.float()), lse
 
 
 def encdec_decode_mapped(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
                          b_v: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                         lengths: torch.Tensor | None = None, scaling: float = 1.0, splits: int = 0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         lengths: torch.Tensor | None = None, scaling: float = 1.0, dk_last: bool = False,
+                         splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-attention of one decoder layer in one op (absorbed query, one pass over E for all heads, ``W_V``,
-    ``b_V``): ``(out, lse)`` of :func:`reference_mapped` through the C++ op where it applies, else the twin."""
+    ``b_V``): ``(out, lse)`` of :func:`reference_mapped` through the C++ op where it applies, else the twin.
+    Also serves slim's X-cache self-attention (rows X, ``dk_last`` maps)."""
     maps = [z for z in (w_k, w_v, b_v) if z is not None]
     ok = (available() and q.dim() == 3 and supported(q.new_empty(q.shape[0], q.shape[1], enc.shape[-1]), enc, mask)
           and all(z.dtype == torch.float32 and z.device.type == "cpu" for z in maps)
@@ -127,5 +131,5 @@ def encdec_decode_mapped(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, 
     if ok:
         return torch.ops.kvslim.encdec_decode_mapped(q.float(), enc, w_k, w_v, b_v,
                                                      None if mask is None else mask.float(), lengths,
-                                                     float(scaling), int(splits))
-    return reference_mapped(q, enc, w_k, w_v, b_v, mask, lengths, scaling)
+                                                     float(scaling), bool(dk_last), int(splits))
+    return reference_mapped(q, enc, w_k, w_v, b_v, mask, lengths, scaling, dk_last)

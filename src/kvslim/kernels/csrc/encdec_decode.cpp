@@ -40,26 +40,35 @@ std::tuple<at::Tensor, at::Tensor> encdec_decode_cpu(const at::Tensor& qt, const
 // the same pass with the per-head maps inside the op (one parallel region per layer and step):
 //   qt[b, j] = q[b, j] · w_k[j]       q (B, h, dk), w_k (h, dk, d)  (HF k_proj.weight viewed per head)
 //   out[b, j] = u[b, j] · w_v[j]ᵀ + b_v[j]   w_v (h, dv, d), b_v (h, dv) or none            -> out (B, h, dv)
+// dk_last: the maps come as (h, d, dk) / (h, d, dv) instead (slim's X-cache score_map / value_map), i.e.
+//   qt[b, j] = w_k[j] · q[b, j] and out[b, j] = u[b, j] · w_v[j] + b_v[j].
 std::tuple<at::Tensor, at::Tensor> encdec_decode_mapped_cpu(const at::Tensor& q, const at::Tensor& enc,
                                                             const at::Tensor& w_k, const at::Tensor& w_v,
                                                             const c10::optional<at::Tensor>& b_v,
                                                             const c10::optional<at::Tensor>& mask,
                                                             const c10::optional<at::Tensor>& lengths,
-                                                            double scaling, int64_t splits) {
+                                                            double scaling, bool dk_last, int64_t splits) {
   const char* op = "kvslim::encdec_decode_mapped";
   kvslim_rows::Args a;
   at::Tensor e = kvslim_rows::set_rows(a, enc, op, "enc");
   TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == a.B && q.size(1) >= 1 && q.size(2) >= 1, op,
                     ": q must be (B=", a.B, ", h, dk), got ", q.sizes());
-  TORCH_CHECK_VALUE(w_v.dim() == 3 && w_v.size(1) >= 1, op, ": w_v must be (h, dv, d), got ", w_v.sizes());
+  TORCH_CHECK_VALUE(w_v.dim() == 3 && w_v.size(dk_last ? 2 : 1) >= 1, op, ": w_v must be ",
+                    dk_last ? "(h, d, dv)" : "(h, dv, d)", ", got ", w_v.sizes());
   a.h = q.size(1);
   a.qdk = q.size(2);
-  a.odk = w_v.size(1);
+  a.odk = w_v.size(dk_last ? 2 : 1);
   at::Tensor qk, wk, wv, bv, mk, lk;
   a.qraw = kvslim_rows::f32_exact(q, {a.B, a.h, a.qdk}, qk, op, "q");
-  a.absorb = kvslim_rows::f32_exact(w_k, {a.h, a.qdk, a.c}, wk, op, "w_k");
-  a.vmap = kvslim_rows::f32_exact(w_v, {a.h, a.odk, a.c}, wv, op, "w_v");
-  a.vmap_rows_out = true;
+  if (dk_last) {
+    a.absorb = kvslim_rows::f32_exact(w_k, {a.h, a.c, a.qdk}, wk, op, "w_k");
+    a.vmap = kvslim_rows::f32_exact(w_v, {a.h, a.c, a.odk}, wv, op, "w_v");
+  } else {
+    a.absorb = kvslim_rows::f32_exact(w_k, {a.h, a.qdk, a.c}, wk, op, "w_k");
+    a.vmap = kvslim_rows::f32_exact(w_v, {a.h, a.odk, a.c}, wv, op, "w_v");
+  }
+  a.absorb_dk_last = dk_last;
+  a.vmap_rows_out = !dk_last;
   if (b_v.has_value()) a.vbias = kvslim_rows::f32_exact(*b_v, {a.h, a.odk}, bv, op, "b_v");
   a.L = a.c;
   a.koff = 0;
@@ -77,7 +86,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("encdec_decode(Tensor qt, Tensor enc, Tensor? mask, Tensor? lengths, float scaling, int splits=0) "
         "-> (Tensor, Tensor)");
   m.def("encdec_decode_mapped(Tensor q, Tensor enc, Tensor w_k, Tensor w_v, Tensor? b_v, Tensor? mask, "
-        "Tensor? lengths, float scaling, int splits=0) -> (Tensor, Tensor)");
+        "Tensor? lengths, float scaling, bool dk_last=False, int splits=0) -> (Tensor, Tensor)");
   m.def("encdec_decode_isa() -> str", &encdec_decode_isa);
 }
 

@@ -43,6 +43,7 @@ struct Args {
   float scaling = 1.f;
   // optional per-head maps folded into the op (fp32, contiguous, checked by the op):
   const float* absorb = nullptr;  // (h, qdk, L): the pass uses q[b, j] = Σ_i qraw[b, j, i] · absorb[j, i, :]
+  bool absorb_dk_last = false;    // absorb is (h, L, qdk) instead
   const float* qraw = nullptr;    // (B, h, qdk) raw queries (with `absorb`)
   int64_t qdk = 0;
   const float* vmap = nullptr;  // out[b, j] = u[b, j] · vmap[j] + vbias[j]: vmap (h, c, odk), or (h, odk, c) with
@@ -95,7 +96,7 @@ using V = kvslim_vec::VecAVX512;
 namespace kvslim_rows {
 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
-using AbsorbFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+using AbsorbFn = void (*)(const float*, const float*, bool, int64_t, int64_t, int64_t, float*);
 using MapFn = void (*)(const float*, const float*, bool, int64_t, int64_t, const float*, float*);
 
 // the instruction set: KVSLIM_ISA=scalar|avx2|avx512 caps it (tests), else the best the CPU has
@@ -162,7 +163,7 @@ inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nu
     a.q = qbuf.data();
     a.qbs = hL;
     if (S > 1)
-      for (int64_t b = 0; b < a.B; ++b) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.h, a.qdk, a.L, qbuf.data() + b * hL);
+      for (int64_t b = 0; b < a.B; ++b) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.absorb_dk_last, a.h, a.qdk, a.L, qbuf.data() + b * hL);
   }
   if (a.vmap && u == nullptr) {
     ubuf.resize(a.B * hc);
@@ -179,7 +180,7 @@ inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nu
     Scratch sp(a, T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S;
-      if (a.absorb && S == 1) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.h, a.qdk, a.L, qbuf.data() + b * hL);
+      if (a.absorb && S == 1) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.absorb_dk_last, a.h, a.qdk, a.L, qbuf.data() + b * hL);
       float* acc = S > 1 ? part_acc.data() + task * hc : u + b * hc;
       float *m = part_m.data() + task * a.h, *l = part_l.data() + task * a.h;
       f.task(a, b, s, S, acc, m, l, sp);

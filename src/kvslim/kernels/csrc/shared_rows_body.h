@@ -344,10 +344,25 @@ inline void run_task(const Args& a, int64_t b, int64_t s, int64_t S, float* acc,
 
 // the per-head maps folded into the op (small: h·qdk·L or h·c·odk FMAs per sequence, against the pass over n rows)
 
-// absorbed queries of one sequence: out[j] (L) = Σ_i q[j][i] · M[j][i][:], M (h, qdk, L) contiguous
-inline void absorb_seq(const float* q, const float* M, int64_t h, int64_t qdk, int64_t L, float* out) {
+// absorbed queries of one sequence: out[j] (L) = Σ_i q[j][i] · M[j][i][:], M (h, qdk, L) contiguous, or
+// out[j][x] = q[j] · M[j][x][:] with M (h, L, qdk) (`dk_last`)
+inline void absorb_seq(const float* q, const float* M, bool dk_last, int64_t h, int64_t qdk, int64_t L,
+                       float* out) {
   for (int64_t j = 0; j < h; ++j) {
     float* o = out + j * L;
+    if (dk_last) {
+      const float* qj = q + j * qdk;
+      for (int64_t x = 0; x < L; ++x) {
+        const float* m = M + (j * L + x) * qdk;
+        auto acc = V::zero();
+        int64_t i = 0;
+        for (; i + V::W <= qdk; i += V::W) acc = V::fma(V::load(qj + i), V::load(m + i), acc);
+        float sum = V::hsum(acc);
+        for (; i < qdk; ++i) sum += qj[i] * m[i];
+        o[x] = sum;
+      }
+      continue;
+    }
     std::fill(o, o + L, 0.f);
     for (int64_t i = 0; i < qdk; ++i) {
       const auto qb = V::set1(q[j * qdk + i]);
