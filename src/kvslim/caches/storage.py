@@ -302,6 +302,13 @@ class QuantizedStore(TensorStore):
     def write(self, start: int, x: torch.Tensor) -> None:
         """Quantize ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan (see
         :func:`check_finite`), nothing written."""
+        from ..kernels import quant_write as qw
+
+        sp = self.spec  # decode steps of plain SPEC §1 stores: one C++ call, bit-identical (kernels/quant_write.py)
+        if (self._spec1 and not sp.channel_group and (self.channel is not None or not sp.smooth)
+                and qw.applies(x, self.data)):
+            if qw.quant_write(x, self.channel, sp.bits, sp.group_size, start, self.data, self.scale):
+                return
         check_finite(x)
         channel = self._channel_for(x)
         codes, scale, zero = self._encode(x, channel)
