@@ -70,17 +70,20 @@ def filled_cache(model, name: str, batch: int, context: int, room: int):
 
 
 @torch.inference_mode()
-def decode(model, cache, batch: int, steps: int) -> list[float]:
-    """Seconds per decode step; positions continue from the cache length."""
+def decode(model, cache, batch: int, steps: int, cpu: list | None = None) -> list[float]:
+    """Seconds per decode step; positions continue from the cache length. ``cpu`` receives the per-step process
+    CPU seconds (all threads)."""
     tok = torch.zeros(batch, 1, dtype=torch.long)
     times = []
     for _ in range(steps):
         n = cache.get_seq_length()
         pos = torch.full((batch, 1), n)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True, cache_position=torch.tensor([n]))
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
     return times
 
 
@@ -106,10 +109,13 @@ def run_point(models: dict, batch: int, context: int, steps: int, trials: int, b
     for name in CONFIGS:  # warm-up (first use of the op: built earlier, loaded here; never timed)
         decode(models[name], caches[name], batch, 1)
     per = {name: [] for name in CONFIGS}
+    cpu = {name: [] for name in CONFIGS}
     for t in range(trials):
         order = CONFIGS[t % len(CONFIGS):] + CONFIGS[:t % len(CONFIGS)]
         for name in order:
-            per[name].append(statistics.median(decode(models[name], caches[name], batch, steps)))
+            steps_cpu = []
+            per[name].append(statistics.median(decode(models[name], caches[name], batch, steps, steps_cpu)))
+            cpu[name].append(statistics.median(steps_cpu))
     prof = {name: profile_step(models[name], caches[name], batch) for name in CONFIGS}
     out = {"context": context, "batch": batch, "configs": {}}
     for name in CONFIGS:
@@ -121,10 +127,12 @@ def run_point(models: dict, batch: int, context: int, steps: int, trials: int, b
             "step_s": step, "step_s_trials": per[name], "tokens_per_s": batch / step, "cache_bytes": cache_bytes,
             "bytes_per_step": moved, "gbps": moved / step / 1e9, "roofline_fraction": moved / step / 1e9 / bw,
             "speed_vs_dense": statistics.median(ratios), "speed_vs_dense_trials": ratios,
+            "cpu_s_per_step": statistics.median(cpu[name]),
+            "cpu_speed_vs_dense": statistics.median(d / s for d, s in zip(cpu["dense"], cpu[name])),
             "profile_ms_one_step": prof[name]}
         r = out["configs"][name]
         print(f"{context:6d} x {batch:2d}  {name:19s} {r['tokens_per_s']:8.2f} tok/s  step {1e3 * step:7.1f} ms  "
-              f"x dense {r['speed_vs_dense']:.2f}  cache {cache_bytes / 2**30:.2f} GiB  "
+              f"x dense {r['speed_vs_dense']:.2f} (cpu {r['cpu_speed_vs_dense']:.2f})  cache {cache_bytes / 2**30:.2f} GiB  "
               f"{100 * r['roofline_fraction']:.0f}% roofline", flush=True)
     del caches
     gc.collect()

@@ -51,17 +51,24 @@ def build(vocab: int) -> WhisperForConditionalGeneration:
 
 
 @torch.no_grad()
-def decode(model, enc: torch.Tensor, steps: int, cache) -> tuple[list[float], torch.Tensor, object]:
-    """Greedy decode ``steps`` tokens after a 4-token prompt (untimed); per-step seconds, tokens, final cache."""
+def decode(model, enc: torch.Tensor, steps: int, cache, cpu: list | None = None
+           ) -> tuple[list[float], torch.Tensor, object]:
+    """Greedy decode ``steps`` tokens after a 4-token prompt (untimed); per-step seconds, tokens, final cache.
+
+    Only the decoder steps over the 1500 encoder frames are timed (no ``generate``: no logits processors such as
+    Whisper's SuppressTokens, whose ``torch.isin`` would weigh the same on both sides). ``cpu`` receives the
+    per-step process CPU seconds (all threads)."""
     b = enc.shape[0]
     ids = torch.tensor([[1, 5, 6, 7]]).expand(b, 4)
     o = model(encoder_outputs=(enc,), decoder_input_ids=ids, past_key_values=cache, use_cache=True)
     cache, tok, times, toks = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True), [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         o = model(encoder_outputs=(enc,), decoder_input_ids=tok, past_key_values=cache, use_cache=True)
         tok = o.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         cache = o.past_key_values
         toks.append(tok)
     return times, torch.cat(toks, 1), cache
@@ -95,12 +102,15 @@ def run(batches: list[int], steps: int, trials: int, vocab: int, threads: int) -
         for name in CONFIGS:  # warm-up (and the op's first-use build, outside every timing)
             decode(models[name], enc, 2, make(name))
         per = {name: [] for name in CONFIGS}
+        cpu = {name: [] for name in CONFIGS}
         ratios, toks, caches = [], {}, {}
         for t in range(trials):
             order = CONFIGS if t % 2 == 0 else CONFIGS[::-1]
             for name in order:
-                times, toks[name], caches[name] = decode(models[name], enc, steps, make(name))
+                steps_cpu = []
+                times, toks[name], caches[name] = decode(models[name], enc, steps, make(name), steps_cpu)
                 per[name].append(statistics.median(times))
+                cpu[name].append(statistics.median(steps_cpu))
             ratios.append(per["hf"][-1] / per["kvslim"][-1])
         res = {}
         for name in CONFIGS:
@@ -108,19 +118,23 @@ def run(batches: list[int], steps: int, trials: int, vocab: int, threads: int) -
             cache_bytes = hf_cache_nbytes(caches[name])
             moved = wbytes + read_bytes(name, caches[name], enc, layers)
             res[name] = {"step_s": step, "step_s_trials": per[name], "tokens_per_s": b / step,
+                         "cpu_s_per_step": statistics.median(cpu[name]), "cpu_s_per_step_trials": cpu[name],
                          "cache_bytes": cache_bytes, "cache_bytes_per_sequence": cache_bytes // b,
                          "bytes_per_step": moved, "gbps": moved / step / 1e9,
                          "roofline_fraction": moved / step / 1e9 / bw["roofline_gbps"]}
             print(f"batch {b:3d} {name:7s} {b / step:9.1f} tok/s  step {step * 1e3:8.1f} ms  "
+                  f"cpu {res[name]['cpu_s_per_step'] * 1e3:8.1f} ms  "
                   f"cache {cache_bytes / 2**20:9.1f} MiB  {100 * res[name]['roofline_fraction']:5.1f}% roofline",
                   flush=True)
         same = torch.equal(toks["hf"], toks["kvslim"])
         ctx = 4 + steps
         rows.append({"batch": b, "context_tokens": ctx, "encoder_frames": 1500, "tokens_identical": same,
                      "speedup": statistics.median(ratios), "speedup_trials": ratios,
+                     "cpu_speedup": statistics.median(h / k for h, k in zip(cpu["hf"], cpu["kvslim"])),
                      "memory_ratio": res["hf"]["cache_bytes"] / res["kvslim"]["cache_bytes"],
                      "plan_bytes": plan.cache_bytes(ctx, b), "plan_dense_bytes": plan.dense_bytes(ctx, b), **res})
         print(f"batch {b:3d} kvslim / HF speed (median of {trials} interleaved trials): {rows[-1]['speedup']:.2f}x  "
+              f"(CPU time {rows[-1]['cpu_speedup']:.2f}x)  "
               f"tokens identical: {same}", flush=True)
     full = kvslim.plan_config(models["hf"].config, "slim", dtype="float32")
     return {"benchmark": "bench_whisper", "model": "whisper-tiny shapes (d 384, h 6, 4 decoder layers), vocab "

@@ -180,6 +180,13 @@ inline void tile_heads(int nh, float* acc, int64_t c, const float* p, int64_t ps
   }
 }
 
+// acc (h, c) += p · rows with NH-head × NV-vector tiles, h a multiple of NH (each row slice read from L1 once per
+// head group), then NH × 1-vector tiles and scalar columns; the next chunk is prefetched per column block
+struct Prefetch;
+template <int NH, int NV>
+inline void accumulate_groups(float* acc, int64_t h, int64_t c, const float* p, int64_t ps, const float* rows,
+                              int64_t rs, int64_t m, const Prefetch& pf);
+
 // rows the next chunk will read, fetched into cache while this chunk computes (the accumulation reads only
 // L2-resident rows, so without this the memory sits idle during most of the arithmetic): `rows` rows of `bytes`
 // bytes each, `stride` bytes apart; prefetch() issues the lines of rows [r0, r1)
@@ -194,10 +201,34 @@ struct Prefetch {
   }
 };
 
+template <int NH, int NV>
+inline void accumulate_groups(float* acc, int64_t h, int64_t c, const float* p, int64_t ps, const float* rows,
+                              int64_t rs, int64_t m, const Prefetch& pf) {
+  const int64_t blocks = std::max<int64_t>(1, c / (NV * V::W));
+  const int64_t per_block = (pf.rows + blocks - 1) / blocks;
+  int64_t col = 0, blk = 0;
+  for (; col + NV * V::W <= c; col += NV * V::W, ++blk) {
+    pf.issue(blk * per_block, (blk + 1) * per_block);
+    for (int64_t j = 0; j < h; j += NH) tile<NH, NV>(acc + j * c + col, c, p + j * ps, ps, rows + col, rs, m);
+  }
+  if (blk == 0) pf.issue(0, pf.rows);
+  for (; col + V::W <= c; col += V::W)
+    for (int64_t j = 0; j < h; j += NH) tile<NH, 1>(acc + j * c + col, c, p + j * ps, ps, rows + col, rs, m);
+  for (; col < c; ++col)
+    for (int64_t j = 0; j < h; ++j) {
+      float s = acc[j * c + col];
+      for (int64_t t = 0; t < m; ++t) s += p[j * ps + t] * rows[t * rs + col];
+      acc[j * c + col] = s;
+    }
+}
+
 // acc (h, c) += p (h, m; row stride ps) · rows (m, c; row stride rs); the next chunk's rows are prefetched
 // a few rows per column block
 inline void accumulate(float* acc, int64_t h, int64_t c, const float* p, int64_t ps, const float* rows, int64_t rs,
                        int64_t m, const Prefetch& pf) {
+  // h = 6, 18, ...: one 6-head × 2-vector tile (12 accumulator chains) instead of 4 + 2 heads (the 2-head tile has
+  // only 6 chains, too few to hide the FMA latency)
+  if (V::W > 1 && h % 4 != 0 && h % 6 == 0) return accumulate_groups<6, 2>(acc, h, c, p, ps, rows, rs, m, pf);
   constexpr int NV = V::W == 1 ? 4 : (V::W == 16 ? 4 : 3);  // columns per tile: NV vectors (4 heads × NV regs)
   const int64_t blocks = std::max<int64_t>(1, c / (NV * V::W));
   const int64_t per_block = (pf.rows + blocks - 1) / blocks;
