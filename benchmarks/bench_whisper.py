@@ -189,11 +189,12 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=OUT / "bench_whisper", help="JSON and PNG path (no suffix)")
     a = p.parse_args()
     result = run(a.batches, a.steps, a.trials, a.vocab, a.threads)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "bench_whisper.json").write_text(json.dumps(result, indent=2))
-    plot(result, OUT / "bench_whisper.png")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, a.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "bandwidth")}, indent=1))
 
 
