@@ -83,14 +83,21 @@ ABLATION = [
     _int2("asym g32 fp16 +kivi32(pre) +r128", key_channel_group=32, prerope=True),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
+OLD_INT2 = dict(key_bits=2, asymmetric=True, residual=128, key_channel_group=32, group_size=32, scale_dtype=F16)
 FINAL = [
     ("int8 g64 (default)", "int8", {}),
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
     ("int4 (default)", "int4", {}),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
+    ("int2 old: K2 kivi32 V2 g32 r128", "int2", OLD_INT2),
     ("int2 (default)", "int2", {}),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
+MODELS = {  # --model: (loader name in kvslim.models, label)
+    "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),
+    "gemma3": ("load_gemma3_270m", "Gemma-3-270M (GGUF Q4_K_M dequantized, fp32)"),
+    "qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
+}
 
 
 class PreRopeStore:
@@ -197,22 +204,33 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated substrings of row labels to keep")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. _short for a ranking run)")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--engine", choices=("calls", "one-pass"), default="calls",
+                   help="calls: feed every cache call by call (compare_caches); one-pass: the same protocol in one "
+                        "forward pass per kvslim row (kvslim.evaluate_parallel; quanto rows are skipped)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    from kvslim.models import load_smollm2
+    import kvslim.models
 
-    model, tok = load_smollm2(torch.float32)
+    loader, model_label = MODELS[args.model]
+    model, tok = getattr(kvslim.models, loader)(torch.float32)
     api.apply(model, "dense")  # the storage methods' attention (packed GQA SDPA); caches differ per row
     ids = text_ids(tok, args.tokens)
     rows = ABLATION if args.suite == "ablation" else FINAL
     if args.only:
         keys = args.only.split(",")  # a key ending in "$" must match a whole label
         rows = [r for r in rows if any(r[0] == k[:-1] if k.endswith("$") else k in r[0] for k in keys)]
+    if args.engine == "one-pass":
+        rows = [r for r in rows if r[1] != "quanto" and not r[2].get("prerope")]
     makers, facts = {}, {}
     for label, method, opts in rows:
         makers[label], facts[label] = cache_maker(model, method, opts, args.tokens + args.greedy + 8)
     t0 = time.time()
+    if args.engine == "one-pass":
+        out = one_pass_rows(model, ids, rows, facts, args)
+        finish(args, model, model_label, out, t0)
+        return
     built: dict[str, object] = {}
 
     def keep(label, make):  # remember the last cache built for each row, to measure its tensors afterwards
@@ -231,18 +249,74 @@ def main() -> None:
             rec["greedy"] = greedy_agreement(model, prompt, args.greedy, makers[label])
         out.append(rec)
         print(_row(rec), flush=True)
-    record = {"suite": args.suite, "mode": args.mode, "tokens": args.tokens, "steps": args.steps,
-              "command": "python " + " ".join(sys.argv),
-              "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)", "text": "botchan",
-              "ref_ppl": next(iter(results.values())).ref_ppl, "seconds": time.time() - t0,
-              "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(), "rows": out}
+    finish(args, model, model_label, out, t0)
+
+
+def one_pass_rows(model, ids, rows, facts, args) -> list[dict]:
+    """kvslim rows through the one-pass protocol (``kvslim.evaluate_parallel``), written as they land."""
+    from kvslim.evaluate_parallel import compare_specs, layer_specs_of
+
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out = []
+    for label, method, opts in rows:
+        specs = layer_specs_of(METHODS[method].plan_model(model, **opts))
+        q = compare_specs(model, ids, {label: specs}, mode=args.mode, steps=args.steps,
+                          min_tokens=4096 if args.tokens >= 4096 else None)[label]
+        n = q.tokens
+        coded_bytes = coded_elems = window = 0
+        for ks, vs in specs:
+            for sp in (ks, vs):
+                f = sp.flushed(n) if sp.bits else 0
+                coded_bytes += f * sp.bytes_per_value_row(d, torch.float32)
+                coded_elems += f * d
+                window += (n - f) * d * 4 if sp.residual else 0
+        heads = cfg.num_key_value_heads
+        rec = {**q.to_dict(), "bits_per_element": 8 * coded_bytes / max(1, coded_elems), "window_bytes": window * heads,
+               "engine": "one-pass", **facts[label]}
+        out.append(rec)
+        print(_row(rec), flush=True)
+        finish(args, model, None, out, None, partial=True)
+    return out
+
+
+def hf_dense_bytes_per_token(model, tokens: int) -> float:
+    """Bytes per token of HF's own ``DynamicCache`` for this model at ``tokens`` tokens (fp32 model): sliding
+    layers keep only their window."""
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    row = 2 * cfg.num_key_value_heads * d * 4
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    win = getattr(cfg, "sliding_window", None) or tokens
+    return sum(row * (min(tokens, win) if t == "sliding_attention" else tokens) for t in types) / tokens
+
+
+_STATE: dict = {}
+
+
+def finish(args, model, model_label, out, t0, partial: bool = False) -> None:
+    """Write the JSON and markdown (and the final suite's plot) of the rows so far."""
+    if "record" not in _STATE:
+        _STATE["record"] = {
+            "suite": args.suite, "mode": args.mode, "tokens": args.tokens, "steps": args.steps,
+            "engine": args.engine, "command": "python " + " ".join(sys.argv), "model": model_label or args.model,
+            "text": "botchan", "hf_dense_bytes_per_token": hf_dense_bytes_per_token(model, args.tokens),
+            "fp16_dense_bytes_per_token": hf_dense_bytes_per_token(model, args.tokens) / 2,
+            "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(), "t0": time.time()}
+    record = _STATE["record"]
+    if model_label:
+        record["model"] = model_label
+    record.update(rows=out, ref_ppl=out[0]["ref_ppl"], seconds=time.time() - record["t0"], partial=partial)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"bench_quality_{args.suite}_{args.mode}{args.tag}"
+    model_tag = "" if args.model == "smollm2" else f"_{args.model}"
+    engine_tag = "_onepass" if args.engine == "one-pass" else ""
+    stem = RESULTS / f"bench_quality_{args.suite}_{args.mode}{model_tag}{engine_tag}{args.tag}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     stem.with_suffix(".md").write_text(markdown(record))
-    if args.suite == "final":
+    if args.suite == "final" and not partial:
         plot(record, stem.with_suffix(".png"))
-    print(markdown(record))
+    if not partial:
+        print(markdown(record))
 
 
 def _row(r: dict) -> str:
@@ -252,17 +326,22 @@ def _row(r: dict) -> str:
 
 
 def markdown(rec: dict) -> str:
-    lines = [f"SmolLM2-135M fp32, Botchan, {rec['mode']} mode, {rec['tokens']} tokens"
+    hf = rec.get("hf_dense_bytes_per_token")
+    lines = [f"{rec.get('model', 'SmolLM2-135M')}, Botchan, {rec['mode']} mode, {rec['tokens']} tokens"
              + (f", {rec['steps']} single-token steps scored" if rec["mode"] == "token" else "")
-             + f"; dense perplexity {rec['ref_ppl']:.3f}", "",
+             + f"; dense perplexity {rec['ref_ppl']:.3f}; engine {rec.get('engine', 'calls')}"
+             + (" (partial: rows so far)" if rec.get("partial") else "")
+             + (f"; HF DynamicCache {hf:.0f} B/token (fp32; sliding layers keep their window)" if hf else ""), "",
              "| cache | bits/element (codes+scales) | Δ perplexity | mean KL | top-1 agreement | max abs Δlogit "
-             "| bytes/token (all layers) | full-precision window |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| bytes/token (all layers) | vs HF dense fp16 | full-precision window |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
         g = f" (greedy {100 * r['greedy']['agreement']:.0f} %)" if "greedy" in r else ""
         lines.append(f"| {r['label']} | {r['bits_per_element']:.2f} | {100 * r['delta_ppl']:+.2f} % | "
                      f"{r['kl']:.4f} | {100 * r['top1']:.1f} %{g} | {r['max_dlogit']:.2f} | "
-                     f"{r['bytes_per_token']:.0f} | {r['window_bytes'] / 1024:.0f} KiB |")
+                     f"{r['bytes_per_token']:.0f} | "
+                     + (f"{2 * r['bytes_per_token'] / hf:.2f}× | " if hf else "- | ")
+                     + f"{r['window_bytes'] / 1024:.0f} KiB |")
     return "\n".join(lines) + "\n"
 
 
@@ -284,7 +363,8 @@ def plot(rec: dict, path: Path) -> None:
     ax.axhline(10.0, ls=":", color="tab:orange")
     ax.set_xlabel("bits per element (codes + scales/zero-points; residual window apart)")
     ax.set_ylabel("Δ perplexity vs dense (%)")
-    ax.set_title(f"SmolLM2-135M, Botchan, {rec['mode']} mode ({rec['tokens']} tokens)")
+    ax.set_title(f"{rec.get('model', 'SmolLM2-135M').split(' (')[0]}, Botchan, {rec['mode']} mode "
+                 f"({rec['tokens']} tokens)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -31,17 +31,17 @@ def _rows(*shape, seed=0, outlier=True):
     return x
 
 
-def _asym_ref64(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Float64 oracle of the asymmetric format with fp32 parameters: q·scale + zero per group."""
+def _asym_ref64(x: torch.Tensor, bits: int, group: int, params: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float64 oracle of the asymmetric format with ``params``-dtype parameters: q·scale + zero per group."""
     gx = x.double().unflatten(-1, (-1, group))
     lo, hi = gx.amin(-1, keepdim=True), gx.amax(-1, keepdim=True)
-    scale = ((hi - lo) / (2 ** bits - 1)).float().double()
-    zero = lo.float().double()
+    scale = ((hi - lo) / (2 ** bits - 1)).to(params).double()
+    zero = lo.to(params).double()
     q = torch.round((gx - zero) / scale).clamp(0, 2 ** bits - 1)
     return (q * scale + zero).flatten(-2)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group", [8, 32])
 def test_asymmetric_matches_float64_reference_and_half_step_bound(bits, group):
     x = _rows(5, 64)
@@ -74,7 +74,7 @@ def test_symmetric_2bit_and_spec_formats_agree():
     assert torch.equal(q.view(4, 4, 16).double(), ref)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_pack_unpack_roundtrip_and_layout(bits):
     g = torch.Generator().manual_seed(1)
     q = torch.randint(0, 2 ** bits, (3, 32), generator=g, dtype=torch.uint8)
@@ -83,6 +83,10 @@ def test_pack_unpack_roundtrip_and_layout(bits):
     assert torch.equal(unpack_codes(packed, bits, signed=False), q)
     if bits < 8:  # element j of a byte sits in bits [j·b, (j+1)·b): low bits first
         assert int(packed[0, 0]) & ((1 << bits) - 1) == int(q[0, 0])
+    if bits == 3:  # 8 codes in 3 bytes: code 8i + j in bits [3j, 3j + 3) of the little-endian 24-bit word
+        for i in range(4):
+            word = sum(int(packed[1, 3 * i + k]) << (8 * k) for k in range(3))
+            assert [(word >> (3 * j)) & 7 for j in range(8)] == q[1, 8 * i:8 * i + 8].tolist()
     signed = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (3, 32), generator=g, dtype=torch.int8)
     assert torch.equal(unpack_codes(pack_codes(signed, bits), bits, signed=True), signed)
 
@@ -128,16 +132,17 @@ def test_rotation_spreads_an_outlier_channel():
     assert errs["hadamard"] < 0.5 * errs[None]
 
 
-def test_channel_grouped_keys_match_float64_reference():
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_channel_grouped_keys_match_float64_reference(bits):
     g = 16
     x = _rows(2, 3, 64, 32)
-    spec = StoreSpec(4, 32, asymmetric=True, channel_group=g, residual=g, flush=g)
+    spec = StoreSpec(bits, 32, asymmetric=True, channel_group=g, residual=g, flush=g)
     store = ChannelQuantizedStore(spec, 2, 3, 64, 32, torch.float32, torch.device("cpu"))
     store.write(0, x)
     got = store.read(0, 64).double()
     # oracle: per (token group, channel) min/max over the group's tokens
     xt = x.double().unflatten(2, (-1, g)).transpose(-1, -2)  # (B, H, T/G, D, G)
-    ref = _asym_ref64(xt, 4, g).transpose(-1, -2).flatten(2, 3)
+    ref = _asym_ref64(xt, bits, g).transpose(-1, -2).flatten(2, 3)
     step = store.group_params(store.scale).double().repeat_interleave(g, 2)  # (B, H, T, D)
     assert bool(((got - ref).abs() <= step * 1.001).all())
     assert (got - ref).abs().gt(1e-3 * step + 1e-6).float().mean() < 0.01  # beyond fp32 rounding: ties only
@@ -215,6 +220,85 @@ def test_bad_options_are_refused_by_name_and_change_nothing(opts, name):
         kvslim.apply(model, "int4", **opts)
     assert kvslim.get_plan(model) is plan and model.config._attn_implementation == attn
     kvslim.restore(model)
+
+
+def test_value_bits_keep_keys_and_values_at_their_own_bits():
+    """A layer spec with bits=3, value_bits=2: 3-bit KIVI keys and 2-bit per-token values, each equal to its
+    float64 oracle on the flushed tokens, the window exact, bytes as the specs say."""
+    from kvslim.caches.dense import AppendLayer
+
+    spec = StoreSpec(3, 16, torch.float16, asymmetric=True, channel_group=32, residual=64, flush=32, value_bits=2)
+    assert spec.for_values() == StoreSpec(2, 16, torch.float16, asymmetric=True, residual=64, flush=32)
+    k, v = _rows(1, 2, 200, 32, seed=5), _rows(1, 2, 200, 32, seed=6, outlier=False)
+    layer = AppendLayer(spec, chunk=64)
+    layer.update(k[:, :, :199], v[:, :, :199])
+    got_k, got_v = layer.update(k[:, :, 199:], v[:, :, 199:])
+    f = spec.flushed(200)
+    assert layer.k_store.inner.spec.bits == 3 and layer.v_store.inner.spec.bits == 2 and f == 160
+    kt = k[:, :, :f].double().unflatten(2, (-1, 32)).transpose(-1, -2)  # (B, H, T/G, D, G)
+    ref_k = _asym_ref64(kt, 3, 32, torch.float16).transpose(-1, -2).flatten(2, 3)
+    ref_v = _asym_ref64(v[:, :, :f], 2, 16, torch.float16)
+    for got, ref, store in ((got_k, ref_k, layer.k_store.inner), (got_v, ref_v, layer.v_store.inner)):
+        err = (got[:, :, :f].double() - ref).abs()
+        step = store.scale[:, :, :f].double().max()
+        assert err.max() <= 1.001 * step  # a code may differ at exact rounding ties (fp32 vs fp64 division)
+        assert err.gt(1e-3 * step).float().mean() < 0.01
+    assert torch.equal(got_k[:, :, f:], k[:, :, f:]) and torch.equal(got_v[:, :, f:], v[:, :, f:])
+    d = 32
+    assert layer.nbytes == 2 * (f * (spec.bytes_per_value_row(d, torch.float32)
+                                     + spec.for_values().bytes_per_value_row(d, torch.float32))
+                                + 2 * (200 - f) * d * 4)
+    with pytest.raises(ValueError, match="value_bits"):
+        StoreSpec(3, 16, value_bits=5)
+    with pytest.raises(ValueError, match="bits=3 packs 8"):
+        StoreSpec(3, 4).check_dim(36)
+
+
+def test_int2_default_is_three_bit_kivi_keys_and_two_bit_values():
+    """``apply(model, "int2")``: 3-bit keys per channel over 64-token groups, 2-bit Hadamard-rotated values per
+    token in groups of 64, fp16 scale + zero-point, 128-token window: 3.00 bits/element (docs/quantization.md);
+    key_bits=2 gives pure 2-bit keys; bad key_bits / value_rotation refused by name."""
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
+    plan = kvslim.plan_config(cfg, "int2", dtype="float32")
+    lp = plan.layers[0]
+    layer = lp.factory(None)
+    assert layer.spec == StoreSpec(3, 64, torch.float16, asymmetric=True, channel_group=64, residual=128, flush=64,
+                                   value_bits=2, value_rotation="hadamard")
+    assert layer.value_spec() == StoreSpec(2, 64, torch.float16, asymmetric=True, residual=128, flush=64,
+                                           rotation="hadamard")
+    assert 8 * lp.bytes_per_token / (2 * 3 * 64) == 3.0
+    assert ("K int3 asym g64 fp16 kivi-k64 r128/64, V int2 asym g64 fp16 hadamard r128/64: 3.00 bits/element"
+            in lp.note)
+    pure = kvslim.plan_config(cfg, "int2", dtype="float32", key_bits=2, key_channel_group=32, group_size=32)
+    assert pure.layers[0].factory(None).spec.bits == 2 and "value_bits" not in pure.layers[0].note
+    for bad in (5, True, "3"):
+        with pytest.raises(ValueError, match="key_bits"):
+            kvslim.plan_config(cfg, "int2", dtype="float32", key_bits=bad)
+    with pytest.raises(ValueError, match="key_bits"):
+        kvslim.plan_config(cfg, "dense", dtype="float32", key_bits=3)
+    with pytest.raises(ValueError, match="value_rotation"):
+        kvslim.plan_config(cfg, "int2", dtype="float32", value_rotation="givens")
+    with pytest.raises(ValueError, match="value_rotation='hadamard'"):
+        kvslim.plan_config(LlamaConfig(hidden_size=576, num_attention_heads=6, num_key_value_heads=3,
+                                       num_hidden_layers=1), "int2", dtype="float32")  # head dim 96
+
+
+def test_value_rotation_rotates_values_only_and_reads_back_in_the_original_basis():
+    spec = StoreSpec(4, 32, torch.float16, asymmetric=True, value_rotation="hadamard")
+    assert spec.rotation is None and spec.for_values().rotation == "hadamard"
+    assert StoreSpec(4, 32, rotation="hadamard", value_rotation="none").for_values().rotation is None
+    x = _rows(1, 2, 40, 64, seed=7)
+    plain, rotated = make_store(StoreSpec(4, 32, torch.float16, asymmetric=True), x, 64), \
+        make_store(spec.for_values(), x, 64)
+    for store in (plain, rotated):
+        store.write(0, x)
+    err_plain = (plain.read(0, 40) - x).abs().max()
+    err_rot = (rotated.read(0, 40) - x).abs().max()
+    ref = _asym_ref64(x.double() @ hadamard(64, torch.float64), 4, 32, torch.float16) @ hadamard(64, torch.float64)
+    assert (rotated.read(0, 40).double() - ref).abs().max() < 0.2 * err_rot + 1e-4  # oracle in the rotated basis
+    assert err_rot < err_plain  # the outlier channel is spread (the reason values are rotated)
+    with pytest.raises(ValueError, match="value_rotation"):
+        StoreSpec(0, value_rotation="hadamard")
 
 
 def test_int2_default_is_at_most_three_bits_per_element():

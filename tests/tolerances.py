@@ -47,3 +47,7 @@ def assert_error_ratio(optimized: torch.Tensor, baseline: torch.Tensor, referenc
 #: tests/test_compat_matrix.py (fp32; int4 with its window scaled to them): max |Δlogit| against the same HF
 #: model with its ordinary cache on the same tokens (measured: int8 ≤ 1.3e-3, int4 ≤ 2.4e-2; docs/compat.md)
 LOSSY_LOGIT_ATOL = {"int8": 1e-2, "int4": 1e-1}
+#: the one-pass protocol (kvslim.evaluate_parallel) against the call-by-call one on a float64 model: same codes,
+#: only summation order and HF's float32 RoPE tables differ (relative, on perplexity / KL; absolute on Δlogit)
+PROTOCOL_ONE_PASS_RTOL = 1e-4
+PROTOCOL_ONE_PASS_ATOL = 1e-4

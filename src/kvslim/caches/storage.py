@@ -29,6 +29,11 @@ class StoreSpec:
       per token over ``group_size`` channels; needs a ``residual`` of at least one group.
     * ``residual``: the most recent tokens (at most ``residual`` ≤ 128) stay in full precision; they are
       flushed into codes ``flush`` tokens at a time, once ``residual`` would be exceeded, and never re-quantized.
+    * ``value_bits``: bits of the value store beside keys kept with this spec (``None``: ``bits``); the value
+      store's own spec is :meth:`for_values`. A key spec with ``bits=3, value_bits=2`` keeps 3-bit keys and
+      2-bit values (the ``int2`` default: 3.0 bits per element over K and V).
+    * ``value_rotation``: the value store's rotation (``None``: ``rotation``; ``"none"``: no rotation, e.g. rotated
+      keys with plain values). The ``int2`` default rotates values only.
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -45,16 +50,24 @@ class StoreSpec:
     channel_group: int = 0
     residual: int = 0
     flush: int = 1
+    value_bits: int | None = None
+    value_rotation: str | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (0, 2, 4, 8):
-            raise ValueError(f"bits must be 0, 2, 4 or 8, got {self.bits!r}")
+        if self.bits not in (0, 2, 3, 4, 8):
+            raise ValueError(f"bits must be 0, 2, 3, 4 or 8, got {self.bits!r}")
+        if self.value_bits is not None and (self.value_bits not in (2, 3, 4, 8) or not self.bits):
+            raise ValueError(f"value_bits must be None (= bits) or 2, 3, 4 or 8 with bits > 0, got "
+                             f"{self.value_bits!r}")
         if self.scale_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"scale_dtype must be float32, float16 or bfloat16, got {self.scale_dtype}")
         if not isinstance(self.asymmetric, bool):
             raise ValueError(f"asymmetric must be True or False, got {self.asymmetric!r}")
         if self.rotation not in (None, "hadamard"):
             raise ValueError(f"rotation must be None or 'hadamard', got {self.rotation!r}")
+        if self.value_rotation not in (None, "none", "hadamard"):
+            raise ValueError(f"value_rotation must be None (= rotation), 'none' or 'hadamard', got "
+                             f"{self.value_rotation!r}")
         for name in ("channel_group", "residual", "flush"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "flush" else 0):
@@ -70,12 +83,15 @@ class StoreSpec:
                 raise ValueError(f"flush={self.flush} must be a multiple of channel_group={self.channel_group}")
         if self.residual and self.flush > self.residual:
             raise ValueError(f"flush={self.flush} must not exceed residual={self.residual}")
-        if self.bits == 0 and (self.asymmetric or self.rotation or self.channel_group or self.residual):
-            raise ValueError("asymmetric, rotation, channel_group and residual need bits > 0")
+        if self.bits == 0 and (self.asymmetric or self.rotation or self.channel_group or self.residual
+                               or self.value_rotation):
+            raise ValueError("asymmetric, rotation, value_rotation, channel_group and residual need bits > 0")
 
     def for_values(self) -> StoreSpec:
         """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups."""
-        return replace(self, smooth=False, channel_group=0)
+        rotation = self.rotation if self.value_rotation is None else self.value_rotation
+        return replace(self, bits=self.value_bits or self.bits, value_bits=None, smooth=False, channel_group=0,
+                       rotation=None if rotation == "none" else rotation, value_rotation=None)
 
     def check_dim(self, dim: int) -> None:
         """Raise ``ValueError`` naming the option when rows of ``dim`` values cannot be kept with this spec."""
@@ -85,17 +101,20 @@ class StoreSpec:
             check_quant_args(dim, self.bits, self.group_size)
         elif not isinstance(self.group_size, int) or self.group_size <= 0 or dim % self.group_size:
             raise ValueError(f"group_size={self.group_size!r} must be a positive divisor of the head dimension {dim}")
-        if dim % (8 // self.bits):
+        if self.bits == 3 and dim % 8:
+            raise ValueError(f"bits=3 packs 8 values in 3 bytes; head dimension {dim} is not a multiple of 8")
+        if self.bits != 3 and dim % (8 // self.bits):
             raise ValueError(f"bits={self.bits} packs {8 // self.bits} values per byte; head dimension {dim} is not "
                              "a multiple")
         if self.channel_group and dim % self.channel_group:
             raise ValueError(f"channel_group={self.channel_group} must divide the head dimension {dim} (scales of "
                              "a token group are laid out over its rows)")
-        if self.rotation:
+        if self.rotation or self.value_rotation == "hadamard":
             try:
                 hadamard(dim)
             except ValueError as e:
-                raise ValueError(f"rotation='hadamard': {e}") from None
+                name = "rotation" if self.rotation else "value_rotation"
+                raise ValueError(f"{name}='hadamard': {e}") from None
 
     def params_per_group(self) -> int:
         return 2 if self.asymmetric else 1
@@ -225,7 +244,7 @@ class TensorStore:
 
 
 class QuantizedStore(TensorStore):
-    """Grouped int8/int4/int2 storage, per token: codes (B, H, capacity, D·bits/8) and scales
+    """Grouped int8/int4/int3/int2 storage, per token: codes (B, H, capacity, D·bits/8) and scales
     (B, H, capacity, D/G); asymmetric adds ``zero`` (same shape as ``scale``, ``x ≈ q·scale + zero``).
 
     Symmetric codes are signed (SPEC §1; int4 two's-complement nibbles), asymmetric ones unsigned (see
@@ -282,7 +301,7 @@ class QuantizedStore(TensorStore):
         y, sp = self._to_stored_basis(x, channel), self.spec
         if sp.asymmetric:
             return quantize_asym(y, sp.bits, sp.group_size, sp.scale_dtype)
-        if sp.bits == 2:
+        if sp.bits in (2, 3):
             return (*quantize_sym(y, sp.bits, sp.group_size, sp.scale_dtype), None)
         return (*quantize(y, sp.bits, sp.group_size, sp.scale_dtype), None)
 
@@ -293,7 +312,7 @@ class QuantizedStore(TensorStore):
             return dequantize(codes, scale, sp.bits, sp.group_size, self.dtype)
         if zero is not None:
             y = dequantize_asym(codes, scale, zero, sp.bits, sp.group_size)
-        elif sp.bits == 2:
+        elif sp.bits in (2, 3):
             y = dequantize_sym(codes, scale, sp.bits, sp.group_size)
         else:
             y = dequantize(codes, scale, sp.bits, sp.group_size)

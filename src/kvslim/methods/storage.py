@@ -29,7 +29,10 @@ class StorageOptions:
     Quantized methods only: ``asymmetric`` (min/max codes with a zero-point), ``rotation`` (``"hadamard"``:
     rotate the head dimension before quantizing), ``key_channel_group`` (> 0: keys per channel over groups of
     that many tokens, KIVI), ``residual`` (≤ 128 most recent tokens in full precision, flushed ``flush`` tokens
-    at a time; ``flush`` defaults to ``key_channel_group`` or 32). See docs/quantization.md.
+    at a time; ``flush`` defaults to ``key_channel_group`` or 32), ``key_bits`` (bits of the keys when they
+    differ from the method's, which then holds for the values: ``int2`` keeps 3-bit keys), ``value_rotation``
+    (the values' rotation when it differs from ``rotation``: ``"hadamard"`` or ``"none"``; ``int2`` rotates its
+    values only). See docs/quantization.md.
     """
 
     bits: int = 0
@@ -43,6 +46,8 @@ class StorageOptions:
     key_channel_group: int = 0
     residual: int = 0
     flush: int | None = None
+    key_bits: int | None = None
+    value_rotation: str | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -55,6 +60,10 @@ class StorageOptions:
         if not isinstance(self.smooth_keys, bool):
             raise ValueError(f"smooth_keys must be True or False, got {self.smooth_keys!r}")
         object.__setattr__(self, "scale_dtype", parse_dtype(self.scale_dtype, "scale_dtype"))
+        if self.key_bits is not None and (self.key_bits not in (2, 3, 4, 8) or isinstance(self.key_bits, bool)
+                                          or not self.bits):
+            raise ValueError(f"key_bits must be None (= the method's bits) or 2, 3, 4 or 8 on a quantized method, "
+                             f"got {self.key_bits!r}")
         if self.flush is None:
             object.__setattr__(self, "flush", self.key_channel_group or min(32, self.residual) or 1)
         spec = self.key_spec()  # validates bits, asymmetric, rotation, key_channel_group, residual, flush
@@ -66,10 +75,12 @@ class StorageOptions:
     def key_spec(self) -> StoreSpec:
         """The key store's spec (the value store's is ``key_spec().for_values()``)."""
         try:
-            return StoreSpec(self.bits, self.group_size, self.scale_dtype,
+            kb = self.key_bits or self.bits
+            return StoreSpec(kb, self.group_size, self.scale_dtype,
                              smooth=bool(self.bits and self.smooth_keys and not self.key_channel_group),
                              asymmetric=self.asymmetric, rotation=self.rotation,
-                             channel_group=self.key_channel_group, residual=self.residual, flush=self.flush)
+                             channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
+                             value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None
@@ -101,7 +112,7 @@ class StorageMethod(Method):
 
     def options(self, **options) -> StorageOptions:
         allowed = ({"window", "group_size", "scale_dtype", "chunk", "smooth_keys", "asymmetric", "rotation",
-                    "key_channel_group", "residual", "flush"} if self.bits else {"window", "chunk"})
+                    "key_channel_group", "residual", "flush", "key_bits", "value_rotation"} if self.bits else {"window", "chunk"})
         if self.name == "dense":
             allowed = {"chunk"}
         unknown = set(options) - allowed
@@ -197,11 +208,13 @@ DENSE = StorageMethod("dense", 0, windowed=False)
 WINDOW = StorageMethod("window", 0, windowed=True)
 INT8 = StorageMethod("int8", 8, windowed=False)
 # int4 / int2 defaults: the best measured configuration (docs/quantization.md, benchmarks/bench_quality.py):
-# asymmetric codes with fp16 scale + zero-point, keys per channel over 32-token groups (KIVI), values per token,
-# the 128 most recent tokens in full precision (flushed 32 at a time). A ring window drops the last two.
+# asymmetric codes with fp16 scale + zero-point, keys per channel over token groups (KIVI), values per token,
+# the 128 most recent tokens in full precision (flushed a key group at a time). A ring window drops KIVI and the
+# window. int2: 3-bit keys over 64-token groups + 2-bit Hadamard-rotated values in groups of 64 = 3.00
+# bits/element over K and V (pure 2-bit keys, key_bits=2, cost 4x the KL at the same bits).
 INT4 = StorageMethod("int4", 4, windowed=False,
                      defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=64,
                                    scale_dtype=torch.float16))
 INT2 = StorageMethod("int2", 2, windowed=False,
-                     defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=32,
-                                   scale_dtype=torch.float16))
+                     defaults=dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, group_size=64,
+                                   scale_dtype=torch.float16, value_rotation="hadamard"))

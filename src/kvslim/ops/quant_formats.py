@@ -6,7 +6,8 @@
   kept in ``scale_dtype``; codes are computed from the *stored* (rounded) scale and zero so that decoding matches.
 * Packing (:func:`pack_codes`): ``8 // bits`` codes per byte, element ``i·k + j`` in bits ``[j·b, (j+1)·b)``
   (low bits first; for 4 bits the SPEC §1 layout: even index in the low nibble). Signed codes are packed in
-  two's complement.
+  two's complement. 3 bits: every 8 codes fill 3 bytes, code ``8i + j`` in bits ``[3j, 3j+3)`` of the 24-bit
+  little-endian word ``byte[3i] | byte[3i+1] << 8 | byte[3i+2] << 16`` (D a multiple of 8).
 * Rotation (:func:`hadamard`): a normalized Sylvester–Hadamard matrix ``R`` (D×D, orthogonal, symmetric);
   a store keeps ``x·R`` and reads back ``(x·R)·Rᵀ = x``. It spreads a channel outlier over all channels (QuaRot).
 """
@@ -15,13 +16,18 @@ from __future__ import annotations
 
 import torch
 
-PACKED_BITS = (2, 4, 8)
+PACKED_BITS = (2, 3, 4, 8)
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (..., D) into uint8 (..., D·bits/8). 8 bits: returned as is (int8 or uint8)."""
     if bits == 8:
         return q
+    if bits == 3:
+        word = (q.to(torch.int32) & 7).unflatten(-1, (-1, 8))  # (..., D/8, 8)
+        word = (word << torch.arange(0, 24, 3, dtype=torch.int32, device=q.device)).sum(-1, dtype=torch.int32)
+        out = torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1)  # (..., D/8, 3)
+        return out.to(torch.uint8).flatten(-2)
     per = 8 // bits
     mask = (1 << bits) - 1
     nib = (q.to(torch.int16) & mask).to(torch.uint8).unflatten(-1, (-1, per))  # (..., D/per, per)
@@ -35,9 +41,14 @@ def unpack_codes(packed: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 (..., D·bits/8) -> int8 (signed, sign-extended) or uint8 (..., D)."""
     if bits == 8:
         return packed
-    per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(packed >> (j * bits)) & mask for j in range(per)]
-    q = torch.stack(parts, dim=-1).flatten(-2)  # (..., D)
+    if bits == 3:
+        b = packed.to(torch.int32).unflatten(-1, (-1, 3))  # (..., D/8, 3)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        q = torch.stack([(word >> (3 * j)) & 7 for j in range(8)], dim=-1).flatten(-2).to(torch.uint8)
+    else:
+        per, mask = 8 // bits, (1 << bits) - 1
+        parts = [(packed >> (j * bits)) & mask for j in range(per)]
+        q = torch.stack(parts, dim=-1).flatten(-2)  # (..., D)
     if not signed:
         return q
     half = 1 << (bits - 1)
@@ -74,7 +85,7 @@ def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 def quantize_sym(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.float32
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §1 symmetric codes at 2, 4 or 8 bits: ``(packed codes, scale)`` (2 bits: codes in {-1, 0, 1})."""
+    """SPEC §1 symmetric codes at 2, 3, 4 or 8 bits: ``(packed codes, scale)`` (2 bits: codes in {-1, 0, 1})."""
     qm = (1 << (bits - 1)) - 1
     groups = x.float().unflatten(-1, (-1, group_size))  # (..., D/G, G)
     info = torch.finfo(scale_dtype)
