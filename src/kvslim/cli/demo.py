@@ -108,6 +108,10 @@ def plot_bytes(rows: list[dict], path: Path, max_context: int = 8192) -> None:
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """The prompt as a user turn of the tokenizer's chat template; the plain text when it has none (transformers'
+    GGUF conversion does not carry Gemma-3's template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(prompt, return_tensors="pt").input_ids
     messages = [{"role": "user", "content": prompt}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                          return_dict=True)["input_ids"]
