@@ -210,11 +210,12 @@ INT8 = StorageMethod("int8", 8, windowed=False)
 # int4 / int2 defaults: the best measured configuration (docs/quantization.md, benchmarks/bench_quality.py):
 # asymmetric codes with fp16 scale + zero-point, keys per channel over token groups (KIVI), values per token,
 # the 128 most recent tokens in full precision (flushed a key group at a time). A ring window drops KIVI and the
-# window. int2: 3-bit keys over 64-token groups + 2-bit Hadamard-rotated values in groups of 64 = 3.00
+# window. Values are Hadamard-rotated (per-token groups see no outlier channel; top-1 +1.2 points for int4).
+# int2: 3-bit keys over 64-token groups + 2-bit Hadamard-rotated values in groups of 64 = 3.00
 # bits/element over K and V (pure 2-bit keys, key_bits=2, cost 4x the KL at the same bits).
 INT4 = StorageMethod("int4", 4, windowed=False,
                      defaults=dict(asymmetric=True, key_channel_group=32, residual=128, group_size=64,
-                                   scale_dtype=torch.float16))
+                                   scale_dtype=torch.float16, value_rotation="hadamard"))
 INT2 = StorageMethod("int2", 2, windowed=False,
                      defaults=dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, group_size=64,
                                    scale_dtype=torch.float16, value_rotation="hadamard"))
