@@ -283,6 +283,19 @@ def test_int2_default_is_three_bit_kivi_keys_and_two_bit_values():
                                        num_hidden_layers=1), "int2", dtype="float32")  # head dim 96
 
 
+def test_int4_default_is_kivi_keys_and_rotated_values():
+    """``apply(model, "int4")``: KIVI keys over 32-token groups, Hadamard-rotated values in groups of 64, fp16
+    scale + zero-point, 128-token window: 4.75 bits/element, as the plan prints."""
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
+    lp = kvslim.plan_config(cfg, "int4", dtype="float32").layers[0]
+    layer = lp.factory(None)
+    assert layer.spec == StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=32, residual=128, flush=32,
+                                   value_rotation="hadamard")
+    assert layer.value_spec().rotation == "hadamard" and layer.value_spec().bits == 4
+    assert 8 * lp.bytes_per_token / (2 * 3 * 64) == 4.75
+    assert "V int4 asym g64 fp16 hadamard r128/32: 4.75 bits/element" in lp.note
+
+
 def test_value_rotation_rotates_values_only_and_reads_back_in_the_original_basis():
     spec = StoreSpec(4, 32, torch.float16, asymmetric=True, value_rotation="hadamard")
     assert spec.rotation is None and spec.for_values().rotation == "hadamard"
