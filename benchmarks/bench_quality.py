@@ -48,20 +48,20 @@ F16 = torch.float16
 def _int4(label_opts: str, **opts) -> tuple[str, str, dict]:
     """An int4 row with every format option explicit (independent of the method's defaults)."""
     full = dict(asymmetric=True, residual=0, key_channel_group=0, rotation=None, group_size=64, scale_dtype=F16,
-                smooth_keys=True)
+                smooth_keys=True, value_rotation=None)
     full.update(opts)
     return f"int4 {label_opts}", "int4", full
 
 
 def _int2(label_opts: str, **opts) -> tuple[str, str, dict]:
     full = dict(asymmetric=True, residual=128, key_channel_group=0, rotation=None, group_size=32, scale_dtype=F16,
-                smooth_keys=True)
+                smooth_keys=True, key_bits=None, value_rotation=None)
     full.update(opts)
     return f"int2 {label_opts}", "int2", full
 
 
 OLD_INT4 = dict(asymmetric=False, residual=0, key_channel_group=0, rotation=None, group_size=64,
-                scale_dtype="float32", smooth_keys=True)
+                scale_dtype="float32", smooth_keys=True, value_rotation="none")
 ABLATION = [
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
     _int4("sym g32 fp32 +smooth", asymmetric=False, group_size=32, scale_dtype="float32"),
@@ -75,15 +75,23 @@ ABLATION = [
     _int4("asym g64 fp16 +had(post) +r128", rotation="hadamard", residual=128, smooth_keys=False),
     _int4("asym g64 fp16 +had(pre) +r128", rotation="hadamard", residual=128, smooth_keys=False, prerope=True),
     _int4("asym g64 fp16 +kivi32(pre) +r128", key_channel_group=32, residual=128, prerope=True),
+    _int4("asym g64 fp16 +kivi32 +r128 +vhad (default)", key_channel_group=32, residual=128,
+          value_rotation="hadamard"),
+    _int4("asym g32 fp16 +kivi32 +r128", key_channel_group=32, residual=128, group_size=32),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
     _int2("asym g32 fp16 +smooth +r128"),
+    _int2("K3 kivi64 V2 g64 +r128", key_bits=3, key_channel_group=64, group_size=64),
+    _int2("K3 kivi64 V2 g64 +vhad +r128 (default)", key_bits=3, key_channel_group=64, group_size=64,
+          value_rotation="hadamard"),
+    _int2("K3 kivi64 V2 g32 +r128 (3.25 bits)", key_bits=3, key_channel_group=64, group_size=32),
     _int2("asym g32 fp16 +kivi32 +r128", key_channel_group=32),
     _int2("asym g32 fp16 +kivi32 +r32", key_channel_group=32, residual=32),
     _int2("asym g32 fp16 +had(post) +r128", rotation="hadamard", smooth_keys=False),
     _int2("asym g32 fp16 +kivi32(pre) +r128", key_channel_group=32, prerope=True),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
-OLD_INT2 = dict(key_bits=2, asymmetric=True, residual=128, key_channel_group=32, group_size=32, scale_dtype=F16)
+OLD_INT2 = dict(key_bits=2, asymmetric=True, residual=128, key_channel_group=32, group_size=32, scale_dtype=F16,
+                value_rotation="none")
 FINAL = [
     ("int8 g64 (default)", "int8", {}),
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
