@@ -77,7 +77,6 @@ ABLATION = [
     _int4("asym g64 fp16 +kivi32(pre) +r128", key_channel_group=32, residual=128, prerope=True),
     _int4("asym g64 fp16 +kivi32 +r128 +vhad (default)", key_channel_group=32, residual=128,
           value_rotation="hadamard"),
-    _int4("asym g32 fp16 +kivi32 +r128", key_channel_group=32, residual=128, group_size=32),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
     _int2("asym g32 fp16 +smooth +r128"),
     _int2("K3 kivi64 V2 g64 +r128", key_bits=3, key_channel_group=64, group_size=64),
