@@ -16,17 +16,18 @@ inline void widen(const T* src, float* dst, int64_t len) {
   for (; i < len; ++i) dst[i] = kvslim_vec::to_f32(src[i]);
 }
 
-// RoPE of the h key heads of one fp32 row (dst may equal src): +θ (`inverse` false) or −θ; channels R..dk copied
+// RoPE of the h key heads of one fp32 row (dst may equal src): +θ (`inverse` false) or −θ; channels R..dk copied.
+// The cos/sin vectors are loaded once per column block and reused by every head (the table is per row, not per head).
 inline void rope_row(const float* src, float* dst, const float* cs, const float* sn, int64_t h, int64_t dk,
                      int64_t R, bool inverse) {
   const int64_t half = R / 2;
-  for (int64_t j = 0; j < h; ++j) {
-    const float* k = src + j * dk;
-    float* o = dst + j * dk;
-    int64_t i = 0;
-    for (; i + V::W <= half; i += V::W) {
-      auto lo = V::load(k + i), hi = V::load(k + half + i);
-      auto c1 = V::load(cs + i), c2 = V::load(cs + half + i), s1 = V::load(sn + i), s2 = V::load(sn + half + i);
+  int64_t i = 0;
+  for (; i + V::W <= half; i += V::W) {
+    const auto c1 = V::load(cs + i), c2 = V::load(cs + half + i), s1 = V::load(sn + i), s2 = V::load(sn + half + i);
+    for (int64_t j = 0; j < h; ++j) {
+      const float* k = src + j * dk;
+      float* o = dst + j * dk;
+      const auto lo = V::load(k + i), hi = V::load(k + half + i);
       if (inverse) {
         V::store(o + i, V::fma(hi, s1, V::mul(lo, c1)));
         V::store(o + half + i, V::sub(V::mul(hi, c2), V::mul(lo, s2)));
@@ -35,14 +36,18 @@ inline void rope_row(const float* src, float* dst, const float* cs, const float*
         V::store(o + half + i, V::fma(lo, s2, V::mul(hi, c2)));
       }
     }
-    for (; i < half; ++i) {
-      const float lo = k[i], hi = k[half + i];
+  }
+  for (int64_t j = 0; j < h; ++j) {
+    const float* k = src + j * dk;
+    float* o = dst + j * dk;
+    for (int64_t x = i; x < half; ++x) {
+      const float lo = k[x], hi = k[half + x];
       if (inverse) {
-        o[i] = lo * cs[i] + hi * sn[i];
-        o[half + i] = hi * cs[half + i] - lo * sn[half + i];
+        o[x] = lo * cs[x] + hi * sn[x];
+        o[half + x] = hi * cs[half + x] - lo * sn[half + x];
       } else {
-        o[i] = lo * cs[i] - hi * sn[i];
-        o[half + i] = hi * cs[half + i] + lo * sn[half + i];
+        o[x] = lo * cs[x] - hi * sn[x];
+        o[half + x] = hi * cs[half + x] + lo * sn[half + x];
       }
     }
     if (dst != src)
