@@ -457,6 +457,9 @@ def test_encdec_mapped_op_matches_float64(shape, dtype, splits):
         assert_rel_close(lse, ref_lse, torch.float32, "encdec mapped op lse vs float64")
         tw, _ = ek.reference_mapped(q, enc, w_k, w_v, b_v, mask, lens, 0.7)
         assert_rel_close(tw, ref, torch.float32, "encdec mapped twin vs float64")
+        w_k_t, w_v_t = (w.transpose(1, 2).contiguous() for w in (w_k, w_v))  # the (h, d, dk) layout of slim's maps
+        out_t, _ = ek.encdec_decode_mapped(q, enc, w_k_t, w_v_t, b_v, mask, lens, 0.7, dk_last=True, splits=splits)
+        assert_rel_close(out_t, ref, torch.float32, "encdec mapped op, dk_last maps, vs float64")
 
 
 def test_mapped_ops_refuse_bad_maps_by_name():

@@ -425,12 +425,30 @@ inline void map_head(const float* u, const float* M, bool rows_out, int64_t c, i
     }
     return;
   }
-  for (int64_t k = 0; k < odk; ++k) out[k] = bias ? bias[k] : 0.f;
-  for (int64_t x = 0; x < c; ++x) {  // c rows of M, each scaled by u[x]
-    const auto ub = V::set1(u[x]);
-    const float* m = M + x * odk;
-    int64_t k = 0;
-    for (; k + V::W <= odk; k += V::W) V::store(out + k, V::fma(ub, V::load(m + k), V::load(out + k)));
-    for (; k < odk; ++k) out[k] += u[x] * m[k];
+  // c rows of M, each scaled by u[x], summed in registers 8 vectors of columns at a time (no store-to-load chain
+  // through `out` per row)
+  int64_t k = 0;
+  for (; k + 8 * V::W <= odk; k += 8 * V::W) {
+    typename V::R a[8];
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) a[v] = bias ? V::load(bias + k + v * V::W) : V::zero();
+    for (int64_t x = 0; x < c; ++x) {
+      const auto ub = V::set1(u[x]);
+      const float* m = M + x * odk + k;
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) a[v] = V::fma(ub, V::load(m + v * V::W), a[v]);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) V::store(out + k + v * V::W, a[v]);
+  }
+  for (; k + V::W <= odk; k += V::W) {
+    auto a = bias ? V::load(bias + k) : V::zero();
+    for (int64_t x = 0; x < c; ++x) a = V::fma(V::set1(u[x]), V::load(M + x * odk + k), a);
+    V::store(out + k, a);
+  }
+  for (; k < odk; ++k) {
+    float sum = bias ? bias[k] : 0.f;
+    for (int64_t x = 0; x < c; ++x) sum += u[x] * M[x * odk + k];
+    out[k] = sum;
   }
 }
