@@ -140,6 +140,8 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
+    # the GGUF tokenizer conversion leaves a 1,024-token default that warns on every longer text
+    tok.model_max_length = getattr(model.config, "max_position_embeddings", None) or tok.model_max_length
     return model, tok
 
 
