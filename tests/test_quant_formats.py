@@ -278,9 +278,12 @@ def test_int2_default_is_three_bit_kivi_keys_and_two_bit_values():
         kvslim.plan_config(cfg, "dense", dtype="float32", key_bits=3)
     with pytest.raises(ValueError, match="value_rotation"):
         kvslim.plan_config(cfg, "int2", dtype="float32", value_rotation="givens")
-    with pytest.raises(ValueError, match="value_rotation='hadamard'"):
-        kvslim.plan_config(LlamaConfig(hidden_size=576, num_attention_heads=6, num_key_value_heads=3,
-                                       num_hidden_layers=1), "int2", dtype="float32")  # head dim 96
+    cfg96 = LlamaConfig(hidden_size=576, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=1)
+    plan96 = kvslim.plan_config(cfg96, "int2", dtype="float32")  # head dim 96: the default drops the rotation
+    assert plan96.layers[0].factory(None).value_spec().rotation is None
+    assert any("value_rotation=None" in n for n in plan96.notes)
+    with pytest.raises(ValueError, match="value_rotation='hadamard'"):  # asked for explicitly: refused by name
+        kvslim.plan_config(cfg96, "int2", dtype="float32", value_rotation="hadamard")
 
 
 def test_int4_default_is_kivi_keys_and_rotated_values():

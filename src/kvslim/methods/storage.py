@@ -137,6 +137,10 @@ class StorageMethod(Method):
             g = default_group_size(shape.head_dim, kcg)
             notes.append(f"key_channel_group={g} (the default {kcg} does not divide head dim {shape.head_dim})")
             opts = replace(opts, key_channel_group=g, flush=g if "flush" not in options else opts.flush)
+        d = shape.head_dim
+        if opts.value_rotation == "hadamard" and "value_rotation" not in options and d & (d - 1):
+            notes.append(f"value_rotation=None (the default Hadamard rotation needs a power-of-two head dim, got {d})")
+            opts = replace(opts, value_rotation=None)
         if opts.bits and "group_size" not in options:  # the default adapts to the head dim (the plan says so)
             g = default_group_size(shape.head_dim, opts.group_size)
             if g != opts.group_size:
