@@ -212,10 +212,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. _short for a ranking run)")
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only merge the rows of these result files (same model and protocol) into "
+                        "bench_quality_<suite>_<mode>_merged<tag>.{json,md,png}; the later file wins a label")
     p.add_argument("--engine", choices=("calls", "one-pass"), default="calls",
                    help="calls: feed every cache call by call (compare_caches); one-pass: the same protocol in one "
                         "forward pass per kvslim row (kvslim.evaluate_parallel; quanto rows are skipped)")
     args = p.parse_args()
+    if args.merge:
+        merge(args)
+        return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import kvslim.models
@@ -257,6 +263,26 @@ def main() -> None:
         out.append(rec)
         print(_row(rec), flush=True)
     finish(args, model, model_label, out, t0)
+
+
+def merge(args) -> None:
+    """Rows of several result files of one model and protocol (e.g. call-by-call quanto rows beside one-pass
+    kvslim rows) in one table and plot; each row keeps its engine."""
+    records = [json.loads(Path(f).read_text()) for f in args.merge]
+    key = {(r["model"], r["mode"], r["tokens"], r["steps"] if r["mode"] == "token" else 0) for r in records}
+    if len(key) != 1:
+        raise ValueError(f"--merge needs files of one model and protocol, got {sorted(key)}")
+    rows: dict[str, dict] = {}
+    for r in records:
+        for row in r["rows"]:
+            rows[row["label"]] = {**row, "engine": row.get("engine", r.get("engine", "calls"))}
+    rec = {**records[-1], "engine": "+".join(sorted({r.get("engine", "calls") for r in records})),
+           "merged": list(args.merge), "rows": list(rows.values()), "partial": False}
+    stem = RESULTS / f"bench_quality_{rec['suite']}_{rec['mode']}_merged{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=1))
+    stem.with_suffix(".md").write_text(markdown(rec))
+    plot(rec, stem.with_suffix(".png"))
+    print(markdown(rec))
 
 
 def one_pass_rows(model, ids, rows, facts, args) -> list[dict]:
