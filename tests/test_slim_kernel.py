@@ -480,8 +480,8 @@ def test_mapped_ops_refuse_bad_maps_by_name():
 
 
 def test_attention_modules_use_the_mapped_ops(monkeypatch):
-    """The decode step of slim (K-cache, option 2) and of the shared-E cross-attention goes through the mapped op
-    (one op per layer and step), and its output equals the torch path."""
+    """The decode step of slim (K-cache, option 2, one sequence) and of the shared-E cross-attention goes through
+    the mapped op (one op per layer and step), and its output equals the torch path."""
     _ops()
     _enc_ops()
     from kvslim.attention import encdec
@@ -496,9 +496,10 @@ def test_attention_modules_use_the_mapped_ops(monkeypatch):
     vmap = torch.randn(h, h * dk, dk, generator=g) / 10
     w = SlimLayerWeights("k", h, dk, h * dk, value_map=vmap, value_map_full=vmap.permute(1, 0, 2).reshape(h * dk, -1))
     q, cache = torch.randn(b, h, 1, dk, generator=g), torch.randn(b, n, h * dk, generator=g)
-    fused = slim_attention(q, cache, w, None, dk ** -0.5)
-    torch_path = slim_attention(q, cache, replace(w, kernel="torch"), None, dk ** -0.5)
-    assert_rel_close(fused, torch_path, torch.float32, "mapped slim op vs torch path")
+    for bq, bc in ((q[:1], cache[:1]), (q, cache)):  # batch 1: the mapped op; batch 2: op + batched W_KV
+        fused = slim_attention(bq, bc, w, None, dk ** -0.5)
+        torch_path = slim_attention(bq, bc, replace(w, kernel="torch"), None, dk ** -0.5)
+        assert_rel_close(fused, torch_path, torch.float32, "mapped slim op vs torch path")
     w_k, w_v = torch.randn(h * dk, 64, generator=g) / 8, torch.randn(h * dk, 64, generator=g) / 8
     cw = encdec.CrossWeights.from_linear(w_k, w_v, torch.randn(h * dk, generator=g), h, 1.0, torch.float32)
     enc = torch.randn(b, n, 64, generator=g)
