@@ -157,6 +157,7 @@ def _convert(parts: list[Path], root: Path, out: Path, fix_tokenizer=None) -> No
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if fix_tokenizer is not None:
             tok = fix_tokenizer(tok)
+        root.mkdir(parents=True, exist_ok=True)  # a fresh cache directory has no models/ folder yet
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
         try:
             model.config.quantization_config = None  # the saved folder holds plain float32 weights
