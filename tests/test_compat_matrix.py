@@ -351,14 +351,7 @@ def _mode_padded_batch(family, method):
 
 def _two_turns(family, model, inputs):
     first = gen(model, inputs, return_dict_in_generate=True)
-    cache = first.past_key_values
-    more = _ids(1, 3, seed=5)
-    if family == "t5":
-        nxt = {**inputs, "decoder_input_ids": torch.cat((first.sequences, more), 1)}
-    else:
-        ids = torch.cat((first.sequences, more), 1)
-        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return gen(model, nxt, past_key_values=cache), nxt
+    return _continue(family, model, inputs, first, first.past_key_values, new=3, seed=5)
 
 
 def _mode_multi_turn(family, method):
@@ -492,8 +485,9 @@ def _mode_pickle_model(family, method):
     check(family, method, "pickle_model", inputs, out, ref, "pickled applied model")
 
 
-def _continue(family, model, inputs, first, cache):
-    more = _ids(1, 2, seed=6)
+def _continue(family, model, inputs, first, cache, new=2, seed=6):
+    """Generate again from ``cache`` after ``first``'s sequences plus ``new`` user tokens."""
+    more = _ids(1, new, seed=seed)
     if family == "t5":
         nxt = {**inputs, "decoder_input_ids": torch.cat((first.sequences, more), 1)}
     else:

@@ -166,6 +166,16 @@ def protocol_segments(total: int, mode: str, prefill: int = 512, chunk: int = 64
 
 
 @torch.inference_mode()
+def check_protocol_ids(ids: torch.Tensor, min_tokens: int | None) -> int:
+    """Length T of ``ids`` (1, T), refused by name when the shape is wrong or T < ``min_tokens``."""
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids must be (1, T), got {tuple(ids.shape)}")
+    total = ids.shape[1]
+    if min_tokens is not None and total < min_tokens:
+        raise ValueError(f"ids has {total} tokens; the protocol needs at least min_tokens={min_tokens}")
+    return total
+
+
 def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], object]], *, mode: str = "token",
                    min_tokens: int | None = None, prefill: int = 512, chunk: int = 64, steps: int = 1024,
                    reference: Callable[[], object] | None = None, progress: bool = False) -> dict[str, Quality]:
@@ -185,11 +195,7 @@ def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], obje
     """
     from transformers import DynamicCache
 
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"ids must be (1, T), got {tuple(ids.shape)}")
-    total = ids.shape[1]
-    if min_tokens is not None and total < min_tokens:
-        raise ValueError(f"ids has {total} tokens; the protocol needs at least min_tokens={min_tokens}")
+    total = check_protocol_ids(ids, min_tokens)
     if not caches:
         raise ValueError("caches must name at least one cache")
     segments, first = protocol_segments(total, mode, prefill, chunk, steps)

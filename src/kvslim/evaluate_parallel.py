@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .caches.storage import StoreSpec, make_store
-from .evaluate import Quality, protocol_segments
+from .evaluate import Quality, check_protocol_ids, protocol_segments
 
 NAME = "kvslim_protocol_sim"
 LayerSpecs = Sequence[tuple[StoreSpec, StoreSpec]]  # per layer: (key spec, value spec)
@@ -174,11 +174,7 @@ def compare_specs(model, ids: torch.Tensor, specs: dict[str, LayerSpecs], *, mod
                   block: int = 256) -> dict[str, Quality]:
     """:func:`kvslim.evaluate.compare_caches` for append-only caches given by per-layer specs, each in one
     forward pass (see the module docstring); same protocol, same metrics, reference = the dense model."""
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"ids must be (1, T), got {tuple(ids.shape)}")
-    total = ids.shape[1]
-    if min_tokens is not None and total < min_tokens:
-        raise ValueError(f"ids has {total} tokens; the protocol needs at least min_tokens={min_tokens}")
+    total = check_protocol_ids(ids, min_tokens)
     if not specs:
         raise ValueError("specs must name at least one configuration")
     segments, first = protocol_segments(total, mode, prefill, chunk, steps)
