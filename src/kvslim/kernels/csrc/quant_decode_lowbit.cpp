@@ -1,0 +1,309 @@
+// kvslim::quant_decode_lowbit — decode attention (one query token) straight from asymmetric 2-bit / 3-bit KV codes
+// (the `int2` method: 3-bit KIVI keys + 2-bit values by default).
+//
+//   out[b, h, j] = Σ_t softmax_t(scaling · q[b, h, j] · k[b, h, t] + mask[b, t]) · v[b, h, t]     (B, Hk, G, D) fp32
+//   lse[b, h, j] = log Σ_t exp(...)                                                                 (B, Hk, G)    fp32
+//
+// over tokens t = the first lengths[b] (≤ n) coded tokens, then the r rows of an optional fp32 tail (the residual
+// window kept in full precision). Codes as kvslim's stores keep them (ops/quant_formats.py): unsigned,
+// x = q·s + z; 2 bits: 4 codes per byte, code 4i + j at bits [2j, 2j+2) of byte i; 3 bits: 8 codes per 3 bytes,
+// code 8i + j at bits [3j, 3j+3) of the little-endian 24-bit word. Key and value bits are independent (2 or 3).
+// Scales / zero-points fp32, fp16 or bf16: values per token over groups of `group_size` channels; keys the same,
+// or with key_channel_group = g > 0 (KIVI) per channel over token groups of g, group i's D parameters laid over
+// scale rows [i·g, (i+1)·g) (D/g per row).
+// The G query heads of a KV head (GQA / MQA: HF's repeat_kv order) share one pass over its codes; no
+// full-precision copy of the history is made (codes are converted in registers). Parallel over batch × KV heads ×
+// splits of the sequence (flash-decoding, exact log-sum-exp merge). AVX2 + FMA + F16C or scalar, chosen at run
+// time (KVSLIM_ISA=scalar caps it). Every size and stride comes from tensor metadata and is checked here (named
+// ValueErrors); no code row is read past its end (vec_lowbit.h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "vec_lowbit.h"
+
+#pragma GCC visibility push(hidden)
+
+namespace kvslim_lowbit {
+
+// a (B, H, tokens, ·) tensor with unit last stride: element (b, h, t, i) at p + b·bs + h·hs + t·ts + i
+struct Strided {
+  const void* p = nullptr;
+  int64_t bs = 0, hs = 0, ts = 0;
+  template <class T>
+  const T* at(int64_t b, int64_t h, int64_t t) const {
+    return static_cast<const T*>(p) + b * bs + h * hs + t * ts;
+  }
+};
+
+struct Codes {
+  Strided codes, scale, zero;
+};
+
+struct LArgs {
+  int64_t B = 0, Hk = 0, G = 0, D = 0;
+  const float* q = nullptr;  // (B, Hk, G, D) contiguous
+  float scaling = 1.f;
+  int kb = 3, vb = 2;
+  int64_t gs = 0, kivi = 0;
+  int sdt = 0;  // parameter dtype: 0 fp32, 1 fp16, 2 bf16
+  Codes k, v;
+  int64_t n = 0;
+  const int64_t* lengths = nullptr;
+  Strided kt, vt;  // fp32 tail (B, Hk, r, D)
+  int64_t r = 0;
+  const float* mask = nullptr;  // (B|1, n + r) additive
+  int64_t mask_bs = 0;
+};
+
+struct Scratch {
+  int64_t T;
+  std::vector<float> q, qs, zq, sc, pw, srow, zrow, qsum, ks, kz, vs, vz;
+  Scratch(const LArgs& a, int64_t T_)
+      : T(T_), q(a.G * a.D), qs(a.G * a.D), zq(a.G), sc(a.G * T_), pw(a.G * (a.D / a.gs) * T_), srow(a.D),
+        zrow(a.D), qsum(a.G * (a.D / a.gs)), ks(T_ * (a.D / a.gs)), kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)),
+        vz(T_ * (a.D / a.gs)) {}
+};
+
+using TaskFn = void (*)(const LArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
+
+constexpr int64_t kBlock = 128;  // tokens per block
+
+}  // namespace kvslim_lowbit
+
+namespace kvslim_lowbit {
+namespace scalar {
+using V = LowScalar;
+#include "quant_decode_lowbit_body.h"
+}  // namespace scalar
+}  // namespace kvslim_lowbit
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace kvslim_lowbit {
+namespace avx2 {
+using V = LowAVX2;
+#include "quant_decode_lowbit_body.h"
+}  // namespace avx2
+}  // namespace kvslim_lowbit
+#pragma GCC pop_options
+
+namespace kvslim_lowbit {
+
+// the instruction set this op runs with (KVSLIM_ISA=scalar caps it, for tests; there is no AVX-512 path)
+inline std::string cpu_isa() {
+  static const std::string name = [] {
+    __builtin_cpu_init();
+    const char* cap = std::getenv("KVSLIM_ISA");
+    const std::string want = cap ? cap : "avx2";
+    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return std::string("avx2");
+    return std::string("scalar");
+  }();
+  return name;
+}
+
+inline int64_t auto_splits(int64_t tasks, int64_t n, int64_t T) {
+  const int64_t threads = at::get_num_threads();
+  if (tasks >= threads && tasks % threads == 0) return 1;
+  if (tasks >= 4 * threads) return 1;
+  const int64_t want = (4 * threads + tasks - 1) / tasks;
+  return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
+}
+
+// normalise one (sequence, KV head)'s G rows in place and write their lse (one split: no merge needed)
+inline void finish_rows(float* o, const float* m, const float* l, float* lse, int64_t G, int64_t D) {
+  for (int64_t j = 0; j < G; ++j) {
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    for (int64_t i = 0; i < D; ++i) o[j * D + i] *= inv;
+    lse[j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
+  }
+}
+
+void run(const LArgs& a, int64_t S, float* out, float* lse) {
+  const int64_t T = kBlock;
+  const int64_t BH = a.B * a.Hk, GD = a.G * a.D;
+  if (S <= 0) S = auto_splits(BH, a.n, T);
+  S = std::max<int64_t>(1, std::min<int64_t>(S, (a.n + T - 1) / T));
+  const bool kivi = a.kivi > 0;
+  const TaskFn fn = cpu_isa() == "avx2" ? avx2::pick(a.kb, a.vb, kivi) : scalar::pick(a.kb, a.vb, kivi);
+  std::vector<float> part_acc, part_m(BH * S * a.G), part_l(BH * S * a.G);
+  if (S > 1) part_acc.resize(BH * S * GD);
+  // one task per (sequence, KV head, split); a grain that keeps small problems (1k x 1) on few threads
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(BH * S, 4096 / std::max<int64_t>(a.n, 1)));
+  at::parallel_for(0, BH * S, grain, [&](int64_t begin, int64_t end) {
+    Scratch sp(a, T);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / S, s = task % S;
+      float* acc = S > 1 ? part_acc.data() + task * GD : out + bh * GD;
+      float* m = part_m.data() + task * a.G;
+      float* l = part_l.data() + task * a.G;
+      fn(a, bh / a.Hk, bh % a.Hk, s, S, acc, m, l, sp);
+      if (S == 1) finish_rows(acc, m, l, lse + bh * a.G, a.G, a.D);
+    }
+  });
+  if (S == 1) return;
+  // merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
+  at::parallel_for(0, BH * a.G, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(S);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bh = row / a.G, j = row % a.G;
+      float M = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[(bh * S + s) * a.G + j]);
+      float den = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float ms = part_m[(bh * S + s) * a.G + j];
+        w[s] = ms == -INFINITY ? 0.f : std::exp(ms - M);
+        den += w[s] * part_l[(bh * S + s) * a.G + j];
+      }
+      float* o = out + row * a.D;
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      std::fill(o, o + a.D, 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float f = w[s] * inv;
+        if (f == 0.f) continue;
+        const float* p = part_acc.data() + (bh * S + s) * GD + j * a.D;
+        for (int64_t i = 0; i < a.D; ++i) o[i] += f * p[i];
+      }
+      lse[row] = den > 0.f ? M + std::log(den) : -INFINITY;
+    }
+  });
+}
+
+// ---- argument checks (named ValueErrors) -------------------------------------------------------------------
+
+constexpr const char* OP = "kvslim::quant_decode_lowbit";
+
+Strided strided(const at::Tensor& t) { return Strided{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
+
+at::Tensor unit_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
+void check_4d(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t min_tokens, int64_t width) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), OP, ": ", name, " must be on CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(2) >= min_tokens && t.size(3) == width,
+                    OP, ": ", name, " must be (B=", B, ", Hk=", H, ", ≥", min_tokens, " tokens, ", width, "), got ",
+                    t.sizes());
+}
+
+int param_code(at::ScalarType t) {
+  if (t == at::kFloat) return 0;
+  if (t == at::kHalf) return 1;
+  TORCH_CHECK_VALUE(t == at::kBFloat16, OP, ": scales must be float32, float16 or bfloat16, got ", t);
+  return 2;
+}
+
+}  // namespace kvslim_lowbit
+
+std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_zero,
+    const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero, int64_t k_bits, int64_t v_bits,
+    int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
+    const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits) {
+  using namespace kvslim_lowbit;
+  LArgs a;
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) >= 1, OP,
+                    ": q must be float32 (B, Hk, G, D) on CPU, got ", q.scalar_type(), " ", q.sizes());
+  a.B = q.size(0);
+  a.Hk = q.size(1);
+  a.G = q.size(2);
+  a.D = q.size(3);
+  TORCH_CHECK_VALUE(a.D >= 16 && a.D % 16 == 0, OP, ": the head dimension must be a positive multiple of 16, got ",
+                    a.D);
+  TORCH_CHECK_VALUE(k_bits == 2 || k_bits == 3, OP, ": k_bits must be 2 or 3, got ", k_bits);
+  TORCH_CHECK_VALUE(v_bits == 2 || v_bits == 3, OP, ": v_bits must be 2 or 3, got ", v_bits);
+  a.kb = static_cast<int>(k_bits);
+  a.vb = static_cast<int>(v_bits);
+  TORCH_CHECK_VALUE(group_size >= 16 && group_size % 16 == 0 && a.D % group_size == 0, OP, ": group_size=",
+                    group_size, " must be a multiple of 16 that divides the head dimension ", a.D);
+  a.gs = group_size;
+  TORCH_CHECK_VALUE(key_channel_group >= 0 && (key_channel_group == 0 || a.D % key_channel_group == 0), OP,
+                    ": key_channel_group=", key_channel_group, " must be 0 or divide the head dimension ", a.D);
+  a.kivi = key_channel_group;
+  TORCH_CHECK_VALUE(n >= 0, OP, ": n must be ≥ 0, got ", n);
+  a.n = n;
+  check_4d(k_codes, "k_codes", a.B, a.Hk, n, a.D * k_bits / 8);
+  check_4d(v_codes, "v_codes", a.B, a.Hk, n, a.D * v_bits / 8);
+  TORCH_CHECK_VALUE(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, OP,
+                    ": codes must be uint8, got ", k_codes.scalar_type(), " / ", v_codes.scalar_type());
+  const int64_t kparams = a.kivi ? a.D / a.kivi : a.D / a.gs;
+  const int64_t ktokens = a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
+  check_4d(k_scale, "k_scale", a.B, a.Hk, ktokens, kparams);
+  check_4d(k_zero, "k_zero", a.B, a.Hk, ktokens, kparams);
+  check_4d(v_scale, "v_scale", a.B, a.Hk, n, a.D / a.gs);
+  check_4d(v_zero, "v_zero", a.B, a.Hk, n, a.D / a.gs);
+  a.sdt = param_code(k_scale.scalar_type());
+  for (const at::Tensor* t : {&k_zero, &v_scale, &v_zero})
+    TORCH_CHECK_VALUE(t->scalar_type() == k_scale.scalar_type(), OP,
+                      ": scales and zero-points must share one dtype, got ", k_scale.scalar_type(), " and ",
+                      t->scalar_type());
+  at::Tensor kc = unit_last(k_codes), vc = unit_last(v_codes), ks = unit_last(k_scale), vs = unit_last(v_scale),
+             kz = unit_last(k_zero), vz = unit_last(v_zero);
+  a.k = Codes{strided(kc), strided(ks), strided(kz)};
+  a.v = Codes{strided(vc), strided(vs), strided(vz)};
+  at::Tensor lk, kt, vt, mk;
+  if (lengths.has_value()) {
+    const auto& l = *lengths;
+    TORCH_CHECK_VALUE(l.device().is_cpu() && l.scalar_type() == at::kLong && l.dim() == 1 && l.size(0) == a.B, OP,
+                      ": lengths must be an int64 CPU tensor of shape (B=", a.B, ",), got ", l.scalar_type(), " ",
+                      l.sizes());
+    lk = l.contiguous();
+    const int64_t* p = lk.data_ptr<int64_t>();
+    for (int64_t b = 0; b < a.B; ++b)
+      TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= n, OP, ": lengths[", b, "] = ", p[b], " is outside [0, n=", n, "]");
+    a.lengths = p;
+  }
+  TORCH_CHECK_VALUE(k_tail.has_value() == v_tail.has_value(), OP, ": k_tail and v_tail come together");
+  if (k_tail.has_value()) {
+    TORCH_CHECK_VALUE(k_tail->scalar_type() == at::kFloat && v_tail->scalar_type() == at::kFloat, OP,
+                      ": k_tail / v_tail must be float32");
+    check_4d(*k_tail, "k_tail", a.B, a.Hk, 0, a.D);
+    check_4d(*v_tail, "v_tail", a.B, a.Hk, k_tail->size(2), a.D);
+    TORCH_CHECK_VALUE(v_tail->size(2) == k_tail->size(2), OP, ": k_tail and v_tail hold different token counts");
+    kt = unit_last(*k_tail);
+    vt = unit_last(*v_tail);
+    a.r = kt.size(2);
+    a.kt = strided(kt);
+    a.vt = strided(vt);
+  }
+  if (mask.has_value()) {
+    const auto& m = *mask;
+    TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 2 &&
+                          (m.size(0) == 1 || m.size(0) == a.B) && m.size(1) == n + a.r,
+                      OP, ": mask must be float32 (1 or B=", a.B, ", n + tail=", n + a.r, "), got ", m.scalar_type(),
+                      " ", m.sizes());
+    mk = m.stride(1) == 1 ? m : m.contiguous();
+    a.mask = mk.data_ptr<float>();
+    a.mask_bs = mk.size(0) == 1 ? 0 : mk.stride(0);
+  }
+  at::Tensor qc = q.contiguous();
+  a.q = qc.data_ptr<float>();
+  a.scaling = static_cast<float>(scaling);
+  at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
+  at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
+  if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
+std::string quant_decode_lowbit_isa() { return kvslim_lowbit::cpu_isa(); }
+
+#pragma GCC visibility pop
+
+TORCH_LIBRARY_FRAGMENT(kvslim, m) {
+  m.def("quant_decode_lowbit(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
+        "Tensor v_scale, Tensor v_zero, int k_bits, int v_bits, int group_size, int key_channel_group, int n, "
+        "Tensor? lengths, Tensor? k_tail, Tensor? v_tail, Tensor? mask, float scaling, int splits=0) "
+        "-> (Tensor, Tensor)");
+  m.def("quant_decode_lowbit_isa() -> str", &quant_decode_lowbit_isa);
+}
+
+TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("quant_decode_lowbit", &quant_decode_lowbit_cpu); }

@@ -1,0 +1,359 @@
+// Decode attention over asymmetric 2-bit / 3-bit codes, one (sequence, KV head, split) task at a time (no include
+// guard: quant_decode_lowbit.cpp includes this once per instruction set, inside its namespace with `using V =
+// <traits>` (vec_lowbit.h) and the matching #pragma GCC target).
+//
+// Per block of T tokens: (1) scores of the G query heads of the KV group straight from the key codes, 4 tokens at
+// a time (transpose-reduced): KIVI keys (per-channel scale s and zero z over token groups) as
+// q·k_t = (q ⊙ s)·c_t + q·z with q ⊙ s and q·z formed once per token group; per-token keys as
+// Σ_g s_tg (q_g·c_tg) + z_tg Σ q_g; (2) online softmax per head (rescale only when the running max grows);
+// (3) acc[j] += Σ_t p_jt (s_tg c_t + z_tg) as a register tile over columns, p_jt·s_tg folded into the weight and
+// Σ_t p_jt z_tg added per group once per block. Codes are converted in registers, never stored. The fp32 tail
+// (residual window) is attended after the codes in the last split, read in place. Every index is bounded by
+// LArgs (set from tensor metadata by the op and checked there).
+
+// n parameters of one row (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32; n a multiple of 8 or not
+inline void params_f32(const void* p, int sdt, float* o, int64_t n) {
+  if (sdt == 0) {
+    std::memcpy(o, p, n * sizeof(float));
+    return;
+  }
+  const uint16_t* hp = static_cast<const uint16_t*>(p);
+  int64_t i = 0;
+  for (; i + V::W <= n; i += V::W) V::store(o + i, V::params16(hp + i, sdt));
+  for (; i < n; ++i) o[i] = sdt == 1 ? half_to_float(hp[i]) : kvslim_vec::bf16_to_f32(hp[i]);
+}
+
+inline const void* param_ptr(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t) {
+  return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
+}
+
+// per-token parameters of tokens [t0, t0 + m) -> dst[(t - t0)·ng + g]
+inline void load_params(const LArgs& a, const Strided& st, int64_t b, int64_t h, int64_t t0, int64_t m, float* dst) {
+  const int64_t ng = a.D / a.gs;
+  if (st.ts == ng) {  // rows back to back: one run
+    params_f32(param_ptr(st, a.sdt, b, h, t0), a.sdt, dst, m * ng);
+    return;
+  }
+  for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
+}
+
+// KIVI keys: the D per-channel parameters of token group g (rows [g·kivi, (g+1)·kivi), D/kivi each) -> fp32
+inline void kivi_row(const LArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g, float* out) {
+  const int64_t per = a.D / a.kivi;
+  if (st.ts == per) {  // rows back to back: one run of D
+    params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi), a.sdt, out, a.D);
+    return;
+  }
+  for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
+}
+
+// sv[j][r] = q_j · codes_r over units [u0, u1) of 8 channels, for HC heads (q rows of stride D) and 4 token rows
+// cr[0..3]; `ends`: unit u1 − 1 is the last of the row (loaded from its end)
+template <int BITS, int HC>
+inline void dot4(const uint8_t* const* cr, const float* q, int64_t D, int64_t u0, int64_t u1, bool ends,
+                 float (*sv)[4]) {
+  typename V::R acc[HC][4];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) acc[j][r] = V::zero();
+  const int64_t ue = ends ? u1 - 1 : u1;
+  for (int64_t u = u0; u < ue; ++u) {
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const auto x = V::template unit<BITS, false>(cr[r] + u * BITS);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * u), x, acc[j][r]);
+    }
+  }
+  if (ends) {
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const auto x = V::template unit<BITS, true>(cr[r] + ue * BITS);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * ue), x, acc[j][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j) V::hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], sv[j]);
+}
+
+// sc[j·ps + t] = q_j · k_t + mask for tokens [t0, t0 + m), heads [j0, j0 + HC). KIVI: q = q ⊙ s of the tokens'
+// group, zq[j] = q_j · z. Per-token keys: ks/kz the tokens' parameters, qsum[j·ng + g] = Σ_{i∈g} q_j[i].
+template <int BITS, int HC, bool KIVI>
+inline void scores_heads(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, int64_t j0,
+                         const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask,
+                         float* sc, int64_t ps) {
+  const int64_t D = a.D, U = D / 8, ng = KIVI ? 1 : D / a.gs, gu = KIVI ? U : a.gs / 8;
+  const int64_t rs = a.k.codes.ts;
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
+    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    float tot[HC][4] = {};
+    for (int64_t g = 0; g < ng; ++g) {
+      float sv[HC][4];
+      dot4<BITS, HC>(cr, q + j0 * D, D, g * gu, (g + 1) * gu, g == ng - 1, sv);
+      for (int j = 0; j < HC; ++j)
+        for (int64_t r = 0; r < r4; ++r) tot[j][r] += KIVI ? sv[j][r] : sv[j][r] * ks[(t + r) * ng + g];
+    }
+    for (int j = 0; j < HC; ++j)
+      for (int64_t r = 0; r < r4; ++r) {
+        float z = 0.f;
+        if (KIVI) z = zq[j0 + j];
+        else
+          for (int64_t g = 0; g < ng; ++g) z += kz[(t + r) * ng + g] * qsum[(j0 + j) * ng + g];
+        sc[(j0 + j) * ps + t + r] = tot[j][r] + z + (mask ? mask[t + r] : 0.f);
+      }
+  }
+}
+
+template <int BITS, bool KIVI>
+inline void code_scores(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q,
+                        const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask,
+                        float* sc, int64_t ps) {
+  int64_t j0 = 0;
+  for (; j0 + 3 <= a.G; j0 += 3) scores_heads<BITS, 3, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 2) scores_heads<BITS, 2, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 1) scores_heads<BITS, 1, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
+}
+
+// sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
+inline void row_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t rs, int64_t m, const float* mask,
+                       float* sc, int64_t ps) {
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t j = 0; j < G; ++j) {
+      auto acc = V::zero();
+      for (int64_t i = 0; i < D; i += V::W) acc = V::fma(V::load(q + j * D + i), V::load(k + t * rs + i), acc);
+      sc[j * ps + t] = V::hsum(acc) + (mask ? mask[t] : 0.f);
+    }
+}
+
+// acc[j] += Σ_t p[j][t] · row_t for m fp32 rows (stride rs): the tail
+inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t rs, int64_t m,
+                       float* acc) {
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t t = 0; t < m; ++t) {
+      const float w = p[j * ps + t];
+      if (w == 0.f) continue;
+      const auto vw = V::set1(w);
+      for (int64_t i = 0; i < D; i += V::W)
+        V::store(acc + j * D + i, V::fma(vw, V::load(v + t * rs + i), V::load(acc + j * D + i)));
+    }
+}
+
+// online softmax over a block: scores -> weights in place; rescales acc / l when a head's max grows. Returns
+// whether any head has a nonzero weight in the block.
+inline bool block_softmax(float* sc, int64_t ps, int64_t G, int64_t D, int64_t m, float* mrun, float* lrun,
+                          float* acc) {
+  bool any = false;
+  for (int64_t j = 0; j < G; ++j) {
+    float* s = sc + j * ps;
+    float bm = -INFINITY;
+    for (int64_t t = 0; t < m; ++t) bm = std::max(bm, s[t]);
+    if (bm == -INFINITY) {  // every token of the block masked for this head
+      std::fill(s, s + m, 0.f);
+      continue;
+    }
+    any = true;
+    if (bm > mrun[j]) {
+      const float f = mrun[j] == -INFINITY ? 0.f : std::exp(mrun[j] - bm);
+      lrun[j] *= f;
+      const auto vf = V::set1(f);
+      for (int64_t i = 0; i < D; i += V::W) V::store(acc + j * D + i, V::mul(V::load(acc + j * D + i), vf));
+      mrun[j] = bm;
+    }
+    const auto vm = V::set1(mrun[j]);
+    auto vsum = V::zero();
+    int64_t t = 0;
+    for (; t + V::W <= m; t += V::W) {
+      const auto p = V::exp(V::sub(V::load(s + t), vm));
+      V::store(s + t, p);
+      vsum = V::add(vsum, p);
+    }
+    float sum = V::hsum(vsum);
+    for (; t < m; ++t) {
+      const float x = s[t] - mrun[j];
+      s[t] = x < kvslim_vec::kExpLo ? 0.f : std::exp(x);
+      sum += s[t];
+    }
+    lrun[j] += sum;
+  }
+  return any;
+}
+
+// acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · codes_t[c, c + 8·NV) for HC heads; tokens whose weights are all 0 are
+// skipped (a masked row is never read). ENDS: the tile's last unit ends the row.
+template <int BITS, int NV, int HC, bool ENDS>
+inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* pw, int64_t pws, int64_t c,
+                       float* acc, int64_t D) {
+  typename V::R A[HC][NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) A[j][v] = V::load(acc + j * D + c + 8 * v);
+  const uint8_t* ct = base + (c / 8) * BITS;
+  for (int64_t t = 0; t < m; ++t, ct += rs) {
+    typename V::R w[HC];
+    bool any = false;
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) {
+      const float x = pw[j * pws + t];
+      any |= x != 0.f;
+      w[j] = V::set1(x);
+    }
+    if (!any) continue;
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+      const auto x = (ENDS && u == NV - 1) ? V::template unit<BITS, true>(ct + u * BITS)
+                                           : V::template unit<BITS, false>(ct + u * BITS);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) A[j][u] = V::fma(w[j], x, A[j][u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) V::store(acc + j * D + c + 8 * v, A[j][v]);
+}
+
+// the widest tile (units of 8 columns) inside one group of gs channels for HC heads: ≤ 8 for 1 head, ≤ 4 for 2,
+// ≤ 2 for 3 (registers: HC·NV accumulators + HC weights + loader temporaries ≤ 16)
+inline int tile_units(int64_t gs, int hc) {
+  const int64_t nu = gs / 8;  // even (gs a multiple of 16)
+  if (hc == 1 && nu % 8 == 0) return 8;
+  if (hc <= 2 && nu % 4 == 0) return 4;
+  return 2;
+}
+
+template <int BITS, int NV, int HC>
+inline void value_tile_at(const uint8_t* base, int64_t rs, int64_t m, const float* pw, int64_t pws, int64_t c,
+                          float* acc, int64_t D) {
+  if (c + 8 * NV == D) value_tile<BITS, NV, HC, true>(base, rs, m, pw, pws, c, acc, D);
+  else value_tile<BITS, NV, HC, false>(base, rs, m, pw, pws, c, acc, D);
+}
+
+template <int BITS, int HC>
+inline void values_heads(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* pw, int64_t T,
+                         int64_t j0, float* acc) {
+  const int64_t D = a.D, gs = a.gs, ng = D / gs;
+  const uint8_t* base = a.v.codes.at<uint8_t>(b, h, t0);
+  const int64_t rs = a.v.codes.ts;
+  const int nv = tile_units(gs, HC);
+  for (int64_t c = 0; c < D; c += 8 * nv) {
+    const float* pg = pw + (j0 * ng + c / gs) * T;  // pw[(j·ng + g)·T + t]
+    float* aj = acc + j0 * D;
+    if (nv == 8) value_tile_at<BITS, 8, HC>(base, rs, m, pg, ng * T, c, aj, D);
+    else if (nv == 4) value_tile_at<BITS, 4, HC>(base, rs, m, pg, ng * T, c, aj, D);
+    else value_tile_at<BITS, 2, HC>(base, rs, m, pg, ng * T, c, aj, D);
+  }
+}
+
+// acc[j] += Σ_t p[j][t] · (codes_t · s_t + z_t) (per-token groups; weights folded into the scales; a weight of 0
+// never touches its token's parameters, which may hold anything)
+template <int BITS>
+inline void code_values(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t T,
+                        const float* vs, const float* vz, float* pw, float* acc) {
+  const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
+  for (int64_t j = 0; j < G; ++j) {
+    const float* pj = p + j * T;
+    for (int64_t g = 0; g < ng; ++g) {
+      float* o = pw + (j * ng + g) * T;
+      float zs = 0.f;
+      for (int64_t t = 0; t < m; ++t) {
+        const float x = pj[t];
+        o[t] = x == 0.f ? 0.f : x * vs[t * ng + g];
+        zs += x == 0.f ? 0.f : x * vz[t * ng + g];
+      }
+      const auto vzs = V::set1(zs);  // Σ_t p_t · z_tg on every channel of group g
+      float* aj = acc + j * D + g * gs;
+      for (int64_t i = 0; i < gs; i += V::W) V::store(aj + i, V::add(V::load(aj + i), vzs));
+    }
+  }
+  int64_t j0 = 0;
+  for (; j0 + 3 <= G; j0 += 3) values_heads<BITS, 3>(a, b, h, t0, m, pw, T, j0, acc);
+  if (G - j0 == 2) values_heads<BITS, 2>(a, b, h, t0, m, pw, T, j0, acc);
+  if (G - j0 == 1) values_heads<BITS, 1>(a, b, h, t0, m, pw, T, j0, acc);
+}
+
+// one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
+// acc (G × D) gets the unnormalised sum, mo / lo (G) the running max and denominator.
+template <int KB, int VB, bool KIVI>
+void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
+              Scratch& sp) {
+  const int64_t G = a.G, D = a.D, T = sp.T;
+  const int64_t len = a.lengths ? a.lengths[b] : a.n;
+  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
+  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
+  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
+  float* q = sp.q.data();
+  for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < G; ++j) {
+    mo[j] = -INFINITY;
+    lo[j] = 0.f;
+  }
+  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  const int64_t kng = D / a.gs;
+  if (!KIVI)
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t g = 0; g < kng; ++g) {
+        float z = 0.f;
+        for (int64_t i = g * a.gs; i < (g + 1) * a.gs; ++i) z += q[j * D + i];
+        sp.qsum[j * kng + g] = z;
+      }
+  int64_t row_group = -1;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+    const int64_t m = std::min(T, t_end - t0);
+    const float* mk = mask ? mask + t0 : nullptr;
+    if (KIVI) {  // per token group: q ⊙ its scales and q · its zeros, then plain dot products with the codes
+      for (int64_t u0 = t0; u0 < t0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+        if (g != row_group) {
+          kivi_row(a, a.k.scale, b, h, g, sp.srow.data());
+          kivi_row(a, a.k.zero, b, h, g, sp.zrow.data());
+          for (int64_t j = 0; j < G; ++j) {
+            auto z = V::zero();
+            for (int64_t i = 0; i < D; i += V::W) {
+              const auto qv = V::load(q + j * D + i);
+              V::store(sp.qs.data() + j * D + i, V::mul(qv, V::load(sp.srow.data() + i)));
+              z = V::fma(qv, V::load(sp.zrow.data() + i), z);
+            }
+            sp.zq[j] = V::hsum(z);
+          }
+          row_group = g;
+        }
+        code_scores<KB, true>(a, b, h, u0, u1 - u0, sp.qs.data(), nullptr, sp.zq.data(), nullptr, nullptr,
+                              mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+        u0 = u1;
+      }
+    } else {
+      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
+      load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
+      code_scores<KB, false>(a, b, h, t0, m, q, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
+                             sp.sc.data(), T);
+    }
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
+    load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
+    code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
+  }
+  if (s != S - 1 || a.r == 0) return;
+  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
+    const int64_t m = std::min(T, a.r - t0);
+    row_scores(q, G, D, a.kt.at<float>(b, h, t0), a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    row_values(sp.sc.data(), T, G, D, a.vt.at<float>(b, h, t0), a.vt.ts, m, acc);
+  }
+}
+
+inline TaskFn pick(int kb, int vb, bool kivi) {
+#define KVSLIM_LOWBIT_PICK(K, VV)                                  \
+  if (kb == K && vb == VV) return kivi ? run_task<K, VV, true> : run_task<K, VV, false>;
+  KVSLIM_LOWBIT_PICK(3, 2)
+  KVSLIM_LOWBIT_PICK(2, 2)
+  KVSLIM_LOWBIT_PICK(3, 3)
+  KVSLIM_LOWBIT_PICK(2, 3)
+#undef KVSLIM_LOWBIT_PICK
+  return nullptr;
+}

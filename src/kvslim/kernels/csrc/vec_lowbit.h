@@ -1,0 +1,145 @@
+// SIMD traits for kvslim's low-bit decode kernel (quant_decode_lowbit.cpp): 8-lane fp32 vectors and loaders of
+// packed 2-bit / 3-bit codes, per instruction set.
+//
+// Every path works on *units* of 8 codes, which always land in natural element order (lane j = code 8u + j):
+//   3 bits: a unit is 3 bytes, code j at bits [3j, 3j+3) of the little-endian 24-bit word (ops/quant_formats.py);
+//   2 bits: a unit is 2 bytes, code j at bits [2j, 2j+2) of the little-endian 16-bit word.
+// The AVX2 loader broadcasts a 4-byte word and shifts each lane by its own count (vpsrlvd). A 4-byte load covers
+// BITS bytes plus 4 − BITS bytes after them, so the last unit of a row (`LAST`) loads the 4 bytes that *end* at
+// its end instead (and shifts 8·(4 − BITS) bits further): nothing past a row is ever read. The scalar traits
+// (`LowScalar`) emulate the same 8-lane interface with plain arrays, for CPUs without AVX2 + FMA + F16C.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_slim.h"
+
+namespace kvslim_lowbit {
+
+// IEEE binary16 -> binary32 (subnormals, inf, nan included)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    bits = sign;
+  } else {  // subnormal: m · 2^-24
+    float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// one unit of 8 codes at p (exactly BITS bytes read)
+template <int BITS>
+inline void unit_scalar(const uint8_t* p, float* out) {
+  uint32_t w = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
+  if (BITS == 3) w |= static_cast<uint32_t>(p[2]) << 16;
+  for (int j = 0; j < 8; ++j) out[j] = static_cast<float>((w >> (BITS * j)) & ((1u << BITS) - 1));
+}
+
+struct F8 {
+  float v[8];
+};
+
+struct LowScalar {
+  using R = F8;
+  static constexpr int W = 8;
+  static inline R zero() { return set1(0.f); }
+  static inline R set1(float x) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = x;
+    return r;
+  }
+  static inline R load(const float* p) {
+    R r;
+    std::memcpy(r.v, p, sizeof r.v);
+    return r;
+  }
+  static inline void store(float* p, const R& a) { std::memcpy(p, a.v, sizeof a.v); }
+  static inline R fma(const R& a, const R& b, const R& c) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static inline R mul(const R& a, const R& b) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
+  static inline R add(const R& a, const R& b) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] + b.v[i];
+    return r;
+  }
+  static inline R sub(const R& a, const R& b) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] - b.v[i];
+    return r;
+  }
+  static inline float hsum(const R& a) {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += a.v[i];
+    return s;
+  }
+  static inline void hsum4(const R& a, const R& b, const R& c, const R& d, float* out) {
+    out[0] = hsum(a);
+    out[1] = hsum(b);
+    out[2] = hsum(c);
+    out[3] = hsum(d);
+  }
+  static inline R exp(const R& a) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] < kvslim_vec::kExpLo ? 0.f : std::exp(a.v[i]);
+    return r;
+  }
+  // 8 parameters (sdt 1: fp16, 2: bf16 bit patterns) -> fp32
+  static inline R params16(const uint16_t* p, int sdt) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = sdt == 1 ? half_to_float(p[i]) : kvslim_vec::bf16_to_f32(p[i]);
+    return r;
+  }
+  template <int BITS, bool LAST>
+  static inline R unit(const uint8_t* p) {
+    R r;
+    unit_scalar<BITS>(p, r.v);
+    return r;
+  }
+};
+
+}  // namespace kvslim_lowbit
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace kvslim_lowbit {
+
+struct LowAVX2 : kvslim_vec::VecAVX2 {
+  static inline R params16(const uint16_t* p, int sdt) {
+    return sdt == 1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))) : load(p);
+  }
+  // 8 codes of the unit at p -> 8 floats; LAST: the unit ends its row (load the 4 bytes ending there)
+  template <int BITS, bool LAST>
+  static inline R unit(const uint8_t* p) {
+    constexpr int extra = LAST ? 8 * (4 - BITS) : 0;
+    int32_t w;
+    std::memcpy(&w, LAST ? p - (4 - BITS) : p, 4);
+    const __m256i cnt = BITS == 3 ? _mm256_setr_epi32(extra, 3 + extra, 6 + extra, 9 + extra, 12 + extra, 15 + extra,
+                                                      18 + extra, 21 + extra)
+                                  : _mm256_setr_epi32(extra, 2 + extra, 4 + extra, 6 + extra, 8 + extra, 10 + extra,
+                                                      12 + extra, 14 + extra);
+    const __m256i x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), cnt),
+                                       _mm256_set1_epi32((1 << BITS) - 1));
+    return _mm256_cvtepi32_ps(x);
+  }
+};
+
+}  // namespace kvslim_lowbit
+#pragma GCC pop_options
