@@ -7,7 +7,9 @@
 // q·k_t = (q ⊙ s)·c_t + q·z with q ⊙ s and q·z formed once per token group; per-token keys as
 // Σ_g s_tg (q_g·c_tg) + z_tg Σ q_g; (2) online softmax per head (rescale only when the running max grows);
 // (3) acc[j] += Σ_t p_jt (s_tg c_t + z_tg) as a register tile over columns, p_jt·s_tg folded into the weight and
-// Σ_t p_jt z_tg added per group once per block. Codes are converted in registers, never stored. The fp32 tail
+// Σ_t p_jt z_tg added per group once per block. Codes are converted in registers, never stored; a unit's lane j
+// comes scaled by 2^(BITS·j) (vec_lowbit.h): the query the key codes see carries 2^(−KB·j), and the value
+// accumulator runs in the scaled basis until the task's codes are done (zero-point sums added scaled). The fp32 tail
 // (residual window) is attended after the codes in the last split, read in place. Every index is bounded by
 // LArgs (set from tensor metadata by the op and checked there).
 
@@ -255,17 +257,28 @@ template <int BITS>
 inline void code_values(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t T,
                         const float* vs, const float* vz, float* pw, float* acc) {
   const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs;
+  const auto lanes = V::template lanes<BITS, 1>();
   for (int64_t j = 0; j < G; ++j) {
     const float* pj = p + j * T;
     for (int64_t g = 0; g < ng; ++g) {
       float* o = pw + (j * ng + g) * T;
       float zs = 0.f;
-      for (int64_t t = 0; t < m; ++t) {
+      int64_t t = 0;
+      if (ng == 1) {
+        auto zv = V::zero();
+        for (; t + V::W <= m; t += V::W) {
+          const auto x = V::load(pj + t);
+          V::store(o + t, V::mul_nz(x, V::load(vs + t)));
+          zv = V::add(zv, V::mul_nz(x, V::load(vz + t)));
+        }
+        zs = V::hsum(zv);
+      }
+      for (; t < m; ++t) {
         const float x = pj[t];
         o[t] = x == 0.f ? 0.f : x * vs[t * ng + g];
         zs += x == 0.f ? 0.f : x * vz[t * ng + g];
       }
-      const auto vzs = V::set1(zs);  // Σ_t p_t · z_tg on every channel of group g
+      const auto vzs = V::mul(V::set1(zs), lanes);  // Σ_t p_t · z_tg on every channel of group g (scaled basis)
       float* aj = acc + j * D + g * gs;
       for (int64_t i = 0; i < gs; i += V::W) V::store(aj + i, V::add(V::load(aj + i), vzs));
     }
@@ -295,13 +308,16 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   }
   const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
   const int64_t kng = D / a.gs;
-  if (!KIVI)
+  const auto kdown = V::template lanes<KB, -1>();  // the key units' lane factors, undone on the query
+  if (!KIVI) {
     for (int64_t j = 0; j < G; ++j)
       for (int64_t g = 0; g < kng; ++g) {
         float z = 0.f;
         for (int64_t i = g * a.gs; i < (g + 1) * a.gs; ++i) z += q[j * D + i];
         sp.qsum[j * kng + g] = z;
       }
+    for (int64_t i = 0; i < G * D; i += V::W) V::store(sp.qs.data() + i, V::mul(V::load(q + i), kdown));
+  }
   int64_t row_group = -1;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
     const int64_t m = std::min(T, t_end - t0);
@@ -316,7 +332,7 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
             auto z = V::zero();
             for (int64_t i = 0; i < D; i += V::W) {
               const auto qv = V::load(q + j * D + i);
-              V::store(sp.qs.data() + j * D + i, V::mul(qv, V::load(sp.srow.data() + i)));
+              V::store(sp.qs.data() + j * D + i, V::mul(V::mul(qv, V::load(sp.srow.data() + i)), kdown));
               z = V::fma(qv, V::load(sp.zrow.data() + i), z);
             }
             sp.zq[j] = V::hsum(z);
@@ -330,14 +346,16 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     } else {
       load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
       load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
-      code_scores<KB, false>(a, b, h, t0, m, q, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
-                             sp.sc.data(), T);
+      code_scores<KB, false>(a, b, h, t0, m, sp.qs.data(), sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(),
+                             mk, sp.sc.data(), T);
     }
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
     load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
     load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
     code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
   }
+  const auto vdown = V::template lanes<VB, -1>();  // the accumulator back to the values' basis (exact)
+  for (int64_t i = 0; i < G * D; i += V::W) V::store(acc + i, V::mul(V::load(acc + i), vdown));
   if (s != S - 1 || a.r == 0) return;
   for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
     const int64_t m = std::min(T, a.r - t0);

@@ -1,12 +1,15 @@
 // SIMD traits for kvslim's low-bit decode kernel (quant_decode_lowbit.cpp): 8-lane fp32 vectors and loaders of
 // packed 2-bit / 3-bit codes, per instruction set.
 //
-// Every path works on *units* of 8 codes, which always land in natural element order (lane j = code 8u + j):
+// Every path works on *units* of 8 codes, in natural element order (lane j = code 8u + j):
 //   3 bits: a unit is 3 bytes, code j at bits [3j, 3j+3) of the little-endian 24-bit word (ops/quant_formats.py);
 //   2 bits: a unit is 2 bytes, code j at bits [2j, 2j+2) of the little-endian 16-bit word.
-// The AVX2 loader broadcasts a 4-byte word and shifts each lane by its own count (vpsrlvd). A 4-byte load covers
-// BITS bytes plus 4 − BITS bytes after them, so the last unit of a row (`LAST`) loads the 4 bytes that *end* at
-// its end instead (and shifts 8·(4 − BITS) bits further): nothing past a row is ever read. The scalar traits
+// `unit` returns lane j = c_j · 2^(BITS·j): the AVX2 loader broadcasts the word and masks each lane's field *in
+// place* (no shift: one AND and one int->float conversion per 8 codes; the values are exact integers < 2^24). The
+// kernel folds the lane factors 2^(−BITS·j) (`unscale`) into the query (scores) and undoes them on the value
+// accumulator once per task, exactly (powers of two). A 4-byte load covers BITS bytes plus 4 − BITS after them,
+// so the last unit of a row (`LAST`) loads the 4 bytes that *end* at its end and shifts them down: nothing past a
+// row is ever read. The scalar traits
 // (`LowScalar`) emulate the same 8-lane interface with plain arrays, for CPUs without AVX2 + FMA + F16C.
 #pragma once
 
@@ -38,12 +41,18 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
-// one unit of 8 codes at p (exactly BITS bytes read)
+// one unit of 8 codes at p (exactly BITS bytes read): out[j] = c_j · 2^(BITS·j)
 template <int BITS>
 inline void unit_scalar(const uint8_t* p, float* out) {
   uint32_t w = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
   if (BITS == 3) w |= static_cast<uint32_t>(p[2]) << 16;
-  for (int j = 0; j < 8; ++j) out[j] = static_cast<float>((w >> (BITS * j)) & ((1u << BITS) - 1));
+  for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(w & (((1u << BITS) - 1) << (BITS * j)));
+}
+
+// lane j of a unit carries 2^(BITS·j) (SIGN = 1) or 2^(−BITS·j) (SIGN = −1)
+template <int BITS, int SIGN>
+inline float lane_factor(int j) {
+  return std::ldexp(1.f, SIGN * BITS * j);
 }
 
 struct F8 {
@@ -113,6 +122,18 @@ struct LowScalar {
     unit_scalar<BITS>(p, r.v);
     return r;
   }
+  template <int BITS, int SIGN>
+  static inline R lanes() {
+    R r;
+    for (int j = 0; j < 8; ++j) r.v[j] = lane_factor<BITS, SIGN>(j);
+    return r;
+  }
+  // p·s where p != 0, else 0 (a zero weight never lets its token's parameters, which may be NaN, through)
+  static inline R mul_nz(const R& p, const R& s) {
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = p.v[i] == 0.f ? 0.f : p.v[i] * s.v[i];
+    return r;
+  }
 };
 
 }  // namespace kvslim_lowbit
@@ -125,19 +146,27 @@ struct LowAVX2 : kvslim_vec::VecAVX2 {
   static inline R params16(const uint16_t* p, int sdt) {
     return sdt == 1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))) : load(p);
   }
-  // 8 codes of the unit at p -> 8 floats; LAST: the unit ends its row (load the 4 bytes ending there)
+  // 8 codes of the unit at p -> lane j = c_j · 2^(BITS·j); LAST: the unit ends its row (load the 4 bytes
+  // ending there, shift them down)
   template <int BITS, bool LAST>
   static inline R unit(const uint8_t* p) {
-    constexpr int extra = LAST ? 8 * (4 - BITS) : 0;
     int32_t w;
     std::memcpy(&w, LAST ? p - (4 - BITS) : p, 4);
-    const __m256i cnt = BITS == 3 ? _mm256_setr_epi32(extra, 3 + extra, 6 + extra, 9 + extra, 12 + extra, 15 + extra,
-                                                      18 + extra, 21 + extra)
-                                  : _mm256_setr_epi32(extra, 2 + extra, 4 + extra, 6 + extra, 8 + extra, 10 + extra,
-                                                      12 + extra, 14 + extra);
-    const __m256i x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), cnt),
-                                       _mm256_set1_epi32((1 << BITS) - 1));
-    return _mm256_cvtepi32_ps(x);
+    __m256i x = _mm256_set1_epi32(w);
+    if (LAST) x = _mm256_srli_epi32(x, 8 * (4 - BITS));
+    constexpr int m = (1 << BITS) - 1;
+    const __m256i mask = _mm256_setr_epi32(m, m << BITS, m << 2 * BITS, m << 3 * BITS, m << 4 * BITS, m << 5 * BITS,
+                                           m << 6 * BITS, m << 7 * BITS);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(x, mask));
+  }
+  template <int BITS, int SIGN>
+  static inline R lanes() {
+    alignas(32) float f[8];
+    for (int j = 0; j < 8; ++j) f[j] = lane_factor<BITS, SIGN>(j);
+    return _mm256_load_ps(f);
+  }
+  static inline R mul_nz(R p, R s) {
+    return _mm256_and_ps(_mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_UQ), _mm256_mul_ps(p, s));
   }
 };
 
