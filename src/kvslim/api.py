@@ -70,12 +70,16 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimC
 
 
 def _fused_attention(model: torch.nn.Module, plan: Plan) -> bool:
-    """Whether ``model`` runs kvslim's attention (which reads int8/int4 codes directly) and the op is built."""
+    """Whether ``model`` runs kvslim's attention (which reads int8/int4/int2 codes directly) and the method's op
+    is built."""
     from .adapters.sdpa import NAME
-    from .kernels.quant_decode import available
+    from .kernels import quant_decode, quant_decode_lowbit
 
-    return (getattr(model.config, "_attn_implementation", None) == NAME
-            and plan.method in ("int8", "int4") and available())
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return False
+    if plan.method == "int2":
+        return quant_decode_lowbit.available()
+    return plan.method in ("int8", "int4") and quant_decode.available()
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:

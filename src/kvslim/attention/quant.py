@@ -1,4 +1,5 @@
-"""Decode attention over an int8/int4 cache layer's codes (one query token), through ``kvslim.quant_decode``.
+"""Decode attention over a quantized cache layer's codes (one query token): int8/int4 through
+``kvslim.quant_decode``, asymmetric 2/3-bit codes (``int2``) through ``kvslim.quant_decode_lowbit``.
 
 The layer hands a :class:`kvslim.caches.fused.FusedKV` (the coded history plus the full-precision tail) instead
 of dequantized keys and values. Everything a store does to values before coding is undone on the query and the
@@ -18,6 +19,8 @@ import torch
 
 from ..caches.fused import FusedKV
 from ..kernels.quant_decode import quant_decode
+from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
+from ..kernels.quant_decode_lowbit import quant_decode_lowbit
 
 
 def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None | bool:
@@ -59,9 +62,16 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         kt = None if kt is None else kt @ rot
     if vrot is not None and vt is not None:
         vt = vt @ vrot
-    spec = h.k.spec
-    out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                          spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling)
+    spec, vbits = h.k.spec, h.v.spec.bits
+    if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only
+        if spec.bits not in LOW_BITS or vbits not in LOW_BITS or h.k.zero is None or h.v.zero is None:
+            return None
+        out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                                     vbits, spec.group_size, spec.channel_group, h.n, None, kt, vt,
+                                     h.kernel_mask(mask), scaling)
+    else:
+        out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                              spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling)
     if vrot is not None:
         out = out @ vrot.T
     return out.reshape(b, 1, heads, d).to(query.dtype)

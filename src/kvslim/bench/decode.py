@@ -27,7 +27,7 @@ from ..adapters.shape import shape_from_config
 #: what ``apply(model, "int4")`` gives a user)
 #: ``kvslim-slim`` is slim attention option 2 (K-only cache, V rebuilt after the softmax-weighted sum; MHA only).
 KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {}),
-                "kvslim-slim": ("slim", {"cache": "k", "rank": 0})}
+                "kvslim-int2": ("int2", {}), "kvslim-slim": ("slim", {"cache": "k", "rank": 0})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
 

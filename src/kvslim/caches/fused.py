@@ -74,7 +74,7 @@ class FusedKV:
 def fusable(store: TensorStore | None) -> bool:
     """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual."""
     inner = store.inner if isinstance(store, ResidualStore) else store
-    return isinstance(inner, QuantizedStore) and inner.spec.bits in (4, 8)
+    return isinstance(inner, QuantizedStore) and inner.spec.bits in (2, 3, 4, 8)
 
 
 def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,

@@ -105,7 +105,7 @@ class StorageMethod(Method):
     def prepare(self, model, plan: Plan) -> None:
         """HF's own attention keeps running; GQA decode gets packed queries, int8/int4 decode the fused kernel
         (see ``adapters/sdpa.py``)."""
-        model._kvslim_attn_previous = use_packed_sdpa(model, quantized=self.bits in (4, 8))
+        model._kvslim_attn_previous = use_packed_sdpa(model, quantized=self.bits in (2, 4, 8))
 
     def restore(self, model) -> None:
         restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))
