@@ -14,13 +14,14 @@
 // The G query heads of a KV head (GQA / MQA: HF's repeat_kv order) share one pass over its codes; no
 // full-precision copy of the history is made (codes are converted in registers). Parallel over batch × KV heads ×
 // splits of the sequence (flash-decoding, exact log-sum-exp merge). AVX2 + FMA + F16C or scalar, chosen at run
-// time (KVSLIM_ISA=scalar caps it). Every size and stride comes from tensor metadata and is checked here (named
+// time (KVSLIM_ISA=scalar or quant_decode_lowbit_set_isa caps it). Every size and stride comes from tensor metadata and is checked here (named
 // ValueErrors); no code row is read past its end (vec_lowbit.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -98,19 +99,25 @@ using V = LowAVX2;
 
 namespace kvslim_lowbit {
 
-// the instruction set this op runs with (KVSLIM_ISA=scalar caps it, for tests; there is no AVX-512 path)
-inline std::string cpu_isa() {
-  static const std::string name = [] {
+// whether the CPU runs the AVX2 path (AVX2 + FMA + F16C; there is no AVX-512 path)
+inline bool cpu_avx2() {
+  static const bool ok = [] {
     __builtin_cpu_init();
-    const char* cap = std::getenv("KVSLIM_ISA");
-    const std::string want = cap ? cap : "avx2";
-    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-      return std::string("avx2");
-    return std::string("scalar");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();
-  return name;
+  return ok;
 }
+
+// the path in force: the best the CPU has, capped to scalar by KVSLIM_ISA=scalar or quant_decode_lowbit_set_isa
+inline std::atomic<bool>& use_scalar() {
+  static std::atomic<bool> flag([] {
+    const char* cap = std::getenv("KVSLIM_ISA");
+    return !cpu_avx2() || (cap != nullptr && std::string(cap) == "scalar");
+  }());
+  return flag;
+}
+
+inline std::string cpu_isa() { return use_scalar().load() ? "scalar" : "avx2"; }
 
 inline int64_t auto_splits(int64_t tasks, int64_t n, int64_t T) {
   const int64_t threads = at::get_num_threads();
@@ -296,6 +303,18 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
 
 std::string quant_decode_lowbit_isa() { return kvslim_lowbit::cpu_isa(); }
 
+// select the path ("avx2" or "scalar"; tests run both in one process); returns the previous one
+std::string quant_decode_lowbit_set_isa(const std::string& isa) {
+  using namespace kvslim_lowbit;
+  TORCH_CHECK_VALUE(isa == "scalar" || isa == "avx2", "kvslim::quant_decode_lowbit_set_isa: isa must be 'avx2' or "
+                    "'scalar', got '", isa, "'");
+  TORCH_CHECK_VALUE(isa == "scalar" || cpu_avx2(), "kvslim::quant_decode_lowbit_set_isa: this CPU has no AVX2 + FMA + "
+                    "F16C");
+  const std::string previous = cpu_isa();
+  use_scalar().store(isa == "scalar");
+  return previous;
+}
+
 #pragma GCC visibility pop
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
@@ -304,6 +323,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
         "Tensor? lengths, Tensor? k_tail, Tensor? v_tail, Tensor? mask, float scaling, int splits=0) "
         "-> (Tensor, Tensor)");
   m.def("quant_decode_lowbit_isa() -> str", &quant_decode_lowbit_isa);
+  m.def("quant_decode_lowbit_set_isa(str isa) -> str", &quant_decode_lowbit_set_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("quant_decode_lowbit", &quant_decode_lowbit_cpu); }
