@@ -36,6 +36,7 @@ from kvslim import api
 from kvslim.caches import KVSlimCache
 from kvslim.caches.dense import AppendLayer
 from kvslim.caches.residual import ResidualStore
+from kvslim.caches.sink import SinkStore
 from kvslim.evaluate import compare_caches, greedy_agreement, text_ids
 from kvslim.methods import METHODS
 from kvslim.ops.rope import rotate, unrotate
@@ -48,20 +49,20 @@ F16 = torch.float16
 def _int4(label_opts: str, **opts) -> tuple[str, str, dict]:
     """An int4 row with every format option explicit (independent of the method's defaults)."""
     full = dict(asymmetric=True, residual=0, key_channel_group=0, rotation=None, group_size=64, scale_dtype=F16,
-                smooth_keys=True, value_rotation=None)
+                smooth_keys=True, value_rotation=None, sink=0)
     full.update(opts)
     return f"int4 {label_opts}", "int4", full
 
 
 def _int2(label_opts: str, **opts) -> tuple[str, str, dict]:
     full = dict(asymmetric=True, residual=128, key_channel_group=0, rotation=None, group_size=32, scale_dtype=F16,
-                smooth_keys=True, key_bits=None, value_rotation=None)
+                smooth_keys=True, key_bits=None, value_rotation=None, sink=0)
     full.update(opts)
     return f"int2 {label_opts}", "int2", full
 
 
 OLD_INT4 = dict(asymmetric=False, residual=0, key_channel_group=0, rotation=None, group_size=64,
-                scale_dtype="float32", smooth_keys=True, value_rotation="none")
+                scale_dtype="float32", smooth_keys=True, value_rotation="none", sink=0)
 ABLATION = [
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
     _int4("sym g32 fp32 +smooth", asymmetric=False, group_size=32, scale_dtype="float32"),
@@ -77,6 +78,10 @@ ABLATION = [
     _int4("asym g64 fp16 +kivi32(pre) +r128", key_channel_group=32, residual=128, prerope=True),
     _int4("asym g64 fp16 +kivi32 +r128 +vhad (default)", key_channel_group=32, residual=128,
           value_rotation="hadamard"),
+    _int4("asym g64 fp16 +kivi32 +r124 +vhad +sink4", key_channel_group=32, residual=124,
+          value_rotation="hadamard", sink=4),
+    _int4("asym g64 fp16 +kivi32 +r120 +vhad +sink8", key_channel_group=32, residual=120,
+          value_rotation="hadamard", sink=8),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
     _int2("asym g32 fp16 +smooth +r128"),
     _int2("K3 kivi64 V2 g64 +r128", key_bits=3, key_channel_group=64, group_size=64),
@@ -91,9 +96,12 @@ ABLATION = [
 ]
 OLD_INT2 = dict(key_bits=2, asymmetric=True, residual=128, key_channel_group=32, group_size=32, scale_dtype=F16,
                 value_rotation="none")
+PREV_INT4 = dict(asymmetric=True, key_channel_group=32, residual=128, group_size=64, scale_dtype=F16,
+                 value_rotation="hadamard", sink=0)  # the int4 default before the sink tokens
 FINAL = [
     ("int8 g64 (default)", "int8", {}),
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
+    ("int4 KIVI-32 r128, rotated V, no sinks", "int4", PREV_INT4),
     ("int4 (default)", "int4", {}),
     ("quanto 4-bit g64 r128", "quanto", dict(nbits=4)),
     ("int2 old: K2 kivi32 V2 g32 r128", "int2", OLD_INT2),
@@ -175,10 +183,11 @@ def measured_bits(cache, tokens: int, cfg) -> tuple[float, int]:
         if hasattr(layer, "k_store"):
             for store in layer._stores():
                 b, h = store.data.shape[:2]
-                if isinstance(store, ResidualStore):
-                    f = store.flushed
-                    coded_bytes += store.inner.nbytes(f)
-                    window += store.nbytes(tokens) - store.inner.nbytes(f)
+                if isinstance(store, (ResidualStore, SinkStore)):  # window (and sinks) apart
+                    coded = store.coded if isinstance(store, SinkStore) else store.inner
+                    f = store.flushed - min(tokens, store.spec.sink)
+                    coded_bytes += coded.nbytes(f)
+                    window += store.nbytes(tokens) - coded.nbytes(f)
                 else:
                     f = tokens
                     coded_bytes += store.nbytes(tokens)
@@ -300,7 +309,7 @@ def one_pass_rows(model, ids, rows, facts, args) -> list[dict]:
         coded_bytes = coded_elems = window = 0
         for ks, vs in specs:
             for sp in (ks, vs):
-                f = sp.flushed(n) if sp.bits else 0
+                f = sp.flushed(n) - min(n, sp.sink) if sp.bits else 0  # coded tokens (sinks stay fp32)
                 coded_bytes += f * sp.bytes_per_value_row(d, torch.float32)
                 coded_elems += f * d
                 window += (n - f) * d * 4 if sp.residual else 0

@@ -22,6 +22,7 @@ SPECS = {
     "int4 asym kivi r64": StoreSpec(4, 16, F16, asymmetric=True, channel_group=16, residual=64, flush=16),
     "int2 asym kivi r32": StoreSpec(2, 16, F16, asymmetric=True, channel_group=16, residual=32, flush=16),
     "int2 hadamard r32": StoreSpec(2, 16, F16, asymmetric=True, rotation="hadamard", residual=32, flush=8),
+    "int4 kivi r48 sink3": StoreSpec(4, 16, F16, asymmetric=True, channel_group=16, residual=48, flush=16, sink=3),
 }
 
 

@@ -222,7 +222,8 @@ def _tiny(kv_heads: int):
 FORMATS = [("int8", {}), ("int4", {}),
            ("int4", dict(asymmetric=True, scale_dtype="float16", key_channel_group=32, residual=64, group_size=32)),
            ("int4", dict(rotation="hadamard", residual=32)), ("int8", dict(window=16)),
-           ("int4", dict(window=64, asymmetric=True))]
+           ("int4", dict(window=64, asymmetric=True)),
+           ("int4", dict(asymmetric=True, key_channel_group=32, residual=32, group_size=32, sink=4))]
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

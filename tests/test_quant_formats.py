@@ -324,3 +324,63 @@ def test_int2_default_is_at_most_three_bits_per_element():
     bits = 8 * lp.bytes_per_token / (2 * 3 * 64)
     assert bits <= 3.0 and lp.residual <= 128
     assert isinstance(QuantizedStore, type)
+
+
+@pytest.mark.parametrize("channel_group", [16, 0])
+def test_sink_tokens_stay_exact_and_the_rest_is_a_residual_store_shifted_by_them(channel_group):
+    """``sink=S``: tokens [0, S) read back exactly forever; tokens [S, n) read back as a plain residual store fed
+    only those tokens (the sinks take no part in any group's range); flush points, bytes and rewinds agree."""
+    from kvslim.caches.sink import SinkStore
+
+    x = _rows(1, 2, 300, 32, seed=7)
+    x[:, :, 0] *= 40  # a sink-like outlier token: it must not widen the first group's range
+    common = dict(asymmetric=True, channel_group=channel_group, residual=48, flush=16)
+    spec, plain = StoreSpec(4, 16, torch.float16, sink=3, **common), StoreSpec(4, 16, torch.float16, **common)
+    store, ref = make_store(spec, x, 320), make_store(plain, x, 320)
+    assert isinstance(store, SinkStore)
+    n = 0
+    for s in (2, 1, 100, 1, 1, 37, 1, 60):
+        store.write(n, x[:, :, n:n + s])
+        if n + s > 3:
+            ref.write(max(0, n - 3), x[:, :, max(3, n):n + s])
+        n += s
+        got = store.read(0, n)
+        assert torch.equal(got[:, :, :3], x[:, :, :min(n, 3)]) if n >= 3 else torch.equal(got, x[:, :, :n])
+        if n > 3:
+            assert torch.equal(got[:, :, 3:], ref.read(0, n - 3))
+            assert store.flushed == spec.flushed(n) == 3 + ref.flushed
+            assert store.nbytes(n) == ref.nbytes(n - 3) + 2 * 3 * 32 * 4
+        assert torch.equal(store.read(1, n), got[:, :, 1:])
+    store.write(2, x[:, :, 2:5])  # rewind into the sinks: later tokens are forgotten, the sinks rewritten
+    assert store.length == 5 and torch.equal(store.read(0, 5), x[:, :, :5])
+    with pytest.raises(ValueError, match="past"):
+        store.write(9, x[:, :, :1])
+
+
+def test_sink_option_is_validated_and_shares_the_128_full_precision_tokens():
+    from kvslim.methods.storage import StorageOptions
+
+    for bad, name in ((dict(sink=-1, residual=64), "sink"), (dict(sink=True, residual=64), "sink"),
+                      (dict(sink=4), "sink"), (dict(sink=8, residual=124), "sink")):
+        with pytest.raises(ValueError, match=name):
+            StorageOptions(bits=4, **bad)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    spec = kvslim.plan_config(cfg, "int4", dtype="float32", sink=2, residual=64).layers[0].factory(None).spec
+    assert spec.sink == 2 and spec.for_values().sink == 2
+    with pytest.raises(ValueError, match="sink"):  # a ring keeps no window, so no sinks
+        kvslim.plan_config(cfg, "int4", dtype="float32", sink=2, window=64)
+    plan = kvslim.plan_config(cfg, "int4", dtype="float32", sink=2, residual=64)
+    assert "the first 2 and ≤64 recent tokens" in plan.layers[0].note
+
+
+def test_generate_with_sinks_nbytes_equals_plan():
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (2, 150), generator=torch.Generator().manual_seed(0))
+    plan = kvslim.apply(model, "int4", group_size=32, asymmetric=True, residual=60, key_channel_group=16, sink=4)
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                             return_dict_in_generate=True)
+        n = out.sequences.shape[1] - 1
+        assert out.past_key_values.nbytes == plan.cache_bytes(n, batch=2)
+    finally:
+        kvslim.restore(model)

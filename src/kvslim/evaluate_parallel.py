@@ -78,10 +78,9 @@ class _Run:
         out = x.clone()
         if not spec.bits:
             return out, torch.zeros(t, dtype=torch.long)
-        coded = getattr(store, "flushed", t)
-        inner = getattr(store, "inner", store)
+        coded = getattr(store, "flushed", t)  # tokens before the residual window (sinks, if any, read as kept)
         if coded:
-            out[:, :, :coded] = inner.read(0, coded).to(x.dtype)
+            out[:, :, :coded] = store.read(0, coded).to(x.dtype)
         flushed = torch.tensor([spec.flushed(int(e)) for e in self.ends.tolist()], dtype=torch.long)
         return out, torch.minimum(flushed, self.starts)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .residual import ResidualStore
+from .sink import SinkStore
 from .storage import QuantizedStore, TensorStore
 
 ATTR = "_kvslim_fused"
@@ -34,8 +35,8 @@ class FusedKV:
     step's own token). Ring buffers (``ring`` = (first, skip)): history position i of HF's temporal order lives in
     slot ``(first + i) % n``, and slot ``skip`` (the step's own token, re-coded) is not attended (the tail has the
     exact token); the first ``lead`` tail tokens come before the coded history in temporal order (a full ring's
-    oldest visible token, read before the step's token took its slot). ``materialize``: the unfused reads (the
-    cache layer's own code path).
+    oldest visible token, read before the step's token took its slot; an append layer's full-precision attention
+    sinks, ``caches/sink.py``). ``materialize``: the unfused reads (the cache layer's own code path).
     """
 
     k: QuantizedStore
@@ -56,8 +57,13 @@ class FusedKV:
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
-        if self.ring is None:
+        if self.ring is None and not self.lead:
             return mask
+        if self.ring is None:  # append layer with full-precision sinks: tokens [0, lead) sit in the tail's front
+            lead, n = self.lead, self.n
+            if mask is None:
+                return None
+            return torch.cat((mask[:, lead:lead + n], mask[:, :lead], mask[:, lead + n:]), dim=1).float()
         first, skip = self.ring
         n, b = self.n, 1 if mask is None else mask.shape[0]
         out = torch.zeros(b, n + self.k_tail.shape[2], dtype=torch.float32, device=self.k_tail.device)
@@ -72,14 +78,20 @@ class FusedKV:
 
 
 def fusable(store: TensorStore | None) -> bool:
-    """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual."""
-    inner = store.inner if isinstance(store, ResidualStore) else store
+    """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual
+    window and sinks."""
+    inner = store.coded if isinstance(store, SinkStore) else store.inner if isinstance(store, ResidualStore) else store
     return isinstance(inner, QuantizedStore) and inner.spec.bits in (2, 3, 4, 8)
 
 
 def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,
                   v_now: torch.Tensor, materialize) -> FusedKV:
     """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``."""
+    if isinstance(k_store, SinkStore):  # tail = [sinks | window] (one buffer), attended before the codes
+        lead, f, length = min(k_store.length, k_store.sink), k_store.inner.flushed, k_store.length
+        r = lead + k_store.inner.length - f
+        return FusedKV(k_store.coded, v_store.coded, f, k_store.fp[:, :, :r], v_store.fp[:, :, :r], materialize,
+                       lead=lead)
     if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
         f, length = k_store.flushed, k_store.length
         return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], v_store.fp[:, :, :length - f],

@@ -34,6 +34,9 @@ class StoreSpec:
       2-bit values (the ``int2`` default: 3.0 bits per element over K and V).
     * ``value_rotation``: the value store's rotation (``None``: ``rotation``; ``"none"``: no rotation, e.g. rotated
       keys with plain values). The ``int2`` default rotates values only.
+    * ``sink``: the first ``sink`` tokens of the sequence (attention sinks) stay in full precision for good and
+      are left out of every group's range (:class:`kvslim.caches.sink.SinkStore`); needs a ``residual`` window,
+      and ``sink + residual`` ≤ 128 full-precision tokens in all.
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -52,6 +55,7 @@ class StoreSpec:
     flush: int = 1
     value_bits: int | None = None
     value_rotation: str | None = None
+    sink: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in (0, 2, 3, 4, 8):
@@ -68,13 +72,18 @@ class StoreSpec:
         if self.value_rotation not in (None, "none", "hadamard"):
             raise ValueError(f"value_rotation must be None (= rotation), 'none' or 'hadamard', got "
                              f"{self.value_rotation!r}")
-        for name in ("channel_group", "residual", "flush"):
+        for name in ("channel_group", "residual", "flush", "sink"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "flush" else 0):
                 raise ValueError(f"{name} must be a{' positive' if name == 'flush' else ' non-negative'} int, "
                                  f"got {v!r}")
         if self.residual > MAX_RESIDUAL:
             raise ValueError(f"residual must be at most {MAX_RESIDUAL} tokens, got {self.residual}")
+        if self.sink and not self.residual:
+            raise ValueError(f"sink={self.sink} needs a residual window (residual > 0): sink tokens are kept beside it")
+        if self.sink + self.residual > MAX_RESIDUAL:
+            raise ValueError(f"sink + residual must be at most {MAX_RESIDUAL} full-precision tokens, got "
+                             f"sink={self.sink} + residual={self.residual}")
         if self.channel_group:
             if self.residual < self.channel_group:
                 raise ValueError(f"channel_group={self.channel_group} needs residual >= channel_group "
@@ -133,10 +142,13 @@ class StoreSpec:
         return 8 * self.bytes_per_value_row(dim, dtype) / dim
 
     def flushed(self, tokens: int) -> int:
-        """Tokens held in codes after ``tokens`` appended tokens (the rest, at most ``residual``, full precision)."""
+        """Tokens before the full-precision window after ``tokens`` appended tokens: the ``sink`` tokens (full
+        precision) and the coded ones; the rest, at most ``residual``, wait in the window."""
         if not self.residual:
             return tokens
-        return self.flush * -(-max(0, tokens - self.residual) // self.flush)
+        if tokens <= self.sink:
+            return tokens
+        return self.sink + self.flush * -(-max(0, tokens - self.sink - self.residual) // self.flush)
 
     def describe(self) -> str:
         """Short name of the format, e.g. ``int4 asym g32 fp16 kivi-k32 hadamard r128``."""
@@ -152,6 +164,8 @@ class StoreSpec:
             parts.append("smooth-k")
         if self.residual:
             parts.append(f"r{self.residual}/{self.flush}")
+        if self.sink:
+            parts.append(f"sink{self.sink}")
         return " ".join(parts)
 
 
@@ -376,5 +390,11 @@ def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStor
     from .residual import ChannelQuantizedStore, ResidualStore  # they build on the classes above
 
     cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
+    if spec.sink:  # tokens [sink, …) go to a residual store of their own positions, shifted by sink
+        from .sink import SinkStore
+
+        inner = replace(spec, sink=0)
+        store = cls(inner, b, h, capacity, d, like.dtype, like.device)
+        return SinkStore(spec, ResidualStore(inner, store, b, h, d, like.dtype, like.device))
     store = cls(spec, b, h, capacity, d, like.dtype, like.device)
     return ResidualStore(spec, store, b, h, d, like.dtype, like.device) if spec.residual else store

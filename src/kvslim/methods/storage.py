@@ -14,6 +14,7 @@ import torch
 from ..adapters.sdpa import restore_attention, use_packed_sdpa
 from ..adapters.shape import ModelShape
 from ..caches import StoreSpec
+from ..caches.storage import MAX_RESIDUAL
 from ..caches.factories import append_factory, ring_factory
 from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
@@ -32,7 +33,8 @@ class StorageOptions:
     at a time; ``flush`` defaults to ``key_channel_group`` or 32), ``key_bits`` (bits of the keys when they
     differ from the method's, which then holds for the values: ``int2`` keeps 3-bit keys), ``value_rotation``
     (the values' rotation when it differs from ``rotation``: ``"hadamard"`` or ``"none"``; ``int2`` rotates its
-    values only). See docs/quantization.md.
+    values only), ``sink`` (the first tokens of a sequence kept in full precision for good, beside the residual
+    window: ``sink + residual`` ≤ 128). See docs/quantization.md.
     """
 
     bits: int = 0
@@ -48,6 +50,7 @@ class StorageOptions:
     flush: int | None = None
     key_bits: int | None = None
     value_rotation: str | None = None
+    sink: int = 0
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -80,7 +83,8 @@ class StorageOptions:
                              smooth=bool(self.bits and self.smooth_keys and not self.key_channel_group),
                              asymmetric=self.asymmetric, rotation=self.rotation,
                              channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
-                             value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation)
+                             value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation,
+                             sink=self.sink)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None
@@ -112,7 +116,7 @@ class StorageMethod(Method):
 
     def options(self, **options) -> StorageOptions:
         allowed = ({"window", "group_size", "scale_dtype", "chunk", "smooth_keys", "asymmetric", "rotation",
-                    "key_channel_group", "residual", "flush", "key_bits", "value_rotation"} if self.bits else {"window", "chunk"})
+                    "key_channel_group", "residual", "flush", "key_bits", "value_rotation", "sink"} if self.bits else {"window", "chunk"})
         if self.name == "dense":
             allowed = {"chunk"}
         unknown = set(options) - allowed
@@ -121,9 +125,14 @@ class StorageMethod(Method):
                              f"{sorted(allowed)}")
         merged = dict(self.defaults)
         if "window" in options and options["window"] is not None:
-            merged.pop("residual", None)  # a ring buffer keeps no residual window
+            merged.pop("residual", None)  # a ring buffer keeps no residual window (nor sinks beside it)
+            merged.pop("sink", None)
             merged.pop("key_channel_group", None)
         merged.update(options)
+        if "sink" not in options and merged.get("sink"):  # the default sinks share the 128 full-precision tokens
+            merged["sink"] = max(0, min(merged["sink"], MAX_RESIDUAL - merged.get("residual", 0)))
+            if not merged.get("residual"):
+                merged["sink"] = 0
         return StorageOptions(bits=self.bits, **merged)
 
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
@@ -147,6 +156,9 @@ class StorageMethod(Method):
                 notes.append(f"group_size={g} (the default {opts.group_size} does not divide head dim "
                              f"{shape.head_dim})")
                 opts = replace(opts, group_size=g)
+        if "sink" not in options and opts.sink != self.defaults.get("sink", 0):
+            notes.append(f"sink={opts.sink} (the default {self.defaults['sink']} sink tokens and residual="
+                         f"{opts.residual} share at most {MAX_RESIDUAL} full-precision tokens)")
         spec = opts.key_spec()
         try:
             spec.check_dim(shape.head_dim)
@@ -169,7 +181,7 @@ class StorageMethod(Method):
             lossy = "lossy" if opts.bits else "exact"
             if window is None or not (sliding or explicit):
                 layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed, note=fmt,
-                                        residual=spec.residual, flush=spec.flush,
+                                        residual=spec.residual + spec.sink, flush=spec.flush,
                                         residual_bytes_per_token=residual_row,
                                         factory=append_factory(spec, opts.chunk)))
                 continue
@@ -201,9 +213,10 @@ def _format_note(spec: StoreSpec, vspec: StoreSpec, dim: int, dtype: torch.dtype
     note = f"K {spec.describe()}, V {vspec.describe()}: {(kb + vb) / 2:.2f} bits/element"
     if spec.residual:
         n = 4096  # the window's cost at the issue's context length: full-precision rows instead of codes
-        coded = spec.flushed(n)
+        coded = spec.flushed(n) - spec.sink
         eff = (coded * (kb + vb) / 2 + (n - coded) * 8 * dtype.itemsize) / n
-        note += (f"; + ≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')} "
+        first = f"the first {spec.sink} and " if spec.sink else ""
+        note += (f"; + {first}≤{spec.residual} recent tokens in {str(dtype).replace('torch.', '')} "
                  f"({eff:.2f} bits/element with them at {n:,} tokens)")
     return note
 
