@@ -108,6 +108,7 @@ FINAL = [
     ("int2 (default)", "int2", {}),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
+FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),
     "gemma3": ("load_gemma3_270m", "Gemma-3-270M (GGUF Q4_K_M dequantized, fp32)"),
@@ -164,7 +165,12 @@ def cache_maker(model, method: str, options: dict, max_positions: int):
     facts = {"plan_bits_per_element": 8 * lp.bytes_per_token / elems, "residual": lp.residual,
              "note": lp.note, "options": {k: str(v) for k, v in options.items()}}
     if not prerope:
-        return (lambda: KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)), facts
+        def make_kvslim():
+            cache = KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)
+            if FUSED_DECODE:  # --fused-decode: decode steps read the codes through the fused kernels
+                cache.enable_fused_decode()
+            return cache
+        return make_kvslim, facts
     pos = torch.arange(max_positions)[None]
     dummy = torch.zeros(1, 1, 1, dtype=torch.float32)
     cos, sin = model.model.rotary_emb(dummy, pos)  # (1, P, D)
@@ -227,7 +233,12 @@ def main() -> None:
     p.add_argument("--engine", choices=("calls", "one-pass"), default="calls",
                    help="calls: feed every cache call by call (compare_caches); one-pass: the same protocol in one "
                         "forward pass per kvslim row (kvslim.evaluate_parallel; quanto rows are skipped)")
+    p.add_argument("--fused-decode", action="store_true",
+                   help="kvslim int8/int4/int2 rows decode through the fused kernels (kernels/quant_decode*.py; "
+                        "their score path follows KVSLIM_QUANT_SCORES) instead of the layers' dequantized reads")
     args = p.parse_args()
+    global FUSED_DECODE
+    FUSED_DECODE = args.fused_decode
     if args.merge:
         merge(args)
         return

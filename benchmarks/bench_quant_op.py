@@ -1,6 +1,7 @@
 """The fused int8/int4 decode op alone against torch's SDPA over the dense fp32 cache, one layer, at the cache
 formats the methods use (``int8``: symmetric g64 fp32 scales + 1 fp token; ``int4``: asymmetric, KIVI keys over 32
-tokens, values g64, fp16 parameters, a 100-token fp32 window).
+tokens, values g64, fp16 parameters, a 100-token fp32 window), each with both score paths (``/exact``: fp32,
+``/int8``: int8-rounded query, integer products).
 
 ``python benchmarks/bench_quant_op.py [--shapes 8x12x1x64x8192,8x3x3x64x8192] [--rounds 9] [--threads 1]``
 (B × KV heads × query heads per KV head × head dim × context). Interleaved rounds (dense, int8, int4, ...),
@@ -36,12 +37,13 @@ def calls(b: int, hk: int, g: int, d: int, n: int) -> dict:
     ks.write(0, x)
     vc, vs, vz = quantize_asym(x, 4, 64, torch.float16)
     t4 = torch.randn(b, hk, 100, d, generator=gen)
-    return {
-        "dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, dk, dv, scale=sc),
-        "int8": lambda: kernel.quant_decode(q, c8, s8, None, c8, s8, None, 8, 64, 0, n, None, t1, t1, None, sc),
-        "int4": lambda: kernel.quant_decode(q, ks.data, ks.scale, ks.zero, vc, vs, vz, 4, 64, 32, n, None, t4, t4,
-                                            None, sc),
-    }
+    out = {"dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, dk, dv, scale=sc)}
+    for mode in ("exact", "int8"):  # the two score paths (kernels/quant_decode.py)
+        out[f"int8/{mode}"] = lambda m=mode: kernel.quant_decode(q, c8, s8, None, c8, s8, None, 8, 64, 0, n, None, t1,
+                                                                 t1, None, sc, scores=m)
+        out[f"int4/{mode}"] = lambda m=mode: kernel.quant_decode(q, ks.data, ks.scale, ks.zero, vc, vs, vz, 4, 64, 32,
+                                                                 n, None, t4, t4, None, sc, scores=m)
+    return out
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_close
+from tolerances import INT8_SCORES_ATOL, INT8_SCORES_LOGIT_ATOL, assert_close
 
 import kvslim
 from kvslim.caches.residual import ChannelQuantizedStore
@@ -66,9 +66,12 @@ CASES = [  # (head dim, group size, GQA group, bits, asymmetric, scale dtype)
 ]
 
 
+@pytest.mark.parametrize("scores", ["exact", "int8"])
 @pytest.mark.parametrize("d,gs,g,bits,asym,sdt", CASES)
-def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt):
-    """Odd lengths, different lengths per sequence, a masked token, a tail; forced splits agree."""
+def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt, scores):
+    """Odd lengths, different lengths per sequence, a masked token, a tail; forced splits agree. Exact scores: op
+    and twin equal the float64 oracle; int8 scores: the op equals its twin (same query rounding), both within the
+    documented loss of the oracle (exactly equal where the format keeps exact scores)."""
     _ops()
     gen = torch.Generator().manual_seed(d * 7 + gs + g + bits)
     b, h, n = 3, 2, 131
@@ -81,13 +84,17 @@ def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt):
     mask[0, 5] = mask[1, n + 1] = float("-inf")
     mask[2, 40] = -3.0
     args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, mask, d ** -0.5)
-    ref, ref_lse = kernel.reference(*args)
+    ref, ref_lse = kernel.reference(*args, scores=scores)
     oracle = _oracle(*args)
-    assert_close(ref, oracle, F32, "twin vs float64")
+    lossy = scores == "int8" and kernel.int_scores_apply(bits, asym, d, gs, 0)
+    err = (ref.double() - oracle).abs().max().item()
+    assert err <= (INT8_SCORES_ATOL if lossy else 1e-4), f"twin ({scores}) vs float64: {err:.3e}"
     for splits in (0, 1, 3):
-        out, lse = kernel.quant_decode(*args, splits=splits)
-        assert_close(out, oracle, F32, f"op (splits={splits}) vs float64")
-        assert_close(lse, ref_lse, F32, f"lse (splits={splits})")
+        out, lse = kernel.quant_decode(*args, splits=splits, scores=scores)
+        assert_close(out, ref, F32, f"op (splits={splits}, {scores}) vs twin")
+        assert_close(lse, ref_lse, F32, f"lse (splits={splits}, {scores})")
+        if not lossy:
+            assert_close(out, oracle, F32, f"op (splits={splits}) vs float64")
 
 
 @pytest.mark.parametrize("bits,asym,sdt,d,g,heads", [
@@ -109,8 +116,11 @@ def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, g, heads):
     lengths = torch.tensor([n - 7, g + 5])
     for splits in (0, 2):
         args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, spec.group_size, g, n - 7, lengths)
-        out, _ = kernel.quant_decode(*args, scaling=0.1, splits=splits)
-        ref, _ = kernel.reference(*args, scaling=0.1)
+        out, _ = kernel.quant_decode(*args, scaling=0.1, splits=splits, scores="exact")
+        ref, _ = kernel.reference(*args, scaling=0.1, scores="exact")
+        out8, _ = kernel.quant_decode(*args, scaling=0.1, splits=splits, scores="int8")
+        ref8, _ = kernel.reference(*args, scaling=0.1, scores="int8")
+        assert_close(out8, ref8, F32, f"int8 scores: op vs twin (splits={splits})")
         keys, values = ks.read(0, n).double(), vs.read(0, n).double()
         s = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys) * 0.1
         s[..., n - 7:] = float("-inf")
@@ -118,6 +128,7 @@ def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, g, heads):
         oracle = torch.einsum("bhgt,bhtd->bhgd", s.softmax(-1), values)
         assert_close(ref, oracle, F32, "twin vs store reads")
         assert_close(out, oracle, F32, f"op vs store reads (splits={splits})")
+        assert (ref8.double() - oracle).abs().max().item() <= INT8_SCORES_ATOL
 
 
 def test_never_reads_past_a_sequence_length():
@@ -134,10 +145,11 @@ def test_never_reads_past_a_sequence_length():
             t[1, :, 64:] = float("nan")
         q = torch.randn(b, h, 3, d, generator=gen)
         args = (q, kc, ks, kz, vc, vs, vz, bits, 32, 0, n, lengths)
-        out, lse = kernel.quant_decode(*args, splits=3)
-        ref, _ = kernel.reference(*args)
-        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-        assert_close(out, ref, F32, f"int{bits} poisoned slots")
+        for scores in ("exact", "int8"):
+            out, lse = kernel.quant_decode(*args, splits=3, scores=scores)
+            ref, _ = kernel.reference(*args, scores=scores)
+            assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+            assert_close(out, ref, F32, f"int{bits} poisoned slots ({scores})")
 
 
 def test_fully_masked_sequence_gives_zeros():
@@ -151,13 +163,14 @@ def test_fully_masked_sequence_gives_zeros():
 
 
 @settings(max_examples=12, deadline=None)
-@given(d=st.sampled_from([32, 48, 64, 80, 128]), g=st.sampled_from([1, 2, 3, 7]), bits=st.sampled_from([4, 8]),
+@given(d=st.sampled_from([32, 48, 64, 80, 128, 256]), g=st.sampled_from([1, 2, 3, 7]), bits=st.sampled_from([4, 8]),
        asym=st.booleans(), n=st.integers(1, 300), tail=st.integers(0, 5), b=st.integers(1, 3),
-       splits=st.integers(0, 4), seed=st.integers(0, 2 ** 16))
-def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed):
+       splits=st.integers(0, 4), seed=st.integers(0, 2 ** 16), gs=st.sampled_from([16, 32, 64]),
+       scores=st.sampled_from(["exact", "int8"]))
+def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed, gs, scores):
     _ops()
     gen = torch.Generator().manual_seed(seed)
-    gs = 16
+    gs = gs if d % gs == 0 else 16
     kc, ks, kz = _codes(b, 2, n, d, bits, gs, asym, F32, gen)
     vc, vs, vz = _codes(b, 2, n, d, bits, gs, asym, F32, gen)
     q = torch.randn(b, 2, g, d, generator=gen)
@@ -166,8 +179,8 @@ def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed):
     if tail:
         kt, vt = torch.randn(b, 2, tail, d, generator=gen), torch.randn(b, 2, tail, d, generator=gen)
     args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, None, 0.2)
-    out, lse = kernel.quant_decode(*args, splits=splits)
-    ref, ref_lse = kernel.reference(*args)
+    out, lse = kernel.quant_decode(*args, splits=splits, scores=scores)
+    ref, ref_lse = kernel.reference(*args, scores=scores)
     assert_close(out, ref, F32, "fuzz out")
     assert_close(lse, ref_lse, F32, "fuzz lse")
 
@@ -233,6 +246,7 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
     _ops()
     from kvslim.adapters import sdpa
 
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")
     model = _tiny(kv_heads)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -281,3 +295,43 @@ def test_make_cache_turns_fused_decode_on_only_for_kvslim_attention():
 
 def test_isa_names_a_path():
     assert kernel.isa(64) in ("avx512", "avx2", "scalar", "twin")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_int8_scores_stay_close_to_the_unfused_path(kv_heads, monkeypatch):
+    """The default score path (int8-rounded query) end to end: a padded batch decodes through the kernel with
+    logits within the documented loss of the unfused (exact) path, formats whose keys take integer scores
+    (int8 g64, int4 KIVI asymmetric, int4 old format) and one that does not (head dim 64 with 32-channel int4
+    groups keeps exact scores)."""
+    _ops()
+    monkeypatch.delenv("KVSLIM_QUANT_SCORES", raising=False)
+    assert kernel.default_scores() == "int8"
+    model = _tiny(kv_heads)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    full = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), 1)
+    for method, opts in [("int8", {}), ("int4", {}), FORMATS[2], ("int4", dict(asymmetric=False, residual=0,
+                                                                            key_channel_group=0, value_rotation="none",
+                                                                            scale_dtype="float32"))]:
+        kvslim.apply(model, method, **opts)
+        try:
+            with torch.no_grad():
+                logits = []
+                for fused in (True, False):
+                    cache = kvslim.make_cache(model)
+                    for layer in cache.layers:
+                        layer.fused_decode = fused
+                    model(ids, attention_mask=mask, past_key_values=cache)
+                    logits.append(model(ids[:, -1:], attention_mask=full, past_key_values=cache).logits)
+        finally:
+            kvslim.restore(model)
+        err = (logits[0] - logits[1]).abs().max().item()
+        assert err <= INT8_SCORES_LOGIT_ATOL, f"{method} {opts}: max|Δlogit| {err:.3e}"
+
+
+def test_score_path_names_are_checked():
+    with pytest.raises(ValueError, match="scores"):
+        kernel.quant_decode(torch.zeros(1, 1, 1, 64), *([None] * 6), 8, 64, 0, 0, scores="int4")
+    with pytest.raises(ValueError, match="scores"):
+        kernel.reference(torch.zeros(1, 1, 1, 64), *([None] * 6), 8, 64, 0, 0, scores="fp8")

@@ -47,6 +47,12 @@ def assert_error_ratio(optimized: torch.Tensor, baseline: torch.Tensor, referenc
 #: tests/test_compat_matrix.py (fp32; int4 with its window scaled to them): max |Δlogit| against the same HF
 #: model with its ordinary cache on the same tokens (measured: int8 ≤ 1.3e-3, int4 ≤ 2.4e-2; docs/compat.md)
 LOSSY_LOGIT_ATOL = {"int8": 1e-2, "int4": 1e-1}
+#: the fused int8/int4 decode op's ``scores="int8"`` path (query rounded to int8 per 32-channel block, integer
+#: products; kernels/quant_decode.py) against the float64 oracle of the exact path: max |Δ| of the attention output on
+#: the tests' random codes (q ~ N(0, 1), keys ~ N(0, 4) quantized; measured ≤ 0.08), and of a tiny random Llama's
+#: decode logits against the unfused path (tests/test_quant_decode.py)
+INT8_SCORES_ATOL = 0.15
+INT8_SCORES_LOGIT_ATOL = 5e-2
 #: the one-pass protocol (kvslim.evaluate_parallel) against the call-by-call one on a float64 model: same codes,
 #: only summation order and HF's float32 RoPE tables differ (relative, on perplexity / KL; absolute on Δlogit)
 PROTOCOL_ONE_PASS_RTOL = 1e-4

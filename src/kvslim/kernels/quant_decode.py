@@ -14,11 +14,19 @@ channels, or for keys with ``key_channel_group`` g > 0 per channel over groups o
 ``quant_decode_body.h``, ``vec_quant.h``; AVX-512 / AVX2 / scalar chosen at run time), built by
 :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax
 attention in fp32); :func:`quant_decode` dispatches to the op when it is built and the inputs are supported.
+
+Score paths (``scores``): ``"exact"`` computes ``q · k_t`` in fp32 from the codes; ``"int8"`` (the default,
+llama.cpp's q8_0 technique) rounds the query the codes see (``scaling·q``, or ``scaling·q ⊙ s`` per KIVI token
+group) to int8 per block of 32 channels (``d_b = max|u_b| / 127``, round half to even) and multiplies it with the
+codes in integer arithmetic; zero-points, token scales and the tail stay fp32. It applies where
+:func:`int_scores_apply` says so (other formats take the exact path); the twin rounds the query the same way.
+``KVSLIM_QUANT_SCORES=exact|int8`` sets the default.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,6 +35,42 @@ from ..ops.quant_formats import dequantize_asym, unpack_codes
 from .build import load_ops
 
 FAMILY = "quant_decode"
+SCORES = ("int8", "exact")
+
+
+def default_scores() -> str:
+    """The score path used when a call names none: ``KVSLIM_QUANT_SCORES`` (``int8`` | ``exact``), else ``int8``."""
+    mode = os.environ.get("KVSLIM_QUANT_SCORES", "int8")
+    if mode not in SCORES:
+        raise ValueError(f"KVSLIM_QUANT_SCORES must be one of {SCORES}, got {mode!r}")
+    return mode
+
+
+def _scores(scores: str | None) -> str:
+    if scores is None:
+        return default_scores()
+    if scores not in SCORES:
+        raise ValueError(f"scores must be one of {SCORES}, got {scores!r}")
+    return scores
+
+
+def int_scores_apply(bits: int, asymmetric: bool, head_dim: int, group_size: int, key_channel_group: int) -> bool:
+    """Whether ``scores="int8"`` rounds the query for this key format (the op's ``qdot_ok``): int4 codes with the
+    head dim and the channels one key parameter set covers (``group_size``, or the head dim for KIVI keys) multiples
+    of 64; symmetric int8 codes with them multiples of 32."""
+    covered = head_dim if key_channel_group else group_size
+    if bits == 4:
+        return head_dim % 64 == 0 and covered % 64 == 0
+    return bits == 8 and not asymmetric and head_dim % 32 == 0 and covered % 32 == 0
+
+
+def round_query(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u`` (..., D) fp32, D a multiple of 32 -> (int8-valued codes (..., D/32, 32) fp32, block scales
+    (..., D/32, 1)): ``d = max|u_block| / 127``, codes ``round(u / d)`` (0 where d = 0)."""
+    blocks = u.float().unflatten(-1, (-1, 32))
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(d > 0, blocks / torch.where(d > 0, d, 1.0), 0.0).round()
+    return codes, d
 
 
 @functools.cache
@@ -39,7 +83,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-          k_tail, v_tail, mask, scaling, splits=0):
+          k_tail, v_tail, mask, scaling, splits=0, int_scores=False):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -65,11 +109,42 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return dequantize(codes, scale, bits, group_size)
 
 
+def int8_query_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                      bits: int, group_size: int, channel_group: int, n: int, scaling: float) -> torch.Tensor:
+    """Scores (B, Hk, G, n) fp32 of the ``"int8"`` score path over the first n coded keys: the query the codes see
+    (``u = scaling·q``, or ``scaling·q ⊙ s`` per KIVI token group) rounded by :func:`round_query`, times the integer
+    codes, × the block scales (and the token scales of per-token groups), plus ``u · z`` in fp32."""
+    qs = q.float() * scaling
+    b, hk, g, d = qs.shape
+    cb = unpack_codes(codes[:, :, :n], bits, signed=zero is None).float().unflatten(-1, (-1, 32))  # (B,Hk,n,nb,32)
+    if channel_group:
+        ng = -(-n // channel_group)
+        per = (b, hk, ng, d)
+        grp = torch.arange(n) // channel_group
+        u = qs[:, :, :, None, :] * scale[:, :, :ng * channel_group].float().reshape(per)[:, :, None]  # (B,Hk,G,ng,D)
+        uq, dq = round_query(u)
+        dots = torch.einsum("bhgtkc,bhtkc->bhgtk", uq[:, :, :, grp], cb)
+        sc = (dots * dq[:, :, :, grp, :, 0]).sum(-1)
+        if zero is not None:
+            z = zero[:, :, :ng * channel_group].float().reshape(per)
+            sc = sc + torch.einsum("bhgd,bhkd->bhgk", qs, z)[..., grp]
+        return sc
+    ng = d // group_size
+    uq, dq = round_query(qs)  # (B,Hk,G,nb,32), (B,Hk,G,nb,1)
+    dots = torch.einsum("bhgkc,bhtkc->bhgtk", uq, cb) * dq[..., 0][:, :, :, None, :]  # (B,Hk,G,n,nb)
+    sc = (dots.unflatten(-1, (ng, -1)).sum(-1) * scale[:, :, None, :n].float()).sum(-1)
+    if zero is not None:
+        qsum = qs.unflatten(-1, (ng, -1)).sum(-1)  # (B,Hk,G,ng)
+        sc = sc + torch.einsum("bhgk,bhtk->bhgt", qsum, zero[:, :, :n].float())
+    return sc
+
+
 def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor | None,
               v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int, group_size: int,
               key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              mask: torch.Tensor | None = None, scaling: float = 1.0,
+              scores: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: dequantize the first ``n`` tokens, append the tail, softmax attention in fp32.
 
     Args:
@@ -81,10 +156,13 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
         lengths: (B,) int64 coded tokens to use per sequence (≤ n; later slots may hold anything, NaN included).
         k_tail, v_tail: (B, Hk, r, D) fp32 tokens after the coded ones, or ``None``.
         mask: (B|1, n + r) additive fp32, or ``None``.
+        scores: ``"exact"`` or ``"int8"`` (:func:`int8_query_scores` where :func:`int_scores_apply`); ``None``:
+            :func:`default_scores`.
 
     Returns:
         out (B, Hk, G, D) and lse (B, Hk, G), fp32.
     """
+    mode = _scores(scores)
     g = key_channel_group
     nk = -(-n // g) * g if g else n
     keys = dequantize_codes(k_codes[:, :, :nk], k_scale[:, :, :nk], None if k_zero is None else k_zero[:, :, :nk],
@@ -96,16 +174,21 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
         live = torch.arange(n)[None, :] < lengths[:, None]
         keys = torch.where(live[:, None, :, None], keys, 0.0)
         values = torch.where(live[:, None, :, None], values, 0.0)
+    if mode == "int8" and int_scores_apply(bits, k_zero is not None, q.shape[-1], group_size, g):
+        coded = int8_query_scores(q, k_codes, k_scale, k_zero, bits, group_size, g, n, scaling)
+    else:
+        coded = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
+    parts = [coded]
     if k_tail is not None:
-        keys = torch.cat((keys, k_tail.float()), dim=2)
+        parts.append(torch.einsum("bhgd,bhtd->bhgt", q.float(), k_tail.float()) * scaling)
         values = torch.cat((values, v_tail.float()), dim=2)
         live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool)), dim=1)
-    scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
+    scores_ = torch.cat(parts, dim=-1)
     if mask is not None:
-        scores = scores + mask.float()[:, None, None, :]
-    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
+        scores_ = scores_ + mask.float()[:, None, None, :]
+    scores_ = scores_.masked_fill(~live[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores_, dim=-1)
+    weights = torch.softmax(scores_, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
     return torch.einsum("bhgt,bhtd->bhgd", weights, values), lse
 
 
@@ -121,12 +204,14 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
-                 splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int = 0, scores: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
-    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads).
+    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads);
+    ``scores`` picks the score path (``"int8"`` | ``"exact"``; ``None``: :func:`default_scores`).
     """
+    mode = _scores(scores)
     if (k_tail is None) != (v_tail is None):
         raise ValueError("k_tail and v_tail come together")
     if (k_zero is None) != (v_zero is None):
@@ -135,9 +220,9 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
-                                             k_tail, v_tail, mask, float(scaling), int(splits))
+                                             k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8")
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
-                     lengths, k_tail, v_tail, mask, scaling)
+                     lengths, k_tail, v_tail, mask, scaling, mode)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@
 // The G query heads of a KV head (GQA / MQA: HF's repeat_kv order) share one pass over its codes; no
 // full-precision copy of the history is made (a block of T tokens is decoded into an L1/L2 scratch at a time).
 // Parallel over batch × KV heads × splits of the sequence (flash-decoding, exact log-sum-exp merge).
+// int_scores: the scores from an int8-rounded query (per 32-channel block) times the codes in integer arithmetic
+// (llama.cpp's q8_0 technique) where the format allows (qdot_ok in quant_decode_body.h); otherwise exact fp32.
 // Every size and stride comes from tensor metadata and is checked here (named ValueErrors).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,6 +64,7 @@ struct QArgs {
   int64_t r = 0;
   const float* mask = nullptr;  // (B|1, n + r) additive
   int64_t mask_bs = 0;
+  bool qdot = false;  // scores from an int8-rounded query where the format allows (qdot_ok in the body)
 };
 
 inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64_t i, int sdt) {
@@ -73,11 +76,17 @@ inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64
 struct Scratch {
   int64_t T;
   std::vector<float> q, qp, qs, zq, k, sc, pw, srow, zrow, qsum, ks, kz, vs, vz;
+  // integer score path: int8 query (natural order, and even / odd channels for int4), block scales and code sums,
+  // signed-int4 offset corrections per head and key group
+  std::vector<int8_t> q8, qe, qo;
+  std::vector<float> qd, qdx, corr;
+  std::vector<int32_t> qbs;
   int64_t row_group = -1;
   Scratch(const QArgs& a, int64_t T_)
       : T(T_), q(a.G * a.D), qp(a.G * a.D), qs(a.G * a.D), zq(a.G), k(T_ * a.D), sc(a.G * T_),
         pw(a.G * (a.D / a.gs) * T_), srow(a.D), zrow(a.D), qsum(a.G * (a.D / a.gs)), ks(T_ * (a.D / a.gs)),
-        kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)) {}
+        kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)), q8(a.G * a.D), qe(a.G * a.D / 2 + 1),
+        qo(a.G * a.D / 2 + 1), qd(a.G * a.D / 32 + 1), qdx(a.G * a.D / 8 + 1), corr(a.G * (a.D / a.gs) + 1), qbs(a.G * a.D / 32 + 1) {}
 };
 
 using TaskFn = void (*)(const QArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
@@ -90,6 +99,7 @@ inline int64_t block_tokens(int64_t D) { return std::clamp<int64_t>(8192 / std::
 namespace kvslim_quant {
 namespace scalar {
 using V = kvslim_vec::QuantScalar;
+using QD = kvslim_vec::QDotScalar;
 #include "quant_decode_body.h"
 }  // namespace scalar
 }  // namespace kvslim_quant
@@ -99,6 +109,7 @@ using V = kvslim_vec::QuantScalar;
 namespace kvslim_quant {
 namespace avx2 {
 using V = kvslim_vec::QuantAVX2;
+using QD = kvslim_vec::QDotAVX2;
 #include "quant_decode_body.h"
 }  // namespace avx2
 }  // namespace kvslim_quant
@@ -109,6 +120,7 @@ using V = kvslim_vec::QuantAVX2;
 namespace kvslim_quant {
 namespace avx512 {
 using V = kvslim_vec::QuantAVX512;
+using QD = kvslim_vec::QDotAVX2;  // no AVX-512 integer kernels: the AVX2 ones (a subset of the target)
 #include "quant_decode_body.h"
 }  // namespace avx512
 }  // namespace kvslim_quant
@@ -242,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
     const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero, int64_t bits,
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
-    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits) {
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores) {
   using namespace kvslim_quant;
   QArgs a;
   TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) >= 1 &&
@@ -333,6 +345,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   at::Tensor qc = q.contiguous();
   a.q = qc.data_ptr<float>();
   a.scaling = static_cast<float>(scaling);
+  a.qdot = int_scores;
   at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
   at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
   if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());
@@ -346,7 +359,7 @@ std::string quant_decode_isa(int64_t head_dim) { return kvslim_quant::isa_for(he
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
-        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0) -> (Tensor, Tensor)");
+        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
 }
 

@@ -448,6 +448,92 @@ inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* 
   else std::fill(zrow, zrow + a.D, 0.f);
 }
 
+// ---- integer scores: the query the key codes see (q, or q ⊙ s per KIVI token group), rounded to int8 per block of
+// 32 channels (vec_quant.h qprep), times the codes in integer arithmetic (QD::i4x4 / i8x4); zero-points, the token
+// scales and the signed-int4 offset in fp32. The Python twin (quant_decode.int_scores_apply) mirrors this rule.
+inline bool qdot_ok(const QArgs& a) {
+  if (!a.qdot) return false;
+  const int64_t gk = a.kivi ? a.D : a.gs;  // channels one key parameter set covers per token
+  if (a.bits == 4) return a.D % 64 == 0 && gk % 64 == 0;
+  return !a.asym && a.D % 32 == 0 && gk % 32 == 0;
+}
+
+// the int8 query of head j from u (D floats); signed int4: corr[j·ng + g] = −8 · Σ_{b∈g} d_b Σ_{i∈b} u8_i
+template <int BITS, bool ASYM>
+inline void qdot_prep(const QArgs& a, Scratch& sp, int64_t j, const float* u, int64_t ng) {
+  const int64_t D = a.D, nb = D / 32, bpg = nb / ng;
+  QD::qprep(u, D, sp.q8.data() + j * D, sp.qe.data() + j * D / 2, sp.qo.data() + j * D / 2, sp.qd.data() + j * nb,
+            BITS == 4 ? sp.qdx.data() + j * (D / 8) : nullptr, BITS == 4 && !ASYM ? sp.qbs.data() + j * nb : nullptr);
+  for (int64_t g = 0; g < ng; ++g) {
+    float c = 0.f;
+    if (BITS == 4 && !ASYM)
+      for (int64_t bk = g * bpg; bk < (g + 1) * bpg; ++bk)
+        c -= 8.f * sp.qd[j * nb + bk] * static_cast<float>(sp.qbs[j * nb + bk]);
+    sp.corr[j * ng + g] = c;
+  }
+}
+
+// sc[j·ps + t] for tokens [t0, t0 + m), heads [j0, j0 + HC) from the int8 query in sp: per-token key groups
+// (Σ_g s_{t,g} · dot_g + zero-points) or KIVI (dot + zq[j]; all m tokens in one token group)
+template <int BITS, bool ASYM, int HC, bool KIVI>
+inline void qscores_heads(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
+                          int64_t j0, const float* qsum, const float* zq, const float* ks, const float* kz,
+                          const float* mask, float* sc, int64_t ps) {
+  const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs, rs = a.k.codes.ts;
+  const int8_t *qe[HC], *qo[HC], *q8[HC];
+  const float* dq[HC];
+  for (int j = 0; j < HC; ++j) {
+    qe[j] = sp.qe.data() + (j0 + j) * D / 2;
+    qo[j] = sp.qo.data() + (j0 + j) * D / 2;
+    q8[j] = sp.q8.data() + (j0 + j) * D;
+    dq[j] = BITS == 4 ? sp.qdx.data() + (j0 + j) * (D / 8) : sp.qd.data() + (j0 + j) * (D / 32);
+  }
+  using kvslim_vec::F4;
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
+    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    // lanes r ≥ r4 compute on a repeated row and are never stored; the token tables (ks, kz) hold T ≥ t + 4 rows
+    F4 tot[HC];
+    for (int j = 0; j < HC; ++j) tot[j] = F4{0.f, 0.f, 0.f, 0.f};
+    for (int64_t g = 0; g < ng; ++g) {
+      F4 sv[HC];
+      if (BITS == 4) QD::template i4x4<HC, !ASYM>(cr, g * gs, (g + 1) * gs, qe, qo, dq, sv);
+      else QD::template i8x4<HC>(cr, g * gs, (g + 1) * gs, q8, dq, sv);
+      F4 s4 = {1.f, 1.f, 1.f, 1.f};
+      if (!KIVI) s4 = F4{ks[t * ng + g], ks[(t + 1) * ng + g], ks[(t + 2) * ng + g], ks[(t + 3) * ng + g]};
+      for (int j = 0; j < HC; ++j) tot[j] += (sv[j] + sp.corr[(j0 + j) * ng + g]) * s4;
+    }
+    F4 m4 = {0.f, 0.f, 0.f, 0.f};
+    if (mask)
+      for (int64_t r = 0; r < r4; ++r) m4[r] = mask[t + r];
+    for (int j = 0; j < HC; ++j) {
+      F4 z = m4;
+      if (ASYM && KIVI) z += zq[j0 + j];
+      if (ASYM && !KIVI)
+        for (int64_t g = 0; g < ng; ++g)
+          z += F4{kz[t * ng + g], kz[(t + 1) * ng + g], kz[(t + 2) * ng + g], kz[(t + 3) * ng + g]} *
+               qsum[(j0 + j) * ng + g];
+      const F4 res = tot[j] + z;
+      float* o = sc + (j0 + j) * ps + t;
+      if (r4 == 4) std::memcpy(o, &res, sizeof(res));
+      else
+        for (int64_t r = 0; r < r4; ++r) o[r] = res[r];
+    }
+  }
+}
+
+template <int BITS, bool ASYM, bool KIVI>
+inline void qscores(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
+                    const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask, float* sc,
+                    int64_t ps) {
+  int64_t j0 = 0;
+  for (; j0 + 3 <= a.G; j0 += 3)
+    qscores_heads<BITS, ASYM, 3, KIVI>(a, sp, b, h, t0, m, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 2) qscores_heads<BITS, ASYM, 2, KIVI>(a, sp, b, h, t0, m, j0, qsum, zq, ks, kz, mask, sc, ps);
+  if (a.G - j0 == 1) qscores_heads<BITS, ASYM, 1, KIVI>(a, sp, b, h, t0, m, j0, qsum, zq, ks, kz, mask, sc, ps);
+}
+
 template <int BITS>
 inline bool fast_ok(const QArgs& a) {
   return a.gs % (2 * V::W) == 0;  // D is a multiple of gs
@@ -479,7 +565,10 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     for (int64_t j = 0; j < G; ++j) to_chunk_order(sp.q.data() + j * D, sp.qp.data() + j * D, D);
     qk = sp.qp.data();
   }
-  if (fast && ASYM && a.kivi == 0)
+  const bool qd = qdot_ok(a);  // integer scores (keys read in natural order: no chunk-order query needed)
+  if (qd && a.kivi == 0)
+    for (int64_t j = 0; j < G; ++j) qdot_prep<BITS, ASYM>(a, sp, j, sp.q.data() + j * D, ng);
+  if ((fast || qd) && ASYM && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t g = 0; g < ng; ++g) {
         float z = 0.f;
@@ -489,7 +578,31 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
     const int64_t m = std::min(T, t_end - t0);
     const float* mk = mask ? mask + t0 : nullptr;
-    if (fast && a.kivi == 0) {
+    if (qd && a.kivi == 0) {
+      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
+      if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
+      qscores<BITS, ASYM, false>(a, sp, b, h, t0, m, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
+                                 sp.sc.data(), T);
+    } else if (qd) {  // KIVI: per token group, the int8 query of q ⊙ s (natural order) and q · z in fp32
+      for (int64_t u0 = t0; u0 < t0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+        kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
+        for (int64_t j = 0; j < G; ++j) {
+          const float* qn = sp.q.data() + j * D;
+          float* o = sp.qs.data() + j * D;
+          auto z = V::zero();
+          for (int64_t i = 0; i < D; i += V::W) {
+            V::store(o + i, V::mul(V::load(qn + i), V::load(sp.srow.data() + i)));
+            if (ASYM) z = V::fma(V::load(qn + i), V::load(sp.zrow.data() + i), z);
+          }
+          qdot_prep<BITS, ASYM>(a, sp, j, o, 1);
+          sp.zq[j] = (ASYM ? V::hsum(z) : 0.f);
+        }
+        qscores<BITS, ASYM, true>(a, sp, b, h, u0, u1 - u0, nullptr, sp.zq.data(), nullptr, nullptr,
+                                  mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+        u0 = u1;
+      }
+    } else if (fast && a.kivi == 0) {
       load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
       if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
       fast_scores<BITS, ASYM, false>(a, b, h, t0, m, qk, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,

@@ -11,8 +11,18 @@
 //              nibbles), od = elements 1, 3, ..., 2W-1 (high nibbles). Cheaper than i4 (no byte interleave); the
 //              kernel permutes the query (scores) and its accumulator (values) to match once per task.
 // Each struct is compiled for its own target (`#pragma GCC target`), like vec_slim.h.
+//
+// Integer dot products (the kernel's int8-query score path, llama.cpp's q8_0 technique): QDotScalar / QDotAVX2
+// (the AVX-512 build uses QDotAVX2) give the scores of 4 tokens for HC query heads quantized to int8 per block of
+// 32 channels (`qprep`: d_b = max|u_b| / 127, u8_i = round-half-even(u_i / d_b), |u8| ≤ 127):
+//   i4x4  int4 codes (packed nibbles, SPEC §1 order; `SIGNED` two's-complement nibbles are read as c + 8 and the
+//         caller subtracts 8·Σu8), channels [i0, i1) a multiple of 64: out[j][r] = Σ_b d_b Σ_{i∈b} u8_i · c_{r,i}
+//   i8x4  signed int8 codes (sign trick: |c| · sign(c)·u8 with maddubs), channels a multiple of 32
+// Products are exact in int16/int32 (|pair sum| ≤ 2·128·127); one float multiply-add per 32-channel block.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "vec_slim.h"
@@ -53,6 +63,75 @@ struct QuantScalar : VecScalar {
   }
   template <bool sign>
   static inline void i4p(const uint8_t* p, R& ev, R& od) { i4<sign>(p, ev, od); }  // one lane: chunk order = order
+};
+
+// 4 floats (the scores of 4 tokens) as a GCC vector, the same type in every ISA build
+typedef float F4 __attribute__((vector_size(16)));
+
+// query side of the integer path, shared by every ISA: u (n floats, n a multiple of 32) -> int8 codes q8 (natural
+// order) and per-32 block scales d[n/32]; also the even / odd split the int4 kernels read (qe[p] = q8[2p],
+// qo[p] = q8[2p+1]) and the block code sums bs[n/32] (for signed int4's +8 offset). Round half to even (the
+// default FP rounding mode, as torch.round).
+// dx (n/8 floats, n a multiple of 64: per 64-channel chunk 4 × d_2c then 4 × d_2c+1, the lanes of QDotAVX2::i4x4)
+// and bs may be nullptr (not needed).
+inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo, float* d, float* dx, int32_t* bs) {
+  for (int64_t b = 0; b < n / 32; ++b) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(u[b * 32 + i]));
+    const float db = amax / 127.f;
+    d[b] = db;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < 32; ++i) {
+      const int32_t c = db > 0.f ? static_cast<int32_t>(std::nearbyint(u[b * 32 + i] / db)) : 0;
+      q8[b * 32 + i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    if (bs) bs[b] = sum;
+    if (dx)
+      for (int i = 0; i < 4; ++i) dx[(b / 2) * 8 + (b % 2) * 4 + i] = db;
+  }
+  for (int64_t p = 0; p < n / 2; ++p) {
+    qe[p] = q8[2 * p];
+    qo[p] = q8[2 * p + 1];
+  }
+}
+
+struct QDotScalar {
+  static inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo, float* d, float* dx,
+                           int32_t* bs) {
+    kvslim_vec::qprep(u, n, q8, qe, qo, d, dx, bs);
+  }
+  template <int HC, bool SIGNED>
+  static inline void i4x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* qe,
+                          const int8_t* const* qo, const float* const* dx, F4* out) {
+    for (int j = 0; j < HC; ++j)
+      for (int r = 0; r < 4; ++r) {
+        float acc = 0.f;
+        for (int64_t b = i0 / 32; b < i1 / 32; ++b) {
+          int32_t s = 0;
+          for (int64_t p = b * 16; p < b * 16 + 16; ++p) {
+            const int x = cr[r][p] ^ (SIGNED ? 0x88 : 0);
+            s += (x & 0xF) * qe[j][p] + (x >> 4) * qo[j][p];
+          }
+          acc += dx[j][(b / 2) * 8 + (b % 2) * 4] * static_cast<float>(s);
+        }
+        out[j][r] = acc;
+      }
+  }
+  template <int HC>
+  static inline void i8x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* q8,
+                          const float* const* d, F4* out) {
+    for (int j = 0; j < HC; ++j)
+      for (int r = 0; r < 4; ++r) {
+        float acc = 0.f;
+        for (int64_t b = i0 / 32; b < i1 / 32; ++b) {
+          int32_t s = 0;
+          for (int64_t i = b * 32; i < b * 32 + 32; ++i) s += static_cast<int8_t>(cr[r][i]) * q8[j][i];
+          acc += d[j][b] * static_cast<float>(s);
+        }
+        out[j][r] = acc;
+      }
+  }
 };
 
 }  // namespace kvslim_vec
@@ -98,6 +177,119 @@ struct QuantAVX2 : VecAVX2 {
       ev = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xF)));
       od = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
     }
+  }
+};
+
+struct QDotAVX2 {
+  // kvslim_vec::qprep with vectors (same IEEE division and round-half-even conversion: the same codes)
+  static inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo, float* d, float* dx,
+                           int32_t* bs) {
+    const __m256 sgn = _mm256_set1_ps(-0.f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                        14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < n / 32; ++b) {
+      const float* x = u + b * 32;
+      const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+                   v3 = _mm256_loadu_ps(x + 24);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                                     _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
+      const float db = VecAVX2::hmax(m) / 127.f;
+      d[b] = db;
+      if (dx) _mm_storeu_ps(dx + (b / 2) * 8 + (b % 2) * 4, _mm_set1_ps(db));
+      __m256i c = _mm256_setzero_si256();
+      if (db > 0.f) {
+        const __m256 vd = _mm256_set1_ps(db);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_div_ps(v0, vd)), i1 = _mm256_cvtps_epi32(_mm256_div_ps(v1, vd)),
+                      i2 = _mm256_cvtps_epi32(_mm256_div_ps(v2, vd)), i3 = _mm256_cvtps_epi32(_mm256_div_ps(v3, vd));
+        c = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)),
+                                        perm);  // 32 int8 in natural order
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8 + b * 32), c);
+      // even / odd bytes of each 16-byte lane, then [evens of lane 0, evens of lane 1 | odds 0, odds 1]
+      const __m256i s = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(c, eo), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qe + b * 16), _mm256_castsi256_si128(s));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qo + b * 16), _mm256_extracti128_si256(s, 1));
+      if (bs) {
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) sum += q8[b * 32 + i];
+        bs[b] = sum;
+      }
+    }
+  }
+  // 4 rows of int32 partial sums (8 lanes each: lanes 0-3 one 32-channel block, 4-7 the next, or one block for
+  // int8) -> one vector [row0..row3 | row0..row3] of per-128-bit-lane sums
+  static inline __m256i reduce4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+  }
+  static inline F4 half_sum(__m256 acc) {
+    return F4(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
+  }
+  template <int HC, bool SIGNED>
+  static inline void i4x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* qe,
+                          const int8_t* const* qo, const float* const* dx, F4* out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    // one 64-channel chunk (32 bytes: low nibbles = even channels, high = odd) -> per head [4 tokens × 2 blocks]
+    // block-scaled sums
+    auto chunk = [&](int64_t i, __m256* r) {
+      const int64_t p = i / 2;
+      __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr[k] + p));
+        if (SIGNED) x = _mm256_xor_si256(x, _mm256_set1_epi8(static_cast<char>(0x88)));
+        lo[k] = _mm256_and_si256(x, m4);
+        hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qe[j] + p));
+        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo[j] + p));
+        __m256i s[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k)
+          s[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[k], e), _mm256_maddubs_epi16(hi[k], o)),
+                                   ones);
+        r[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(reduce4(s[0], s[1], s[2], s[3])), _mm256_loadu_ps(dx[j] + i / 8));
+      }
+    };
+    __m256 acc[HC], part[HC];
+    chunk(i0, acc);
+    for (int64_t i = i0 + 64; i < i1; i += 64) {
+      chunk(i, part);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j] = _mm256_add_ps(acc[j], part[j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) out[j] = half_sum(acc[j]);
+  }
+  template <int HC>
+  static inline void i8x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* q8,
+                          const float* const* d, F4* out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[HC];
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = i0; i < i1; i += 32) {
+      __m256i x[4], ax[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr[r] + i));
+        ax[r] = _mm256_sign_epi8(x[r], x[r]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8[j] + i));
+        __m256i s[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+          s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(qv, x[r])), ones);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(s[0], s[1], s[2], s[3])), _mm256_set1_ps(d[j][i / 32]),
+                                 acc[j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) out[j] = half_sum(acc[j]);
   }
 };
 
