@@ -49,35 +49,38 @@ inline void kivi_row(const LArgs& a, const Strided& st, int64_t b, int64_t h, in
   for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
 }
 
-// sv[j][r] = q_j · codes_r over units [u0, u1) of 8 channels, for HC heads (q rows of stride D) and 4 token rows
-// cr[0..3]; `ends`: unit u1 − 1 is the last of the row (loaded from its end)
-template <int BITS, int HC>
-inline void dot4(const uint8_t* const* cr, const float* q, int64_t D, int64_t u0, int64_t u1, bool ends,
-                 float (*sv)[4]) {
-  typename V::R acc[HC][4];
+// sv[j][r] = q_j · codes_r over units [u0, u1) of 8 channels, for HC heads (q rows of stride D) and NR (4 or 8)
+// token rows cr[0..NR); `ends`: unit u1 − 1 is the last of the row (loaded from its end). HC·NR independent
+// accumulator chains hide the FMA latency (one head: 8 token rows).
+template <int BITS, int HC, int NR>
+inline void dot_rows(const uint8_t* const* cr, const float* q, int64_t D, int64_t u0, int64_t u1, bool ends,
+                     float (*sv)[8]) {
+  typename V::R acc[HC][NR];
 #pragma GCC unroll 4
   for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) acc[j][r] = V::zero();
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
   const int64_t ue = ends ? u1 - 1 : u1;
   for (int64_t u = u0; u < ue; ++u) {
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
       const auto x = V::template unit<BITS, false>(cr[r] + u * BITS);
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * u), x, acc[j][r]);
     }
   }
   if (ends) {
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
       const auto x = V::template unit<BITS, true>(cr[r] + ue * BITS);
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * ue), x, acc[j][r]);
     }
   }
 #pragma GCC unroll 4
-  for (int j = 0; j < HC; ++j) V::hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], sv[j]);
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
 }
 
 // sc[j·ps + t] = q_j · k_t + mask for tokens [t0, t0 + m), heads [j0, j0 + HC). KIVI: q = q ⊙ s of the tokens'
@@ -88,14 +91,16 @@ inline void scores_heads(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64
                          float* sc, int64_t ps) {
   const int64_t D = a.D, U = D / 8, ng = KIVI ? 1 : D / a.gs, gu = KIVI ? U : a.gs / 8;
   const int64_t rs = a.k.codes.ts;
-  for (int64_t t = 0; t < m; t += 4) {
-    const int64_t r4 = std::min<int64_t>(4, m - t);
+  constexpr int NR = HC == 1 ? 8 : 4;  // token rows per pass
+  for (int64_t t = 0; t < m; t += NR) {
+    const int64_t r4 = std::min<int64_t>(NR, m - t);
     const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
-    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
-    float tot[HC][4] = {};
+    const uint8_t* cr[NR];
+    for (int r = 0; r < NR; ++r) cr[r] = r < r4 ? c0 + r * rs : c0;  // rows past m repeat row 0 (never used)
+    float tot[HC][NR] = {};
     for (int64_t g = 0; g < ng; ++g) {
-      float sv[HC][4];
-      dot4<BITS, HC>(cr, q + j0 * D, D, g * gu, (g + 1) * gu, g == ng - 1, sv);
+      float sv[HC][8];
+      dot_rows<BITS, HC, NR>(cr, q + j0 * D, D, g * gu, (g + 1) * gu, g == ng - 1, sv);
       for (int j = 0; j < HC; ++j)
         for (int64_t r = 0; r < r4; ++r) tot[j][r] += KIVI ? sv[j][r] : sv[j][r] * ks[(t + r) * ng + g];
     }
