@@ -165,7 +165,6 @@ def protocol_segments(total: int, mode: str, prefill: int = 512, chunk: int = 64
     return [(0, first - 1)] + [(t, t + 1) for t in range(first - 1, total - 1)], first
 
 
-@torch.inference_mode()
 def check_protocol_ids(ids: torch.Tensor, min_tokens: int | None) -> int:
     """Length T of ``ids`` (1, T), refused by name when the shape is wrong or T < ``min_tokens``."""
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -176,6 +175,7 @@ def check_protocol_ids(ids: torch.Tensor, min_tokens: int | None) -> int:
     return total
 
 
+@torch.inference_mode()
 def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], object]], *, mode: str = "token",
                    min_tokens: int | None = None, prefill: int = 512, chunk: int = 64, steps: int = 1024,
                    reference: Callable[[], object] | None = None, progress: bool = False) -> dict[str, Quality]:

@@ -27,6 +27,9 @@ class LayerPlan:
         fixed_bytes: bytes per sequence that do not grow with context (e.g. a shared encoder-output cache).
         residual: most recent tokens kept in full precision (``residual_bytes_per_token`` each) beside codes
             (``bytes_per_token`` each); codes take them ``flush`` at a time (see ``StoreSpec.flushed``).
+        ring_codes: a ring with a residual window (``ResidualRingLayer``): its coded token slots (whole groups;
+            the full-precision window holds the most recent tokens), ``None`` otherwise.
+        attention: ``"sliding"`` or ``"full"``: how the *model* runs this layer (its config's layer types).
         factory: builds the ``CacheLayerMixin`` for this layer; called with ``max_length`` (or ``None``).
     """
 
@@ -41,11 +44,17 @@ class LayerPlan:
     residual: int = 0
     flush: int = 1
     residual_bytes_per_token: int = 0
+    ring_codes: int | None = None
+    attention: str = "full"
     factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         if context == 0:
             return 0
+        if self.ring_codes is not None:  # window in full precision, then the ring's whole coded groups
+            coded = self.flush * -(-max(0, context - self.residual) // self.flush)
+            return batch * (min(coded, self.ring_codes) * self.bytes_per_token
+                            + (context - coded) * self.residual_bytes_per_token + self.fixed_bytes)
         tokens = context if self.window is None else min(context, self.window - 1)  # a ring stores W − 1
         coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
         return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
@@ -65,6 +74,7 @@ class Plan:
     options: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     dense_fixed_bytes: int = 0
+    sliding_window: int | None = None  # the model's own window on its ``attention == "sliding"`` layers
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         """Exact bytes the planned cache holds after ``context`` tokens for ``batch`` sequences."""
@@ -77,6 +87,28 @@ class Plan:
     def ratio(self, context: int) -> float:
         return self.cache_bytes(context) / max(1, self.dense_bytes(context))
 
+    def _hf_layer_bytes(self, lp: LayerPlan, context: int, batch: int) -> int:
+        tokens = context
+        if lp.attention == "sliding" and self.sliding_window:
+            tokens = min(context, self.sliding_window - 1)  # HF's DynamicSlidingWindowLayer
+        return batch * tokens * self.dense_bytes_per_token
+
+    def hf_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes of HF's own cache for this model in the plan's dtype (``DynamicCache(config=...)``: the last
+        W − 1 tokens on sliding-window layers, every token on the others)."""
+        return sum(self._hf_layer_bytes(lp, context, batch) for lp in self.layers) + batch * self.dense_fixed_bytes
+
+    def bytes_by_attention(self, context: int, batch: int = 1) -> dict[str, dict[str, int]]:
+        """Per attention type of the model's layers (``"sliding"``, ``"full"``): ``layers``, ``cache_bytes``
+        (this plan) and ``hf_bytes`` (HF's own cache, see :meth:`hf_bytes`) after ``context`` tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for lp in self.layers:
+            row = out.setdefault(lp.attention, {"layers": 0, "cache_bytes": 0, "hf_bytes": 0})
+            row["layers"] += 1
+            row["cache_bytes"] += lp.cache_bytes(context, batch)
+            row["hf_bytes"] += self._hf_layer_bytes(lp, context, batch)
+        return out
+
     def to_dict(self) -> dict:
         return {
             "method": self.method, "model_type": self.model_type, "family": self.family, "dtype": self.dtype,
@@ -85,12 +117,17 @@ class Plan:
             "layers": [{"index": lp.index, "technique": lp.technique, "bytes_per_token": lp.bytes_per_token,
                         "window": lp.window, "exactness": lp.exactness, "error": lp.error, "note": lp.note,
                         "fixed_bytes": lp.fixed_bytes, "residual": lp.residual, "flush": lp.flush,
-                        "residual_bytes_per_token": lp.residual_bytes_per_token} for lp in self.layers],
+                        "residual_bytes_per_token": lp.residual_bytes_per_token, "ring_codes": lp.ring_codes,
+                        "attention": lp.attention} for lp in self.layers],
+            "sliding_window": self.sliding_window,
         }
 
     def table(self, context: int = 4096) -> Table:
-        t = Table(title=f"kvslim plan: {self.method} on {self.model_type} ({self.family}, {self.dtype}), "
-                        f"{context} tokens: {self.cache_bytes(context):,} B = {self.ratio(context):.3f} × dense")
+        title = (f"kvslim plan: {self.method} on {self.model_type} ({self.family}, {self.dtype}), "
+                 f"{context} tokens: {self.cache_bytes(context):,} B = {self.ratio(context):.3f} × dense")
+        if any(lp.attention == "sliding" for lp in self.layers) and self.sliding_window:
+            title += f" = {self.cache_bytes(context) / max(1, self.hf_bytes(context)):.3f} × HF's own cache"
+        t = Table(title=title)
         for col in ("layers", "technique", "bytes/token", "window", "exactness", "error", "note"):
             t.add_column(col)
         for group in _group_layers(self.layers):
@@ -105,6 +142,11 @@ class Plan:
         buf = io.StringIO()
         console = Console(file=buf, width=140, force_terminal=False)
         console.print(self.table())
+        by = self.bytes_by_attention(4096)
+        if "sliding" in by:
+            for kind, row in by.items():
+                console.print(f"{kind} layers ({row['layers']}): {row['cache_bytes']:,} B at 4096 tokens; HF's own "
+                              f"cache {row['hf_bytes']:,} B")
         for n in self.notes:
             console.print(f"note: {n}")
         return buf.getvalue()

@@ -12,7 +12,7 @@ from .dense import AppendLayer
 from .latent import LatentLayer
 from .slim import SlimLayer
 from .storage import StoreSpec
-from .window import RingLayer
+from .window import ResidualRingLayer, RingLayer
 
 
 def _append(max_length: int | None, spec: StoreSpec, chunk: int) -> AppendLayer:
@@ -20,7 +20,7 @@ def _append(max_length: int | None, spec: StoreSpec, chunk: int) -> AppendLayer:
 
 
 def _ring(max_length: int | None, spec: StoreSpec, window: int) -> RingLayer:
-    return RingLayer(window, spec)
+    return ResidualRingLayer(window, spec) if spec.residual else RingLayer(window, spec)
 
 
 def _latent(max_length: int | None, spec: StoreSpec, chunk: int) -> LatentLayer:
@@ -37,7 +37,8 @@ def append_factory(spec: StoreSpec, chunk: int) -> functools.partial:
 
 
 def ring_factory(spec: StoreSpec, window: int) -> functools.partial:
-    """Factory of :class:`RingLayer` with ``window`` slots."""
+    """Factory of a ring-buffer layer for a sliding window of ``window`` tokens: :class:`RingLayer`, or
+    :class:`ResidualRingLayer` for a spec with a full-precision residual window."""
     return functools.partial(_ring, spec=spec, window=window)
 
 

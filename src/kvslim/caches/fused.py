@@ -36,7 +36,11 @@ class FusedKV:
     slot ``(first + i) % n``, and slot ``skip`` (the step's own token, re-coded) is not attended (the tail has the
     exact token); the first ``lead`` tail tokens come before the coded history in temporal order (a full ring's
     oldest visible token, read before the step's token took its slot; an append layer's full-precision attention
-    sinks, ``caches/sink.py``). ``materialize``: the unfused reads (the cache layer's own code path).
+    sinks, ``caches/sink.py``). ``columns`` (the general form, used by rings of coded token groups with a
+    full-precision window, ``caches/window.ResidualRingLayer``): (n + r,) int64, for every coded slot then every
+    tail token the column of HF's mask (the visible tokens in temporal order, ``visible`` of them) it stands for,
+    or −1 for a row that must not be attended (a token that has left the window, a slot not yet written).
+    ``materialize``: the unfused reads (the cache layer's own code path).
     """
 
     k: QuantizedStore
@@ -47,16 +51,27 @@ class FusedKV:
     materialize: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     ring: tuple[int, int] | None = None
     lead: int = 0
+    columns: torch.Tensor | None = None
+    visible: int | None = None
 
     @property
     def tokens(self) -> int:
         """Visible tokens (HF's key length): the coded history (a ring: less the skipped slot) plus the tail."""
+        if self.visible is not None:
+            return self.visible
         tail = 0 if self.k_tail is None else self.k_tail.shape[2]
         return self.n - (self.ring is not None) + tail
 
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
+        if self.columns is not None:
+            b = 1 if mask is None else mask.shape[0]
+            out = torch.full((b, self.columns.shape[0]), float("-inf"), dtype=torch.float32,
+                             device=self.k_tail.device)
+            live = self.columns >= 0
+            out[:, live] = 0.0 if mask is None else mask[:, self.columns[live]].float()
+            return out
         if self.ring is None and not self.lead:
             return mask
         if self.ring is None:  # append layer with full-precision sinks: tokens [0, lead) sit in the tail's front

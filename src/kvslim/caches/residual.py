@@ -119,7 +119,7 @@ class ResidualStore(TensorStore):
         check_finite(x)  # refused now, not when the token is flushed into codes later
         if start < self.flushed:  # rewind into coded history: bring the partial group back to the window
             keep = start - start % self.spec.flush
-            self.fp[:, :, :start - keep] = self.inner.read(keep, keep + self.spec.flush)[:, :, :start - keep]
+            self.fp[:, :, :start - keep] = self._inner_read(keep, keep + self.spec.flush)[:, :, :start - keep]
             self.flushed = keep
         waiting = start - self.flushed
         n = start + x.shape[2]
@@ -128,7 +128,7 @@ class ResidualStore(TensorStore):
             self.fp[:, :, waiting:waiting + x.shape[2]] = x
         else:
             pending = torch.cat((self.fp[:, :, :waiting], x), dim=2)  # tokens [flushed, n)
-            self.inner.write(self.flushed, pending[:, :, :target - self.flushed])
+            self._inner_write(self.flushed, pending[:, :, :target - self.flushed])
             rest = pending[:, :, target - self.flushed:]
             self.fp[:, :, :rest.shape[2]] = rest
             self.flushed = target
@@ -142,7 +142,7 @@ class ResidualStore(TensorStore):
             return window
         g = self.spec.flush  # decode whole groups, then slice
         a, b = start - start % g, min(self.flushed, -(-cut // g) * g)
-        coded = self.inner.read(a, b)[:, :, start - a:cut - a]
+        coded = self._inner_read(a, b)[:, :, start - a:cut - a]
         if cut == end:
             return coded
         if scratch is None or self.dtype != torch.float32 or torch.is_grad_enabled():
@@ -153,8 +153,25 @@ class ResidualStore(TensorStore):
         out[:, :, cut - start:] = window
         return out
 
+    def _inner_write(self, start: int, x: torch.Tensor) -> None:
+        """Encode tokens [start, start+S) (whole flush groups) into the coded store."""
+        self.inner.write(start, x)
+
+    def _inner_read(self, start: int, end: int) -> torch.Tensor:
+        """Decode coded tokens [start, end) (whole flush groups)."""
+        return self.inner.read(start, end)
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("a residual store is appended to, not written by slot (ring buffers)")
+        raise NotImplementedError("a residual store is appended to, not written by slot")
+
+    def snapshot(self) -> tuple:
+        """Everything :meth:`restore` needs to put this store back (codes, window and counters), copied."""
+        return [t.clone() for t in self.tensors()], self.fp.clone(), self.flushed, self.length
+
+    def restore(self, saved: tuple) -> None:
+        tensors, fp, self.flushed, self.length = saved
+        self.set_tensors(tensors)
+        self.fp = fp
 
     def map_sequences(self, fn) -> None:
         self.inner.map_sequences(fn)
@@ -172,3 +189,67 @@ class ResidualStore(TensorStore):
         coded = min(self.flushed, used_slots)
         b, h = self.fp.shape[:2]
         return self.inner.nbytes(coded) + b * h * (used_slots - coded) * self.dim * self.dtype.itemsize
+
+
+class RingResidualStore(ResidualStore):
+    """A :class:`ResidualStore` whose coded tokens live in a ring of ``slots`` token slots (a multiple of
+    ``spec.flush``): coded position p sits in slot ``p mod slots``, so only the most recent ``slots`` coded tokens
+    survive. Positions stay absolute for :meth:`write` / :meth:`read` (sliding-window layers,
+    :class:`kvslim.caches.window.ResidualRingLayer`); reading a position whose slot was overwritten is an error
+    of the caller (the layer sizes the ring so that every position it can still attend survives).
+    """
+
+    def __init__(self, spec: StoreSpec, inner: TensorStore, batch: int, heads: int, dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(spec, inner, batch, heads, dim, dtype, device)
+        self.slots = inner.capacity
+        if self.slots % spec.flush:
+            raise ValueError(f"ring of {self.slots} coded slots must be a multiple of flush={spec.flush}")
+
+    def _runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions [start, end) as (slot, offset in the span, length) runs that do not wrap."""
+        out, p = [], start
+        while p < end:
+            slot = p % self.slots
+            n = min(end - p, self.slots - slot)
+            out.append((slot, p - start, n))
+            p += n
+        return out
+
+    def _inner_write(self, start: int, x: torch.Tensor) -> None:
+        skip = max(0, x.shape[2] - self.slots)  # a long write keeps only the last ``slots`` tokens (group aligned)
+        for slot, off, n in self._runs(start + skip, start + x.shape[2]):
+            self.inner.write(slot, x[:, :, skip + off:skip + off + n])
+
+    def _inner_read(self, start: int, end: int) -> torch.Tensor:
+        if start < self.flushed - self.slots:
+            raise RuntimeError(f"coded tokens [{start}, {end}) have left the ring of {self.slots} slots "
+                               f"({self.flushed} tokens coded)")
+        pieces = [self.inner.read(slot, slot + n) for slot, _, n in self._runs(start, end)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+    def coded_slots(self) -> int:
+        """Ring slots that hold coded tokens."""
+        return min(self.flushed, self.slots)
+
+    def slot_positions(self) -> torch.Tensor:
+        """(slots,) int64: the position each ring slot holds (−1: never written)."""
+        j = torch.arange(self.slots)
+        f = self.flushed
+        pos = j + self.slots * torch.div(f - 1 - j, self.slots, rounding_mode="floor")
+        return torch.where(j < f, pos, torch.full_like(pos, -1))
+
+    def nbytes(self, used_slots: int) -> int:
+        """Bytes of the coded slots in use plus the full-precision window's tokens (``used_slots`` is ignored:
+        the ring holds what it holds, a little more than the visible tokens, see ``ResidualRingLayer``)."""
+        b, h = self.fp.shape[:2]
+        return (self.inner.nbytes(self.coded_slots())
+                + b * h * (self.length - self.flushed) * self.dim * self.dtype.itemsize)
+
+
+def make_ring_residual_store(spec: StoreSpec, like: torch.Tensor, slots: int) -> RingResidualStore:
+    """A :class:`RingResidualStore` for tensors shaped like ``like`` (B, H, S, D) with ``slots`` coded slots."""
+    b, h, _, d = like.shape
+    cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
+    inner = cls(spec, b, h, slots, d, like.dtype, like.device)
+    return RingResidualStore(spec, inner, b, h, d, like.dtype, like.device)

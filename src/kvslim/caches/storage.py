@@ -227,6 +227,13 @@ class TensorStore:
     def set_tensors(self, tensors: list[torch.Tensor]) -> None:
         (self.data,) = tensors
 
+    def snapshot(self) -> object:
+        """A copy of what this store holds, for :meth:`restore` (speculative-decoding rollback of rings)."""
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: object) -> None:
+        self.set_tensors(saved)
+
     def write(self, start: int, x: torch.Tensor) -> None:
         """Write ``x`` (B, H, S, D) into slots [start, start+S)."""
         self.data[:, :, start:start + x.shape[2]] = x

@@ -36,7 +36,7 @@ class RingLayer(KVStoreLayer):
         #: HF's ``activate_past_recording``: remember the ring before each step, and the step's tokens, until
         #: the next ``crop`` (which can then take speculative tokens back exactly)
         self.record_past = False
-        self._snapshot: tuple[int, list[list[torch.Tensor]] | None] | None = None  # (length, store tensors)
+        self._snapshot: tuple[int, list[object] | None] | None = None  # (length, store snapshots)
         self._log: list[tuple[torch.Tensor, torch.Tensor]] = []  # key/value states written since the snapshot
 
     def activate_past_recording(self) -> None:
@@ -48,7 +48,7 @@ class RingLayer(KVStoreLayer):
         if not self.record_past:
             return
         if self._snapshot is None:
-            tensors = [[t.clone() for t in st.tensors()] for st in self._stores()] if self.is_initialized else None
+            tensors = [st.snapshot() for st in self._stores()] if self.is_initialized else None
             self._snapshot = (self.cumulative_length, tensors)
         self._log.append((key_states, value_states))
 
@@ -80,7 +80,7 @@ class RingLayer(KVStoreLayer):
                 st.reset()
         else:
             for st, saved in zip(self._stores(), tensors):
-                st.set_tensors(saved)
+                st.restore(saved)
         pos = self.cumulative_length = length
         for k, v in self._log:
             keep = min(k.shape[2], target - pos)
@@ -186,3 +186,99 @@ class RingLayer(KVStoreLayer):
 
     def stored_tokens(self) -> int:
         return min(self.cumulative_length, self.slots)
+
+
+def residual_ring_slots(window: int, spec: StoreSpec) -> int:
+    """Coded ring slots of a :class:`ResidualRingLayer`: enough whole flush groups that every position a step can
+    attend (the last ``window`` tokens, the step's own included) is still held after the step's write.
+
+    After n tokens the full-precision window holds n − f of them, with f = ``spec.flushed(n)`` and
+    n − f ≥ R − F + 1 once anything is coded (R = ``spec.residual``, F = ``spec.flush``); the coded tokens still
+    needed, [n − W, f) rounded down to a group, are at most W − (R − F + 1) + F − 1 = W − R + 2F − 2.
+    """
+    f = spec.flush
+    return f * max(1, -(-(window - spec.residual + 2 * f - 2) // f))
+
+
+class ResidualRingLayer(RingLayer):
+    """A sliding-window layer of a format with a full-precision residual window (int4/int2 defaults: KIVI keys
+    per channel over token groups, values per token, the most recent ≤ R tokens in full precision).
+
+    Attends exactly what :class:`RingLayer` (and HF's ``DynamicSlidingWindowLayer``) attends: a call at positions
+    [c, c+S) gets the last min(c, W − 1) tokens then its own tokens as given. Values: a decode step (S = 1) writes
+    first and reads back, so it sees exactly what an append-only layer of the same format returns (sliced to the
+    window), and the fused kernel reads the same codes; a multi-token call reads the past before its write (the
+    ring may reuse slots during the write), so history tokens that this call flushes into codes are attended in
+    full precision, as HF's ``QuantizedCache`` does. Storage: the window of R tokens in
+    the model dtype, in front of a ring of coded token groups (:class:`RingResidualStore`,
+    :func:`residual_ring_slots` slots: whole groups, so a few tokens older than the window may still sit in codes;
+    they are never returned, and the fused decode masks their slots). Tokens enter codes a whole group at a time
+    and are never re-quantized, so the codes of a position equal those an append-only layer with the same format
+    holds for it (tested: the returned keys/values are the append-only layer's, sliced to the window).
+    """
+
+    def __init__(self, window: int, spec: StoreSpec):
+        super().__init__(window, spec)
+        if not spec.residual:
+            raise ValueError("ResidualRingLayer needs a spec with a residual window (use RingLayer otherwise)")
+        self.ring_slots = residual_ring_slots(window, spec)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        from .residual import make_ring_residual_store
+
+        self.k_store = make_ring_residual_store(self.spec, key_states, self.ring_slots)
+        self.v_store = make_ring_residual_store(self.value_spec(), value_states, self.ring_slots)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _pieces(self, store, first: int, last: int) -> list[torch.Tensor]:
+        return [store.read(first, last)]  # the store keeps absolute positions
+
+    def _visible(self, store, c: int, states: torch.Tensor) -> torch.Tensor:
+        past = min(c, self.slots)
+        return states if past == 0 else torch.cat((store.read(c - past, c), states), dim=2)
+
+    def _write(self, first: int, x: torch.Tensor, store) -> None:
+        if self.slots:
+            store.write(first, x)  # appends (rewinds after a crop); the store's ring drops old groups
+
+    def _columns(self, c: int) -> torch.Tensor:
+        """For a decode step at position c (already written): HF's mask column of every coded slot then every
+        full-precision token (the visible positions c − min(c, W−1) … c in order), −1 where not visible."""
+        st = self.k_store
+        first = c - min(c, self.slots)
+        pos = torch.cat((st.slot_positions()[:st.coded_slots()], torch.arange(st.flushed, c + 1)))
+        return torch.where(pos >= first, pos - first, torch.full_like(pos, -1))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check_update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        c, s = self.cumulative_length, key_states.shape[2]
+        self._remember(key_states, value_states)
+        if s == 1 and self.slots:  # a decode step: write, then read back (the ring still holds [c − W + 1, c])
+            self._write(c, key_states, self.k_store)
+            self._write(c, value_states, self.v_store)
+            self.cumulative_length = c + 1
+            past = min(c, self.slots)
+            reads = functools.partial(self._step_reads, c - past, c + 1)
+            if not self._fused_step(key_states):
+                return reads()
+            k, v = self.k_store, self.v_store  # attention reads the codes (caches/fused.py)
+            tail = c + 1 - k.flushed  # full-precision tokens [flushed, c], the step's own last
+            h = fused.FusedKV(k.inner, v.inner, k.coded_slots(), k.fp[:, :, :tail], v.fp[:, :, :tail], reads,
+                              columns=self._columns(c), visible=past + 1)
+            return fused.markers(h, key_states)
+        # a multi-token call: the visible past as stored before the call, read before the write can take slots
+        # (tokens this call flushes into codes are attended in full precision, as HF's QuantizedCache does)
+        keys = self._visible(self.k_store, c, key_states)
+        values = self._visible(self.v_store, c, value_states)
+        self._write(c, key_states, self.k_store)
+        self._write(c, value_states, self.v_store)
+        self.cumulative_length = c + s
+        return keys, values
+
+    def _step_reads(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused result of a decode step: positions [first, last) read back (the step's own token from the
+        full-precision window, where it is held exactly)."""
+        return self.k_store.read(first, last), self.v_store.read(first, last)

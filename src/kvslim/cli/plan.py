@@ -73,7 +73,9 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
         else:
             rec |= {"applies": True, "cache_bytes": plan.cache_bytes(context, batch),
                     "dense_bytes": plan.dense_bytes(context, batch), "ratio": round(plan.ratio(context), 6),
-                    "exactness": sorted({lp.exactness for lp in plan.layers}), "notes": list(plan.notes)}
+                    "exactness": sorted({lp.exactness for lp in plan.layers}), "notes": list(plan.notes),
+                    "hf_bytes": plan.hf_bytes(context, batch),
+                    "by_attention": plan.bytes_by_attention(context, batch)}
             if ranks is not None:
                 from ..distributed.plan import per_rank
 
@@ -102,14 +104,27 @@ def run(args: argparse.Namespace) -> int:
     extra = ("bytes / rank", "sent / step / rank") if ranks is not None else ()
     if ranks is not None:
         table.title += f", {ranks} ranks"
-    for col in ("method", "cache bytes", "× dense", *extra, "exactness", "note"):
+    sliding = "sliding_attention" in shape.layer_types  # then HF's own cache keeps W − 1 rows there
+    by_type = ("sliding layers", "full layers", "× HF's cache") if sliding else ()
+    hf = None
+    for col in ("method", "cache bytes", "× dense", *by_type, *extra, "exactness", "note"):
         table.add_column(col)
     for r in records:
         per = (f"{r['cache_bytes_per_rank']:,}", f"{r['sent_bytes_per_step']:,}") if extra and r["applies"] else ()
         if r["applies"]:
-            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", *per, ", ".join(r["exactness"]),
-                          "; ".join(r["notes"]))
+            types = ()
+            if sliding:
+                by = r["by_attention"]
+                types = tuple(f"{by[t]['cache_bytes']:,}" if t in by else "-" for t in ("sliding", "full"))
+                types += (f"{r['cache_bytes'] / max(1, r['hf_bytes']):.3f}",)
+                hf = by
+            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", *types, *per,
+                          ", ".join(r["exactness"]), "; ".join(r["notes"]))
         else:
-            table.add_row(r["method"], "-", "-", *(("-",) * len(extra)), "not applicable", r["reason"])
+            table.add_row(r["method"], "-", "-", *(("-",) * (len(by_type) + len(extra))), "not applicable",
+                          r["reason"])
+    if sliding and hf:
+        table.caption = ("HF's own cache (DynamicCache: W − 1 rows on sliding layers): sliding layers "
+                         f"{hf['sliding']['hf_bytes']:,} B, full layers {hf.get('full', {}).get('hf_bytes', 0):,} B")
     Console().print(table)
     return 0

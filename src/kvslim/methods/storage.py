@@ -16,6 +16,7 @@ from ..adapters.shape import ModelShape
 from ..caches import StoreSpec
 from ..caches.storage import MAX_RESIDUAL
 from ..caches.factories import append_factory, ring_factory
+from ..caches.window import residual_ring_slots
 from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
 from .base import Method, parse_dtype
@@ -177,12 +178,18 @@ class StorageMethod(Method):
                     f"method 'window' needs window=W: this {shape.model_type} config has no sliding_window")
             window = shape.sliding_window
         layers = []
+        dense_row = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
         for i, sliding in enumerate(shape.is_sliding):
             lossy = "lossy" if opts.bits else "exact"
+            kind = "sliding" if sliding else "full"
+            if window is None and sliding and opts.bits and shape.sliding_window:  # the model's own window
+                layers.append(_own_window_layer(i, self.name, spec, shape.sliding_window, per_token, fixed,
+                                                residual_row, dense_row, fmt, dtype))
+                continue
             if window is None or not (sliding or explicit):
                 layers.append(LayerPlan(i, self.name, per_token, None, lossy, fixed_bytes=fixed, note=fmt,
                                         residual=spec.residual + spec.sink, flush=spec.flush,
-                                        residual_bytes_per_token=residual_row,
+                                        residual_bytes_per_token=residual_row, attention=kind,
                                         factory=append_factory(spec, opts.chunk)))
                 continue
             if sliding and window >= shape.sliding_window:
@@ -194,15 +201,46 @@ class StorageMethod(Method):
                         else f"window < model's {shape.sliding_window}")
             name = f"{self.name}+window" if self.bits else "window"
             note = f"{note}; {fmt}" if fmt else note
-            layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, fixed_bytes=fixed,
+            layers.append(LayerPlan(i, name, per_token, w, exactness, note=note, fixed_bytes=fixed, attention=kind,
                                     factory=ring_factory(spec, w)))
         if any(lp.exactness == "approximate" for lp in layers):
             notes.append("a ring buffer on layers the model runs with full attention drops old tokens: "
                          "outputs differ from the model once the context exceeds the window (measure with "
                          "`kvslim demo`)")
-        dense = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        if window is None and opts.bits and shape.sliding_window and any(shape.is_sliding):
+            notes.append(f"the model's {sum(shape.is_sliding)} sliding-window layers keep its own window of "
+                         f"{shape.sliding_window} (the last {shape.sliding_window - 1} tokens, as HF's cache); "
+                         "the full-attention layers keep every token")
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), tuple(layers),
-                    dense, options={k: v for k, v in options.items()}, notes=tuple(notes))
+                    dense_row, options={k: v for k, v in options.items()}, notes=tuple(notes),
+                    sliding_window=shape.sliding_window)
+
+
+def _own_window_layer(i: int, name: str, spec: StoreSpec, window: int, per_token: int, fixed: int,
+                      residual_row: int, dense_row: int, fmt: str, dtype: torch.dtype) -> LayerPlan:
+    """A quantized method on a layer the model runs with a sliding window of ``window``: a ring of the last
+    W − 1 tokens, as HF's own cache (so the layer attends exactly HF's tokens, each in the method's format).
+
+    * no residual window (int8): a quantized :class:`~kvslim.caches.window.RingLayer` of W − 1 coded rows;
+    * a residual window R < W − 1 (int4/int2 defaults): :class:`~kvslim.caches.window.ResidualRingLayer`, the R
+      most recent tokens in the model dtype in front of a ring of whole coded token groups (attention sinks are
+      dropped there: the first tokens leave the window like any other);
+    * W − 1 ≤ R: every visible token would sit in the full-precision window anyway: a plain ring (exact).
+    """
+    name, own = f"{name}+window", f"model's own window {window}"
+    if getattr(spec, "sink", 0):
+        spec = replace(spec, sink=0)
+    if spec.residual and window - 1 <= spec.residual:
+        return LayerPlan(i, name, dense_row, window, "exact", attention="sliding",
+                         note=f"{own} ≤ residual {spec.residual}: kept in {str(dtype).replace('torch.', '')}",
+                         factory=ring_factory(StoreSpec(), window))
+    note = f"{own}; {fmt}"
+    if not spec.residual:
+        return LayerPlan(i, name, per_token, window, "lossy", note=note, fixed_bytes=fixed, attention="sliding",
+                         factory=ring_factory(spec, window))
+    return LayerPlan(i, name, per_token, window, "lossy", note=note, fixed_bytes=fixed, attention="sliding",
+                     residual=spec.residual, flush=spec.flush, residual_bytes_per_token=residual_row,
+                     ring_codes=residual_ring_slots(window, spec), factory=ring_factory(spec, window))
 
 
 def _format_note(spec: StoreSpec, vspec: StoreSpec, dim: int, dtype: torch.dtype) -> str:
