@@ -21,17 +21,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import mmap
-import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .files import fingerprint
+from .files import fingerprint, publish_dir
 from .progress import status
 
 CT2_BINARY_VERSION = 6
@@ -375,21 +372,13 @@ def convert_whisper(model_dir: str | Path, out_dir: str | Path, *, bin_parts: li
     tokenizer_json = fix_tokenizer_json(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")))
     config, gen = whisper_configs(ct2, json.loads((model_dir / "config.json").read_text()), tokenizer_json)
     state = {k: np.ascontiguousarray(v) for k, v in whisper_state_dict(ct2).items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with publish_dir(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
         gen.save_pretrained(tmp)
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer_json), indent=1))
         WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

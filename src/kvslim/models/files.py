@@ -1,8 +1,14 @@
-"""Helpers shared by the model loaders (one module per source format): content keys of large source files."""
+"""Helpers shared by the model loaders (one module per source format): content keys of large source files, and
+publishing a converted folder atomically."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -18,3 +24,21 @@ def fingerprint(paths: list[Path], salt: bytes) -> str:
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read(1 << 20))
     return h.hexdigest()[:16]
+
+
+@contextmanager
+def publish_dir(out: Path) -> Iterator[Path]:
+    """Write a folder atomically: yields a fresh temporary folder beside ``out`` (same file system); when the block
+    ends normally it replaces ``out`` (an older ``out`` is removed first), and when it raises the temporary folder is
+    removed and ``out`` is left as it was. Readers never see a half-written ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

