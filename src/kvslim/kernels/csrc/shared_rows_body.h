@@ -380,23 +380,50 @@ inline void run_task(const Args& a, int64_t b, int64_t s, int64_t S, float* acc,
 
 // the per-head maps folded into the op (small: h·qdk·L or h·c·odk FMAs per sequence, against the pass over n rows)
 
+// out[k] = x · M[k] for k < nk, rows M[k] (len values) `ms` apart: four rows per pass, so each x vector is loaded
+// once per four rows and the four sums are reduced together (V::hsum4) instead of one full reduction per output
+inline void dots4(const float* x, const float* M, int64_t len, int64_t nk, int64_t ms, float* out) {
+  int64_t k = 0;
+  for (; k + 4 <= nk; k += 4) {
+    const float *m0 = M + k * ms, *m1 = m0 + ms, *m2 = m1 + ms, *m3 = m2 + ms;
+    auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+    int64_t i = 0;
+    for (; i + V::W <= len; i += V::W) {
+      const auto xv = V::load(x + i);
+      a0 = V::fma(xv, V::load(m0 + i), a0);
+      a1 = V::fma(xv, V::load(m1 + i), a1);
+      a2 = V::fma(xv, V::load(m2 + i), a2);
+      a3 = V::fma(xv, V::load(m3 + i), a3);
+    }
+    float s[4];
+    V::hsum4(a0, a1, a2, a3, s);
+    for (; i < len; ++i) {
+      s[0] += x[i] * m0[i];
+      s[1] += x[i] * m1[i];
+      s[2] += x[i] * m2[i];
+      s[3] += x[i] * m3[i];
+    }
+    for (int r = 0; r < 4; ++r) out[k + r] = s[r];
+  }
+  for (; k < nk; ++k) {
+    const float* m = M + k * ms;
+    auto a = V::zero();
+    int64_t i = 0;
+    for (; i + V::W <= len; i += V::W) a = V::fma(V::load(x + i), V::load(m + i), a);
+    float sum = V::hsum(a);
+    for (; i < len; ++i) sum += x[i] * m[i];
+    out[k] = sum;
+  }
+}
+
 // absorbed queries of one sequence: out[j] (L) = Σ_i q[j][i] · M[j][i][:], M (h, qdk, L) contiguous, or
 // out[j][x] = q[j] · M[j][x][:] with M (h, L, qdk) (`dk_last`)
 inline void absorb_seq(const float* q, const float* M, bool dk_last, int64_t h, int64_t qdk, int64_t L,
                        float* out) {
   for (int64_t j = 0; j < h; ++j) {
     float* o = out + j * L;
-    if (dk_last) {
-      const float* qj = q + j * qdk;
-      for (int64_t x = 0; x < L; ++x) {
-        const float* m = M + (j * L + x) * qdk;
-        auto acc = V::zero();
-        int64_t i = 0;
-        for (; i + V::W <= qdk; i += V::W) acc = V::fma(V::load(qj + i), V::load(m + i), acc);
-        float sum = V::hsum(acc);
-        for (; i < qdk; ++i) sum += qj[i] * m[i];
-        o[x] = sum;
-      }
+    if (dk_last) {  // L dot products of length qdk, four at a time (one transpose-reduce per four outputs)
+      dots4(q + j * qdk, M + j * L * qdk, qdk, L, qdk, o);
       continue;
     }
     std::fill(o, o + L, 0.f);
@@ -413,16 +440,10 @@ inline void absorb_seq(const float* q, const float* M, bool dk_last, int64_t h, 
 // output of one head: out (odk) = u (c) · M + bias, M (c, odk) (`rows_out` false) or (odk, c) (`rows_out` true)
 inline void map_head(const float* u, const float* M, bool rows_out, int64_t c, int64_t odk, const float* bias,
                      float* out) {
-  if (rows_out) {  // odk dot products of length c
-    for (int64_t k = 0; k < odk; ++k) {
-      const float* m = M + k * c;
-      auto acc = V::zero();
-      int64_t x = 0;
-      for (; x + V::W <= c; x += V::W) acc = V::fma(V::load(u + x), V::load(m + x), acc);
-      float s = V::hsum(acc);
-      for (; x < c; ++x) s += u[x] * m[x];
-      out[k] = s + (bias ? bias[k] : 0.f);
-    }
+  if (rows_out) {  // odk dot products of length c, four at a time
+    dots4(u, M, c, odk, c, out);
+    if (bias)
+      for (int64_t k = 0; k < odk; ++k) out[k] += bias[k];
     return;
   }
   // c rows of M, each scaled by u[x], summed in registers 8 vectors of columns at a time (no store-to-load chain
