@@ -196,7 +196,7 @@ def test_generate_nbytes_equals_plan_and_window_is_exact():
     cache = out.past_key_values
     n = out.sequences.shape[1] - 1
     assert cache.nbytes == plan.cache_bytes(n, batch=2)
-    assert "bits/element" in str(plan) and "≤64 recent tokens" in str(plan)
+    assert "bits/element" in str(plan) and "≤64 recent tokens" in plan.layers[0].note
     kvslim.restore(model)
 
 
@@ -286,17 +286,23 @@ def test_int2_default_is_three_bit_kivi_keys_and_two_bit_values():
         kvslim.plan_config(cfg96, "int2", dtype="float32", value_rotation="hadamard")
 
 
-def test_int4_default_is_kivi_keys_and_rotated_values():
+def test_int4_default_is_kivi_keys_rotated_values_and_sink_tokens():
     """``apply(model, "int4")``: KIVI keys over 32-token groups, Hadamard-rotated values in groups of 64, fp16
-    scale + zero-point, 128-token window: 4.75 bits/element, as the plan prints."""
+    scale + zero-point, the first 4 tokens and a 124-token window in full precision: 4.75 bits/element of codes,
+    as the plan prints; an explicit residual=128 leaves no room for the default sinks (noted)."""
     cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
     lp = kvslim.plan_config(cfg, "int4", dtype="float32").layers[0]
     layer = lp.factory(None)
-    assert layer.spec == StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=32, residual=128, flush=32,
-                                   value_rotation="hadamard")
+    assert layer.spec == StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=32, residual=124, flush=32,
+                                   value_rotation="hadamard", sink=4)
     assert layer.value_spec().rotation == "hadamard" and layer.value_spec().bits == 4
     assert 8 * lp.bytes_per_token / (2 * 3 * 64) == 4.75
-    assert "V int4 asym g64 fp16 hadamard r128/32: 4.75 bits/element" in lp.note
+    assert "V int4 asym g64 fp16 hadamard r124/32 sink4: 4.75 bits/element" in lp.note
+    assert "the first 4 and ≤124 recent tokens" in lp.note
+    plan = kvslim.plan_config(cfg, "int4", dtype="float32", residual=128)
+    assert plan.layers[0].factory(None).spec.sink == 0 and any("sink=0" in n for n in plan.notes)
+    assert kvslim.plan_config(cfg, "int4", dtype="float32", residual=0, key_channel_group=0).layers[0].factory(
+        None).spec.sink == 0
 
 
 def test_value_rotation_rotates_values_only_and_reads_back_in_the_original_basis():
