@@ -1,7 +1,7 @@
 """The fused int8/int4 decode op alone against torch's SDPA over the dense fp32 cache, one layer, at the cache
 formats the methods use (``int8``: symmetric g64 fp32 scales + 1 fp token; ``int4``: asymmetric, KIVI keys over 32
 tokens, values g64, fp16 parameters, a 100-token fp32 window), each with both score paths (``/exact``: fp32,
-``/int8``: int8-rounded query, integer products).
+``/int8``: int8-rounded query, integer products; ``int4/int8+v8`` adds the integer value path).
 
 ``python benchmarks/bench_quant_op.py [--shapes 8x12x1x64x8192,8x3x3x64x8192] [--rounds 9] [--threads 1]``
 (B × KV heads × query heads per KV head × head dim × context). Interleaved rounds (dense, int8, int4, ...),
@@ -43,6 +43,8 @@ def calls(b: int, hk: int, g: int, d: int, n: int) -> dict:
                                                                  t1, None, sc, scores=m)
         out[f"int4/{mode}"] = lambda m=mode: kernel.quant_decode(q, ks.data, ks.scale, ks.zero, vc, vs, vz, 4, 64, 32,
                                                                  n, None, t4, t4, None, sc, scores=m)
+    out["int4/int8+v8"] = lambda: kernel.quant_decode(q, ks.data, ks.scale, ks.zero, vc, vs, vz, 4, 64, 32, n, None, t4,
+                                                      t4, None, sc, scores="int8", values="int8")
     return out
 
 

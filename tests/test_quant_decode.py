@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import INT8_SCORES_ATOL, INT8_SCORES_LOGIT_ATOL, assert_close
+from tolerances import INT8_SCORES_ATOL, INT8_SCORES_LOGIT_ATOL, INT8_VALUES_TWIN_ATOL, assert_close
 
 import kvslim
 from kvslim.caches.residual import ChannelQuantizedStore
@@ -152,6 +152,40 @@ def test_never_reads_past_a_sequence_length():
             assert_close(out, ref, F32, f"int{bits} poisoned slots ({scores})")
 
 
+@pytest.mark.parametrize("d,g,gs", [(64, 3, 64), (128, 7, 64), (256, 1, 128), (64, 1, 32), (80, 3, 80)])
+def test_int8_values_match_twin_and_stay_close_to_float64(d, g, gs):
+    """values="int8" (uint8 weights per 16-token sub-block × unsigned int4 codes): op == twin across splits, ragged
+    lengths with NaN-poisoned parameters past them, masked tokens and a tail; within the documented loss of the
+    float64 oracle (formats it does not take: exactly the exact path)."""
+    _ops()
+    gen = torch.Generator().manual_seed(d + g)
+    b, h, n = 3, 2, 157
+    kc, ks, kz = _codes(b, h, n, d, 4, gs, True, torch.float16, gen)
+    vc, vs, vz = _codes(b, h, n, d, 4, gs, True, torch.float16, gen)
+    lengths = torch.tensor([n, 61, 17])
+    for i, ln in enumerate(lengths.tolist()):
+        for t in (ks, kz, vs, vz):
+            t[i, :, ln:] = float("nan")
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 2, d, generator=gen)
+    mask = torch.zeros(b, n + 2)
+    mask[0, 3] = mask[1, 40] = float("-inf")
+    args = (q, kc, ks, kz, vc, vs, vz, 4, gs, 0, n, lengths, kt, vt, mask, d ** -0.5)
+    ref, _ = kernel.reference(*args, scores="exact", values="int8")
+    oracle = _oracle(*args)
+    err = (ref.double() - oracle).abs().max().item()
+    lossy = kernel.int_values_apply(4, True, d, gs)
+    assert err <= (INT8_SCORES_ATOL if lossy else 1e-4), f"twin vs float64: {err:.3e}"
+    for splits in (0, 2):
+        for scores in ("exact", "int8"):
+            out, lse = kernel.quant_decode(*args, splits=splits, scores=scores, values="int8")
+            want, want_lse = kernel.reference(*args, scores=scores, values="int8")
+            assert torch.isfinite(out).all()
+            err = (out - want).abs().max().item()
+            assert err <= (INT8_VALUES_TWIN_ATOL if lossy else 1e-4), f"op vs twin (splits={splits}, {scores}): {err}"
+            assert_close(lse, want_lse, F32, "lse")
+
+
 def test_fully_masked_sequence_gives_zeros():
     _ops()
     gen = torch.Generator().manual_seed(4)
@@ -166,8 +200,8 @@ def test_fully_masked_sequence_gives_zeros():
 @given(d=st.sampled_from([32, 48, 64, 80, 128, 256]), g=st.sampled_from([1, 2, 3, 7]), bits=st.sampled_from([4, 8]),
        asym=st.booleans(), n=st.integers(1, 300), tail=st.integers(0, 5), b=st.integers(1, 3),
        splits=st.integers(0, 4), seed=st.integers(0, 2 ** 16), gs=st.sampled_from([16, 32, 64]),
-       scores=st.sampled_from(["exact", "int8"]))
-def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed, gs, scores):
+       scores=st.sampled_from(["exact", "int8"]), values=st.sampled_from(["exact", "int8"]))
+def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed, gs, scores, values):
     _ops()
     gen = torch.Generator().manual_seed(seed)
     gs = gs if d % gs == 0 else 16
@@ -179,9 +213,12 @@ def test_fuzz_op_vs_twin(d, g, bits, asym, n, tail, b, splits, seed, gs, scores)
     if tail:
         kt, vt = torch.randn(b, 2, tail, d, generator=gen), torch.randn(b, 2, tail, d, generator=gen)
     args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, None, 0.2)
-    out, lse = kernel.quant_decode(*args, splits=splits, scores=scores)
-    ref, ref_lse = kernel.reference(*args, scores=scores)
-    assert_close(out, ref, F32, "fuzz out")
+    out, lse = kernel.quant_decode(*args, splits=splits, scores=scores, values=values)
+    ref, ref_lse = kernel.reference(*args, scores=scores, values=values)
+    if values == "int8" and kernel.int_values_apply(bits, asym, d, gs):
+        assert (out - ref).abs().max().item() <= INT8_VALUES_TWIN_ATOL
+    else:
+        assert_close(out, ref, F32, "fuzz out")
     assert_close(lse, ref_lse, F32, "fuzz lse")
 
 
@@ -299,12 +336,12 @@ def test_isa_names_a_path():
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_int8_scores_stay_close_to_the_unfused_path(kv_heads, monkeypatch):
-    """The default score path (int8-rounded query) end to end: a padded batch decodes through the kernel with
+    """The int8 score path (int8-rounded query; KVSLIM_QUANT_SCORES=int8) end to end: a padded batch decodes through the kernel with
     logits within the documented loss of the unfused (exact) path, formats whose keys take integer scores
     (int8 g64, int4 KIVI asymmetric, int4 old format) and one that does not (head dim 64 with 32-channel int4
     groups keeps exact scores)."""
     _ops()
-    monkeypatch.delenv("KVSLIM_QUANT_SCORES", raising=False)
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "int8")
     assert kernel.default_scores() == "int8"
     model = _tiny(kv_heads)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))

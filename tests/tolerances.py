@@ -53,6 +53,10 @@ LOSSY_LOGIT_ATOL = {"int8": 1e-2, "int4": 1e-1}
 #: decode logits against the unfused path (tests/test_quant_decode.py)
 INT8_SCORES_ATOL = 0.15
 INT8_SCORES_LOGIT_ATOL = 5e-2
+#: ``values="int8"`` (softmax weight × value scale rounded to uint8 per 16-token sub-block): the op rounds the online
+#: softmax's unnormalised weights, the twin the normalised ones; the rounding is scale-invariant except that a weight
+#: within float rounding of a tie may round the other way (one weight step, ≤ max w / 127 of its sub-block)
+INT8_VALUES_TWIN_ATOL = 2e-2
 #: the one-pass protocol (kvslim.evaluate_parallel) against the call-by-call one on a float64 model: same codes,
 #: only summation order and HF's float32 RoPE tables differ (relative, on perplexity / KL; absolute on Δlogit)
 PROTOCOL_ONE_PASS_RTOL = 1e-4

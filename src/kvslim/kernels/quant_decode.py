@@ -20,7 +20,13 @@ llama.cpp's q8_0 technique) rounds the query the codes see (``scaling·q``, or `
 group) to int8 per block of 32 channels (``d_b = max|u_b| / 127``, round half to even) and multiplies it with the
 codes in integer arithmetic; zero-points, token scales and the tail stay fp32. It applies where
 :func:`int_scores_apply` says so (other formats take the exact path); the twin rounds the query the same way.
-``KVSLIM_QUANT_SCORES=exact|int8`` sets the default.
+``KVSLIM_QUANT_SCORES=exact|int8`` sets the default (``exact``: the int8 path's effect on a real model's
+perplexity / KL is not measured yet).
+
+Value paths (``values``): ``"exact"`` accumulates ``p_t · v_t`` in fp32; ``"int8"`` rounds ``w_t = p_t · s_{t,g}``
+(softmax weight × value scale) to uint8 per 16-token sub-block of the sequence (``dw = max w / 127``) and multiplies
+with the unsigned int4 codes in integer arithmetic (zero-points in fp32), where :func:`int_values_apply` says so.
+``KVSLIM_QUANT_VALUES=exact|int8`` sets the default (``exact``).
 """
 
 from __future__ import annotations
@@ -38,20 +44,59 @@ FAMILY = "quant_decode"
 SCORES = ("int8", "exact")
 
 
+DEFAULTS = {"scores": "exact", "values": "exact"}  # int8 paths opt-in until measured on real-model quality
+
+
 def default_scores() -> str:
-    """The score path used when a call names none: ``KVSLIM_QUANT_SCORES`` (``int8`` | ``exact``), else ``int8``."""
-    mode = os.environ.get("KVSLIM_QUANT_SCORES", "int8")
+    """The score path used when a call names none: ``KVSLIM_QUANT_SCORES`` (``int8`` | ``exact``), else ``exact``."""
+    return _mode("scores", None)
+
+
+def default_values() -> str:
+    """The value path used when a call names none: ``KVSLIM_QUANT_VALUES`` (``int8`` | ``exact``), else ``exact``."""
+    return _mode("values", None)
+
+
+def _mode(what: str, mode: str | None) -> str:
+    if mode is None:
+        env = f"KVSLIM_QUANT_{what.upper()}"
+        mode = os.environ.get(env, DEFAULTS[what])
+        if mode not in SCORES:
+            raise ValueError(f"{env} must be one of {SCORES}, got {mode!r}")
     if mode not in SCORES:
-        raise ValueError(f"KVSLIM_QUANT_SCORES must be one of {SCORES}, got {mode!r}")
+        raise ValueError(f"{what} must be one of {SCORES}, got {mode!r}")
     return mode
 
 
 def _scores(scores: str | None) -> str:
-    if scores is None:
-        return default_scores()
-    if scores not in SCORES:
-        raise ValueError(f"scores must be one of {SCORES}, got {scores!r}")
-    return scores
+    return _mode("scores", scores)
+
+
+def int_values_apply(bits: int, asymmetric: bool, head_dim: int, group_size: int) -> bool:
+    """Whether ``values="int8"`` rounds the weights for this value format (the op's ``qv_ok``): asymmetric int4
+    codes with the head dim and ``group_size`` multiples of 64."""
+    return bits == 4 and asymmetric and head_dim % 64 == 0 and group_size % 64 == 0
+
+
+def int8_weight_values(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    """``Σ_t w_t · v_t`` (B, Hk, G, D) of the ``"int8"`` value path over n coded tokens: w (B, Hk, G, n) softmax
+    weights (0 where a token is not attended), codes/scale/zero the first n asymmetric int4 value rows. Per value
+    group g, ``w_t · s_{t,g}`` is rounded to uint8 per 16-token sub-block (``dw = max / 127``, round half to even)
+    and times the codes; the zero-point term ``Σ_t w_t z_{t,g}`` stays exact."""
+    b, hk, g, n = w.shape
+    s, z = scale.float(), zero.float()  # (B, Hk, n, ng)
+    live = w > 0
+    wg = torch.where(live[..., None], w[..., None] * s[:, :, None], 0.0)  # (B, Hk, G, n, ng)
+    pad = -n % 16
+    blocks = torch.nn.functional.pad(wg, (0, 0, 0, pad)).unflatten(3, (-1, 16))  # (B, Hk, G, nsb, 16, ng)
+    dw = blocks.amax(4, keepdim=True) / 127.0
+    wq = torch.where(dw > 0, blocks / torch.where(dw > 0, dw, 1.0), 0.0).round() * dw
+    wq = wq.flatten(3, 4)[:, :, :, :n]  # (B, Hk, G, n, ng)
+    c = unpack_codes(codes, 4, signed=False).float().unflatten(-1, (-1, group_size))  # (B, Hk, n, ng, gs)
+    out = torch.einsum("bhgtk,bhtkc->bhgkc", wq, c)
+    zt = torch.einsum("bhgt,bhtk->bhgk", w, torch.where(live.any(2)[..., None], z, 0.0))
+    return (out + zt[..., None]).flatten(-2)
 
 
 def int_scores_apply(bits: int, asymmetric: bool, head_dim: int, group_size: int, key_channel_group: int) -> bool:
@@ -83,7 +128,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-          k_tail, v_tail, mask, scaling, splits=0, int_scores=False):
+          k_tail, v_tail, mask, scaling, splits=0, int_scores=False, int_values=False):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -144,7 +189,7 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
               key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, scaling: float = 1.0,
-              scores: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scores: str | None = None, values: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: dequantize the first ``n`` tokens, append the tail, softmax attention in fp32.
 
     Args:
@@ -158,22 +203,25 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
         mask: (B|1, n + r) additive fp32, or ``None``.
         scores: ``"exact"`` or ``"int8"`` (:func:`int8_query_scores` where :func:`int_scores_apply`); ``None``:
             :func:`default_scores`.
+        values: ``"exact"`` or ``"int8"`` (:func:`int8_weight_values` where :func:`int_values_apply`); ``None``:
+            :func:`default_values`.
 
     Returns:
         out (B, Hk, G, D) and lse (B, Hk, G), fp32.
     """
     mode = _scores(scores)
+    vmode = _mode("values", values)
     g = key_channel_group
     nk = -(-n // g) * g if g else n
     keys = dequantize_codes(k_codes[:, :, :nk], k_scale[:, :, :nk], None if k_zero is None else k_zero[:, :, :nk],
                             bits, group_size, g)[:, :, :n]
-    values = dequantize_codes(v_codes[:, :, :n], v_scale[:, :, :n], None if v_zero is None else v_zero[:, :, :n],
-                              bits, group_size)
+    vals = dequantize_codes(v_codes[:, :, :n], v_scale[:, :, :n], None if v_zero is None else v_zero[:, :, :n],
+                            bits, group_size)
     live = torch.ones(q.shape[0], n, dtype=torch.bool)
     if lengths is not None:  # never use a slot past a sequence's length (it may hold anything)
         live = torch.arange(n)[None, :] < lengths[:, None]
         keys = torch.where(live[:, None, :, None], keys, 0.0)
-        values = torch.where(live[:, None, :, None], values, 0.0)
+        vals = torch.where(live[:, None, :, None], vals, 0.0)
     if mode == "int8" and int_scores_apply(bits, k_zero is not None, q.shape[-1], group_size, g):
         coded = int8_query_scores(q, k_codes, k_scale, k_zero, bits, group_size, g, n, scaling)
     else:
@@ -181,7 +229,7 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     parts = [coded]
     if k_tail is not None:
         parts.append(torch.einsum("bhgd,bhtd->bhgt", q.float(), k_tail.float()) * scaling)
-        values = torch.cat((values, v_tail.float()), dim=2)
+        vals = torch.cat((vals, v_tail.float()), dim=2)
         live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool)), dim=1)
     scores_ = torch.cat(parts, dim=-1)
     if mask is not None:
@@ -189,7 +237,10 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     scores_ = scores_.masked_fill(~live[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores_, dim=-1)
     weights = torch.softmax(scores_, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
-    return torch.einsum("bhgt,bhtd->bhgd", weights, values), lse
+    if vmode == "int8" and int_values_apply(bits, v_zero is not None, q.shape[-1], group_size):
+        out = int8_weight_values(weights[..., :n], v_codes[:, :, :n], v_scale[:, :, :n], v_zero[:, :, :n], group_size)
+        return out + torch.einsum("bhgt,bhtd->bhgd", weights[..., n:], vals[:, :, n:]), lse
+    return torch.einsum("bhgt,bhtd->bhgd", weights, vals), lse
 
 
 def supported(q: torch.Tensor, k_codes: torch.Tensor, bits: int) -> bool:
@@ -204,14 +255,15 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
-                 splits: int = 0, scores: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int = 0, scores: str | None = None,
+                 values: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads);
-    ``scores`` picks the score path (``"int8"`` | ``"exact"``; ``None``: :func:`default_scores`).
+    ``scores`` / ``values`` pick the score / value paths (``"int8"`` | ``"exact"``; ``None``: the defaults).
     """
-    mode = _scores(scores)
+    mode, vmode = _scores(scores), _mode("values", values)
     if (k_tail is None) != (v_tail is None):
         raise ValueError("k_tail and v_tail come together")
     if (k_zero is None) != (v_zero is None):
@@ -220,9 +272,10 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
-                                             k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8")
+                                             k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8",
+                                             vmode == "int8")
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
-                     lengths, k_tail, v_tail, mask, scaling, mode)
+                     lengths, k_tail, v_tail, mask, scaling, mode, vmode)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

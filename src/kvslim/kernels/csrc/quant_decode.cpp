@@ -14,6 +14,8 @@
 // Parallel over batch × KV heads × splits of the sequence (flash-decoding, exact log-sum-exp merge).
 // int_scores: the scores from an int8-rounded query (per 32-channel block) times the codes in integer arithmetic
 // (llama.cpp's q8_0 technique) where the format allows (qdot_ok in quant_decode_body.h); otherwise exact fp32.
+// int_values: the value products from the softmax weights × value scales rounded to uint8 per 16-token sub-block,
+// times the unsigned int4 codes in integer arithmetic (qv_ok); otherwise fp32.
 // Every size and stride comes from tensor metadata and is checked here (named ValueErrors).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,6 +67,7 @@ struct QArgs {
   const float* mask = nullptr;  // (B|1, n + r) additive
   int64_t mask_bs = 0;
   bool qdot = false;  // scores from an int8-rounded query where the format allows (qdot_ok in the body)
+  bool qvals = false;  // value products from uint8-rounded softmax weights where the format allows (qv_ok)
 };
 
 inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64_t i, int sdt) {
@@ -81,18 +84,24 @@ struct Scratch {
   std::vector<int8_t> q8, qe, qo;
   std::vector<float> qd, qdx, corr;
   std::vector<int32_t> qbs;
+  std::vector<uint8_t> wq;  // integer value path: uint8 weights (G · groups rows of T) and their sub-block scales
+  std::vector<float> wdw;
   int64_t row_group = -1;
   Scratch(const QArgs& a, int64_t T_)
       : T(T_), q(a.G * a.D), qp(a.G * a.D), qs(a.G * a.D), zq(a.G), k(T_ * a.D), sc(a.G * T_),
         pw(a.G * (a.D / a.gs) * T_), srow(a.D), zrow(a.D), qsum(a.G * (a.D / a.gs)), ks(T_ * (a.D / a.gs)),
         kz(T_ * (a.D / a.gs)), vs(T_ * (a.D / a.gs)), vz(T_ * (a.D / a.gs)), q8(a.G * a.D), qe(a.G * a.D / 2 + 1),
-        qo(a.G * a.D / 2 + 1), qd(a.G * a.D / 32 + 1), qdx(a.G * a.D / 8 + 1), corr(a.G * (a.D / a.gs) + 1), qbs(a.G * a.D / 32 + 1) {}
+        qo(a.G * a.D / 2 + 1), qd(a.G * a.D / 32 + 1), qdx(a.G * a.D / 8 + 1), corr(a.G * (a.D / a.gs) + 1), qbs(a.G * a.D / 32 + 1),
+        wq(a.G * (a.D / a.gs) * T_ + 16), wdw(a.G * (a.D / a.gs) * (T_ / 16) + 1) {}
 };
 
 using TaskFn = void (*)(const QArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
 
-// tokens per block: ~32 KiB of decoded fp32 rows
-inline int64_t block_tokens(int64_t D) { return std::clamp<int64_t>(8192 / std::max<int64_t>(D, 1) / 4 * 4, 16, 256); }
+// tokens per block: ~32 KiB of decoded fp32 rows; a multiple of 16 (the integer value path's weight sub-blocks
+// then start at multiples of 16 tokens of the sequence, as in the Python twin)
+inline int64_t block_tokens(int64_t D) {
+  return std::clamp<int64_t>(8192 / std::max<int64_t>(D, 1) / 16 * 16, 16, 256);
+}
 
 }  // namespace kvslim_quant
 
@@ -254,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
     const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero, int64_t bits,
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
-    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores) {
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores, bool int_values) {
   using namespace kvslim_quant;
   QArgs a;
   TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) >= 1 &&
@@ -346,6 +355,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   a.q = qc.data_ptr<float>();
   a.scaling = static_cast<float>(scaling);
   a.qdot = int_scores;
+  a.qvals = int_values;
   at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
   at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
   if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());
@@ -359,7 +369,7 @@ std::string quant_decode_isa(int64_t head_dim) { return kvslim_quant::isa_for(he
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
-        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False) -> (Tensor, Tensor)");
+        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
 }
 

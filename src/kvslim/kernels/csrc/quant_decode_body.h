@@ -396,18 +396,64 @@ inline void values_heads(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64
   }
 }
 
+inline bool sp_tokens_ok(const QArgs& a) { return block_tokens(a.D) % 16 == 0; }
+
+// ---- integer values: per head and value group, w_t = p_t · s_{t,g} rounded to uint8 per 16-token sub-block
+// (QD::wprep), times the unsigned int4 codes (QD::i4_values, int16 partial sums per sub-block); zero-points in fp32.
+// The accumulator then lives in the path's lane order (qv_pos), undone once per task. Python twin:
+// quant_decode.int_values_apply / int8_weight_values.
+template <int BITS, bool ASYM>
+inline bool qv_ok(const QArgs& a) {
+  return a.qvals && BITS == 4 && ASYM && a.D % 64 == 0 && a.gs % 64 == 0 && sp_tokens_ok(a);
+}
+
+inline void from_qv_order(float* x, float* tmp, int64_t D) {
+  std::copy(x, x + D, tmp);
+  for (int64_t c = 0; c < D; c += 64)
+    for (int64_t i = 0; i < 64; ++i) x[c + i] = tmp[c + kvslim_vec::qv_pos(i)];
+}
+
+template <int HC>
+inline void qvalues_heads(const QArgs& a, Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m, int64_t T,
+                          int64_t j0, float* acc) {
+  const int64_t D = a.D, ng = D / a.gs, nsb = T / 16;
+  const uint8_t* base = a.v.codes.at<uint8_t>(b, h, t0);
+  const int64_t rs = a.v.codes.ts;
+  for (int64_t c = 0; c < D; c += 64) {
+    const int64_t g = c / a.gs;
+    const uint8_t* wq[HC];
+    const float* dw[HC];
+    float* ac[HC];
+    for (int j = 0; j < HC; ++j) {
+      wq[j] = sp.wq.data() + ((j0 + j) * ng + g) * T;
+      dw[j] = sp.wdw.data() + ((j0 + j) * ng + g) * nsb;
+      ac[j] = acc + (j0 + j) * D + c;
+    }
+    QD::template i4_values<HC>(base, rs, m, c / 2, wq, dw, ac);
+  }
+}
+
 // acc[j] += Σ_t p[j][t] · v_t, v_t = codes·s (+ z) decoded in registers (weights folded into the scales)
 template <int BITS, bool ASYM>
 inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t ps,
-                        const float* vs, const float* vz, float* pw, float* acc) {
+                        const float* vs, const float* vz, float* pw, float* acc, Scratch& sp, bool qv) {
   const int64_t G = a.G, D = a.D, gs = a.gs, ng = D / gs, T = ps;
   for (int64_t j = 0; j < G; ++j)
     for (int64_t g = 0; g < ng; ++g) {
       float* o = pw + (j * ng + g) * T;
       const float* pj = p + j * ps;
       for (int64_t t = 0; t < m; ++t) o[t] = pj[t] * vs[t * ng + g];
+      if (qv)
+        for (int64_t sb = 0; sb * 16 < m; ++sb)
+          sp.wdw[(j * ng + g) * (T / 16) + sb] =
+              QD::wprep(o + sb * 16, std::min<int64_t>(16, m - sb * 16), sp.wq.data() + (j * ng + g) * T + sb * 16);
     }
   int64_t j0 = 0;
+  if (qv) {  // two heads at a time (int16 accumulators: 4 vectors per head)
+    for (; j0 + 2 <= G; j0 += 2) qvalues_heads<2>(a, sp, b, h, t0, m, T, j0, acc);
+    if (G - j0 == 1) qvalues_heads<1>(a, sp, b, h, t0, m, T, j0, acc);
+    j0 = G;
+  }
   for (; j0 + 3 <= G; j0 += 3) values_heads<BITS, ASYM, 3>(a, b, h, t0, m, pw, T, j0, acc);
   if (G - j0 == 2) values_heads<BITS, ASYM, 2>(a, b, h, t0, m, pw, T, j0, acc);
   if (G - j0 == 1) values_heads<BITS, ASYM, 1>(a, b, h, t0, m, pw, T, j0, acc);
@@ -565,6 +611,7 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     for (int64_t j = 0; j < G; ++j) to_chunk_order(sp.q.data() + j * D, sp.qp.data() + j * D, D);
     qk = sp.qp.data();
   }
+  const bool qv = fast && qv_ok<BITS, ASYM>(a);  // integer values (accumulator in the path's lane order)
   const bool qd = qdot_ok(a);  // integer scores (keys read in natural order: no chunk-order query needed)
   if (qd && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j) qdot_prep<BITS, ASYM>(a, sp, j, sp.q.data() + j * D, ng);
@@ -640,13 +687,16 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     if (fast) {
       load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
       if (ASYM) load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
-      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
+      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc, sp,
+                              qv);
     } else {
       deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups
       block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
     }
   }
-  if (perm)
+  if (qv)
+    for (int64_t j = 0; j < G; ++j) from_qv_order(acc + j * D, sp.srow.data(), D);
+  else if (perm)
     for (int64_t j = 0; j < G; ++j) from_chunk_order(acc + j * D, sp.srow.data(), D);
   if (s != S - 1 || a.r == 0) return;
   for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place

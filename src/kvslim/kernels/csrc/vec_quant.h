@@ -96,7 +96,44 @@ inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo,
   }
 }
 
+// value side of the integer path: weights w (n ≤ 16 floats, ≥ 0) of one 16-token sub-block -> uint8 codes
+// wq[t] = round-half-even(w_t / dw), dw = max w / 127 (returned); wq[t] = 0 for t in [n, 16)
+inline float wprep(const float* w, int64_t n, uint8_t* wq) {
+  float amax = 0.f;
+  for (int64_t t = 0; t < n; ++t) amax = std::max(amax, w[t]);
+  const float dw = amax / 127.f;
+  for (int64_t t = 0; t < 16; ++t)
+    wq[t] = (t < n && dw > 0.f) ? static_cast<uint8_t>(std::nearbyint(w[t] / dw)) : 0;
+  return dw;
+}
+
+// accumulator position of channel i (0 ≤ i < 64) in a 64-channel chunk of the integer value path (the lane order of
+// QDotAVX2::i4_values: [even channels of bytes 0-7, 16-23 | odd of 0-7, 16-23 | even of 8-15, 24-31 | odd ...])
+inline int64_t qv_pos(int64_t i) {
+  const int64_t p = i / 2, odd = i % 2;
+  const int64_t v = ((p % 16) >= 8 ? 2 : 0) + odd, k = (p >= 16 ? 8 : 0) + p % 8;
+  return v * 16 + k;
+}
+
 struct QDotScalar {
+  static inline float wprep(const float* w, int64_t n, uint8_t* wq) { return kvslim_vec::wprep(w, n, wq); }
+  // acc[j][qv_pos(i)] += Σ_sb dw[j][sb] Σ_{t∈sb} wq[j][t] · code_t[i] for the 64 channels of the chunk at byte p0
+  // of each row; tokens [0, m), rows base + t·rs (unsigned nibbles)
+  template <int HC>
+  static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
+                               const float* const* dw, float* const* acc) {
+    for (int64_t sb = 0; sb * 16 < m; ++sb)
+      for (int j = 0; j < HC; ++j) {
+        int32_t s[64] = {};
+        for (int64_t t = sb * 16; t < std::min<int64_t>(m, sb * 16 + 16); ++t)
+          for (int64_t p = 0; p < 32; ++p) {
+            const int x = base[t * rs + p0 + p];
+            s[2 * p] += (x & 0xF) * wq[j][t];
+            s[2 * p + 1] += (x >> 4) * wq[j][t];
+          }
+        for (int64_t i = 0; i < 64; ++i) acc[j][qv_pos(i)] += dw[j][sb] * static_cast<float>(s[i]);
+      }
+  }
   static inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo, float* d, float* dx,
                            int32_t* bs) {
     kvslim_vec::qprep(u, n, q8, qe, qo, d, dx, bs);
@@ -181,6 +218,64 @@ struct QuantAVX2 : VecAVX2 {
 };
 
 struct QDotAVX2 {
+  static inline float wprep(const float* w, int64_t n, uint8_t* wq) {
+    if (n < 16) return kvslim_vec::wprep(w, n, wq);
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const float dw = VecAVX2::hmax(_mm256_max_ps(w0, w1)) / 127.f;
+    __m128i b = _mm_setzero_si128();
+    if (dw > 0.f) {
+      const __m256 vd = _mm256_set1_ps(dw);
+      const __m256i p = _mm256_permute4x64_epi64(
+          _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_div_ps(w0, vd)), _mm256_cvtps_epi32(_mm256_div_ps(w1, vd))),
+          0xD8);
+      b = _mm_packus_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq), b);
+    return dw;
+  }
+  // pairs of tokens: bytes of rows t, t+1 interleaved, nibbles masked -> 4 × 16 (code_t, code_t+1) byte pairs;
+  // maddubs with the pair of weights accumulates 16 tokens in int16 (≤ 8 · 2 · 15 · 127 < 2^15), then fp32
+  template <int HC>
+  static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
+                               const float* const* dw, float* const* acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb * 16 < m; ++sb) {
+      __m256i A[HC][4];
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) A[j][v] = _mm256_setzero_si256();
+      const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
+      for (int64_t t = sb * 16; t < t1; t += 2) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + t * rs + p0));
+        const __m256i x1 = t + 1 < t1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t + 1) * rs + p0))
+                                      : _mm256_setzero_si256();  // never past the last token
+        const __m256i u0 = _mm256_unpacklo_epi8(x0, x1), u1 = _mm256_unpackhi_epi8(x0, x1);
+        const __m256i c[4] = {_mm256_and_si256(u0, m4), _mm256_and_si256(_mm256_srli_epi16(u0, 4), m4),
+                              _mm256_and_si256(u1, m4), _mm256_and_si256(_mm256_srli_epi16(u1, 4), m4)};
+#pragma GCC unroll 4
+        for (int j = 0; j < HC; ++j) {
+          int16_t pair;
+          std::memcpy(&pair, wq[j] + t, 2);
+          const __m256i w = _mm256_set1_epi16(pair);
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) A[j][v] = _mm256_add_epi16(A[j][v], _mm256_maddubs_epi16(c[v], w));
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        const __m256 d = _mm256_set1_ps(dw[j][sb]);
+        float* o = acc[j];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(A[j][v])));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(A[j][v], 1)));
+          _mm256_storeu_ps(o + v * 16, _mm256_fmadd_ps(lo, d, _mm256_loadu_ps(o + v * 16)));
+          _mm256_storeu_ps(o + v * 16 + 8, _mm256_fmadd_ps(hi, d, _mm256_loadu_ps(o + v * 16 + 8)));
+        }
+      }
+    }
+  }
   // kvslim_vec::qprep with vectors (same IEEE division and round-half-even conversion: the same codes)
   static inline void qprep(const float* u, int64_t n, int8_t* q8, int8_t* qe, int8_t* qo, float* d, float* dx,
                            int32_t* bs) {
