@@ -101,3 +101,41 @@ def test_corrupt_shared_object_on_disk_is_rebuilt(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "rebuilt-ok" in res.stdout, res.stderr[-2000:]
     assert next(bad.glob("*.so")).read_bytes()[:4] == b"\x7fELF" and next(bad.glob("*.so")).stat().st_size > 10_000
+
+
+def test_key_follows_included_headers_only(tmp_path):
+    """A family's key covers the headers it includes (transitively), not every header in csrc/."""
+    (tmp_path / "fam.cpp").write_text('#include "a.h"\n#include <vector>\nint f();\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n')
+    (tmp_path / "b.h").write_text("// b\n")
+    (tmp_path / "other.h").write_text("// another family's header\n")
+    src = [tmp_path / "fam.cpp"]
+    assert build._closure(src) == {tmp_path / n for n in ("fam.cpp", "a.h", "b.h")}
+    key = build._key("fam", src, build.CFLAGS)
+    (tmp_path / "other.h").write_text("// edited\n")
+    assert build._key("fam", src, build.CFLAGS) == key
+    (tmp_path / "b.h").write_text("// b edited\n")
+    assert build._key("fam", src, build.CFLAGS) != key  # an included header's edit is a new build
+
+
+@pytest.mark.skipif(build._compiler() is None, reason="no C++ compiler")
+def test_stale_torch_baton_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's file baton ("lock") left in a build dir by a killed process: the next load removes it under kvslim's
+    OS lock and loads, instead of waiting forever."""
+    from kvslim.kernels import encdec_decode
+
+    if not encdec_decode.available():
+        pytest.skip("the op cannot be built here")
+    key = build._key("encdec_decode", [build.CSRC / "encdec_decode.cpp"], build.CFLAGS)
+    good = build.cache_root() / "ops" / f"encdec_decode-{key}"
+    if not good.is_dir():
+        pytest.skip("no cached build of encdec_decode to copy")
+    stale = tmp_path / "ops" / good.name
+    shutil.copytree(good, stale, ignore=shutil.ignore_patterns("lock", ".kvslim-build.lock"))
+    (stale / "lock").write_text("")
+    script = "from kvslim.kernels import build; assert build.load_ops('encdec_decode') is True; print('loaded-ok')"
+    env = {**os.environ, "KVSLIM_CACHE_DIR": str(tmp_path)}
+    env.pop("KVSLIM_NO_KERNELS", None)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "loaded-ok" in res.stdout, res.stderr[-2000:]
+    assert not (stale / "lock").exists()

@@ -12,10 +12,12 @@ compile time never falls inside a benchmark.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import sys
 import threading
@@ -53,11 +55,30 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _closure(sources: list[Path]) -> set[Path]:
+    """The sources and every local header they ``#include "..."``, transitively (system headers are covered by
+    the compiler and torch versions in the key)."""
+    seen: set[Path] = set()
+    todo = list(sources)
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        todo += [(path.parent / m.decode()) for m in _INCLUDE.findall(path.read_bytes())]
+    return seen
+
+
 def _key(name: str, sources: list[Path], cflags: tuple[str, ...]) -> str:
+    """Hash of what the build depends on: the family's sources and the headers they include (another family's
+    header edit does not rebuild this one), flags, compiler, CPU, Python and torch versions."""
     h = hashlib.sha256()
     for part in (name, torch.__version__, sys.version, _compiler() or "", _cpu_tag(), *cflags):
         h.update(part.encode() + b"\0")
-    for src in sorted({*sources, *CSRC.glob("*.h")}):
+    for src in sorted(_closure(sources)):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:16]
 
@@ -99,9 +120,20 @@ def load_ops(name: str, extra_cflags: tuple[str, ...] = ()) -> bool:
 
 
 def _build_and_load(name: str, sources: list[Path], cflags: tuple[str, ...], build_dir: Path) -> bool:
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # one build per directory across processes: an OS lock, released even when its holder is killed. torch's own
+    # file baton ("lock") is a plain file that a killed build leaves behind, after which every later load would
+    # wait on it forever; holding our lock, nobody else is building here, so a leftover baton is stale.
+    with open(build_dir / ".kvslim-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        _load(name, sources, cflags, build_dir)
+    return True
+
+
+def _load(name: str, sources: list[Path], cflags: tuple[str, ...], build_dir: Path) -> None:
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
     # cpp_extension runs ninja only when its in-process versioner sees new inputs: forget the entry, so that the
     # retry after a failed load (the build dir deleted) really rebuilds instead of loading nothing again
     versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
@@ -110,7 +142,6 @@ def _build_and_load(name: str, sources: list[Path], cflags: tuple[str, ...], bui
     cpp_extension.load(name=f"kvslim_{name}", sources=[str(s) for s in sources], extra_cflags=list(cflags),
                        extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
                        is_python_module=False, verbose=False)
-    return True
 
 
 def families() -> list[str]:
