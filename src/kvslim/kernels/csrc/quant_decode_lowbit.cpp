@@ -29,40 +29,21 @@
 #include <string>
 #include <vector>
 
+#include "decode_common.h"
 #include "vec_lowbit.h"
 
 #pragma GCC visibility push(hidden)
 
 namespace kvslim_lowbit {
 
-// a (B, H, tokens, ·) tensor with unit last stride: element (b, h, t, i) at p + b·bs + h·hs + t·ts + i
-struct Strided {
-  const void* p = nullptr;
-  int64_t bs = 0, hs = 0, ts = 0;
-  template <class T>
-  const T* at(int64_t b, int64_t h, int64_t t) const {
-    return static_cast<const T*>(p) + b * bs + h * hs + t * ts;
-  }
-};
+using kvslim_decode::Codes;
+using kvslim_decode::Strided;
 
-struct Codes {
-  Strided codes, scale, zero;
-};
-
-struct LArgs {
-  int64_t B = 0, Hk = 0, G = 0, D = 0;
-  const float* q = nullptr;  // (B, Hk, G, D) contiguous
-  float scaling = 1.f;
+struct LArgs : kvslim_decode::Common {
   int kb = 3, vb = 2;
   int64_t gs = 0, kivi = 0;
   int sdt = 0;  // parameter dtype: 0 fp32, 1 fp16, 2 bf16
   Codes k, v;
-  int64_t n = 0;
-  const int64_t* lengths = nullptr;
-  Strided kt, vt;  // fp32 tail (B, Hk, r, D)
-  int64_t r = 0;
-  const float* mask = nullptr;  // (B|1, n + r) additive
-  int64_t mask_bs = 0;
 };
 
 struct Scratch {
@@ -119,93 +100,20 @@ inline std::atomic<bool>& use_scalar() {
 
 inline std::string cpu_isa() { return use_scalar().load() ? "scalar" : "avx2"; }
 
-inline int64_t auto_splits(int64_t tasks, int64_t n, int64_t T) {
-  const int64_t threads = at::get_num_threads();
-  if (tasks >= threads && tasks % threads == 0) return 1;
-  if (tasks >= 4 * threads) return 1;
-  const int64_t want = (4 * threads + tasks - 1) / tasks;
-  return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
-}
-
-// normalise one (sequence, KV head)'s G rows in place and write their lse (one split: no merge needed)
-inline void finish_rows(float* o, const float* m, const float* l, float* lse, int64_t G, int64_t D) {
-  for (int64_t j = 0; j < G; ++j) {
-    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-    for (int64_t i = 0; i < D; ++i) o[j * D + i] *= inv;
-    lse[j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
-  }
-}
-
 void run(const LArgs& a, int64_t S, float* out, float* lse) {
-  const int64_t T = kBlock;
-  const int64_t BH = a.B * a.Hk, GD = a.G * a.D;
-  if (S <= 0) S = auto_splits(BH, a.n, T);
-  S = std::max<int64_t>(1, std::min<int64_t>(S, (a.n + T - 1) / T));
-  const bool kivi = a.kivi > 0;
-  const TaskFn fn = cpu_isa() == "avx2" ? avx2::pick(a.kb, a.vb, kivi) : scalar::pick(a.kb, a.vb, kivi);
-  std::vector<float> part_acc, part_m(BH * S * a.G), part_l(BH * S * a.G);
-  if (S > 1) part_acc.resize(BH * S * GD);
-  // one task per (sequence, KV head, split); a grain that keeps small problems (1k x 1) on few threads
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(BH * S, 4096 / std::max<int64_t>(a.n, 1)));
-  at::parallel_for(0, BH * S, grain, [&](int64_t begin, int64_t end) {
-    Scratch sp(a, T);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / S, s = task % S;
-      float* acc = S > 1 ? part_acc.data() + task * GD : out + bh * GD;
-      float* m = part_m.data() + task * a.G;
-      float* l = part_l.data() + task * a.G;
-      fn(a, bh / a.Hk, bh % a.Hk, s, S, acc, m, l, sp);
-      if (S == 1) finish_rows(acc, m, l, lse + bh * a.G, a.G, a.D);
-    }
-  });
-  if (S == 1) return;
-  // merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M)
-  at::parallel_for(0, BH * a.G, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(S);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t bh = row / a.G, j = row % a.G;
-      float M = -INFINITY;
-      for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[(bh * S + s) * a.G + j]);
-      float den = 0.f;
-      for (int64_t s = 0; s < S; ++s) {
-        const float ms = part_m[(bh * S + s) * a.G + j];
-        w[s] = ms == -INFINITY ? 0.f : std::exp(ms - M);
-        den += w[s] * part_l[(bh * S + s) * a.G + j];
-      }
-      float* o = out + row * a.D;
-      const float inv = den > 0.f ? 1.f / den : 0.f;
-      std::fill(o, o + a.D, 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float f = w[s] * inv;
-        if (f == 0.f) continue;
-        const float* p = part_acc.data() + (bh * S + s) * GD + j * a.D;
-        for (int64_t i = 0; i < a.D; ++i) o[i] += f * p[i];
-      }
-      lse[row] = den > 0.f ? M + std::log(den) : -INFINITY;
-    }
-  });
+  const TaskFn fn = cpu_isa() == "avx2" ? avx2::pick(a.kb, a.vb, a.kivi > 0) : scalar::pick(a.kb, a.vb, a.kivi > 0);
+  kvslim_decode::run_split_k<Scratch>(a, S, kBlock, fn, out, lse);
 }
 
 // ---- argument checks (named ValueErrors) -------------------------------------------------------------------
 
 constexpr const char* OP = "kvslim::quant_decode_lowbit";
 
-Strided strided(const at::Tensor& t) { return Strided{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
-
-at::Tensor unit_last(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+using kvslim_decode::strided;
+using kvslim_decode::unit_last;
 
 void check_4d(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t min_tokens, int64_t width) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), OP, ": ", name, " must be on CPU, got ", t.device());
-  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(2) >= min_tokens && t.size(3) == width,
-                    OP, ": ", name, " must be (B=", B, ", Hk=", H, ", ≥", min_tokens, " tokens, ", width, "), got ",
-                    t.sizes());
-}
-
-int param_code(at::ScalarType t) {
-  if (t == at::kFloat) return 0;
-  if (t == at::kHalf) return 1;
-  TORCH_CHECK_VALUE(t == at::kBFloat16, OP, ": scales must be float32, float16 or bfloat16, got ", t);
-  return 2;
+  kvslim_decode::check_4d(OP, t, name, B, H, min_tokens, width);
 }
 
 }  // namespace kvslim_lowbit
@@ -218,12 +126,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
     const c10::optional<at::Tensor>& mask, double scaling, int64_t splits) {
   using namespace kvslim_lowbit;
   LArgs a;
-  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) >= 1, OP,
-                    ": q must be float32 (B, Hk, G, D) on CPU, got ", q.scalar_type(), " ", q.sizes());
-  a.B = q.size(0);
-  a.Hk = q.size(1);
-  a.G = q.size(2);
-  a.D = q.size(3);
+  kvslim_decode::read_query_shape(OP, a, q);
   TORCH_CHECK_VALUE(a.D >= 16 && a.D % 16 == 0, OP, ": the head dimension must be a positive multiple of 16, got ",
                     a.D);
   TORCH_CHECK_VALUE(k_bits == 2 || k_bits == 3, OP, ": k_bits must be 2 or 3, got ", k_bits);
@@ -248,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
   check_4d(k_zero, "k_zero", a.B, a.Hk, ktokens, kparams);
   check_4d(v_scale, "v_scale", a.B, a.Hk, n, a.D / a.gs);
   check_4d(v_zero, "v_zero", a.B, a.Hk, n, a.D / a.gs);
-  a.sdt = param_code(k_scale.scalar_type());
+  a.sdt = kvslim_decode::param_code(OP, k_scale.scalar_type());
   for (const at::Tensor* t : {&k_zero, &v_scale, &v_zero})
     TORCH_CHECK_VALUE(t->scalar_type() == k_scale.scalar_type(), OP,
                       ": scales and zero-points must share one dtype, got ", k_scale.scalar_type(), " and ",
@@ -257,44 +160,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
              kz = unit_last(k_zero), vz = unit_last(v_zero);
   a.k = Codes{strided(kc), strided(ks), strided(kz)};
   a.v = Codes{strided(vc), strided(vs), strided(vz)};
-  at::Tensor lk, kt, vt, mk;
-  if (lengths.has_value()) {
-    const auto& l = *lengths;
-    TORCH_CHECK_VALUE(l.device().is_cpu() && l.scalar_type() == at::kLong && l.dim() == 1 && l.size(0) == a.B, OP,
-                      ": lengths must be an int64 CPU tensor of shape (B=", a.B, ",), got ", l.scalar_type(), " ",
-                      l.sizes());
-    lk = l.contiguous();
-    const int64_t* p = lk.data_ptr<int64_t>();
-    for (int64_t b = 0; b < a.B; ++b)
-      TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= n, OP, ": lengths[", b, "] = ", p[b], " is outside [0, n=", n, "]");
-    a.lengths = p;
-  }
-  TORCH_CHECK_VALUE(k_tail.has_value() == v_tail.has_value(), OP, ": k_tail and v_tail come together");
-  if (k_tail.has_value()) {
-    TORCH_CHECK_VALUE(k_tail->scalar_type() == at::kFloat && v_tail->scalar_type() == at::kFloat, OP,
-                      ": k_tail / v_tail must be float32");
-    check_4d(*k_tail, "k_tail", a.B, a.Hk, 0, a.D);
-    check_4d(*v_tail, "v_tail", a.B, a.Hk, k_tail->size(2), a.D);
-    TORCH_CHECK_VALUE(v_tail->size(2) == k_tail->size(2), OP, ": k_tail and v_tail hold different token counts");
-    kt = unit_last(*k_tail);
-    vt = unit_last(*v_tail);
-    a.r = kt.size(2);
-    a.kt = strided(kt);
-    a.vt = strided(vt);
-  }
-  if (mask.has_value()) {
-    const auto& m = *mask;
-    TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 2 &&
-                          (m.size(0) == 1 || m.size(0) == a.B) && m.size(1) == n + a.r,
-                      OP, ": mask must be float32 (1 or B=", a.B, ", n + tail=", n + a.r, "), got ", m.scalar_type(),
-                      " ", m.sizes());
-    mk = m.stride(1) == 1 ? m : m.contiguous();
-    a.mask = mk.data_ptr<float>();
-    a.mask_bs = mk.size(0) == 1 ? 0 : mk.stride(0);
-  }
-  at::Tensor qc = q.contiguous();
-  a.q = qc.data_ptr<float>();
-  a.scaling = static_cast<float>(scaling);
+  const kvslim_decode::Held held = kvslim_decode::bind_common(OP, a, q, scaling, lengths, k_tail, v_tail, mask);
   at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
   at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
   if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());

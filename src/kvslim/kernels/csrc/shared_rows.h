@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_common.h"
 #include "vec_slim.h"
 
 #pragma GCC visibility push(hidden)  // internal: no PLT calls between the kernel's own functions
@@ -135,16 +136,6 @@ inline int64_t auto_splits(int64_t B, int64_t n, int64_t T) {
   return std::max<int64_t>(1, std::min<int64_t>(want, (n + 2 * T - 1) / (2 * T)));
 }
 
-// normalise the h accumulators of one task (S = 1): u = acc / l, lse = m + log l
-inline void finish(float* u, float* lse, const float* m, const float* l, int64_t h, int64_t c) {
-  for (int64_t j = 0; j < h; ++j) {
-    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-    float* o = u + j * c;
-    for (int64_t k = 0; k < c; ++k) o[k] *= inv;
-    lse[j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
-  }
-}
-
 // u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic). With a.vmap, `out`
 // (B, h, odk) receives the mapped head outputs and `u` may be null (an internal buffer is used). With a.absorb,
 // the queries are absorbed first (inside each task when S = 1, else up front: S > 1 only for small batches).
@@ -185,37 +176,21 @@ inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nu
       float *m = part_m.data() + task * a.h, *l = part_l.data() + task * a.h;
       f.task(a, b, s, S, acc, m, l, sp);
       if (S == 1) {
-        finish(acc, lse + b * a.h, m, l, a.h, a.c);
+        kvslim_decode::finish_rows(acc, m, l, lse + b * a.h, a.h, a.c);
         if (a.vmap) map_seq(b, 0, a.h);
       }
     }
   });
   if (S == 1) return;
-  // merge the splits exactly: weights exp(m_s − M), denominator Σ l_s exp(m_s − M); in parallel only when the
+  // merge the splits exactly (merge_row); in parallel only when the
   // merge itself is large (it reads B·h·S·c floats, usually a few µs of work)
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 18) / std::max<int64_t>(S * a.c, 1));
   at::parallel_for(0, a.B * a.h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(S);
     for (int64_t bj = begin; bj < end; ++bj) {
       const int64_t b = bj / a.h, j = bj % a.h;
-      float M = -INFINITY;
-      for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[(b * S + s) * a.h + j]);
-      float den = 0.f;
-      for (int64_t s = 0; s < S; ++s) {
-        const float ms = part_m[(b * S + s) * a.h + j];
-        w[s] = (ms == -INFINITY) ? 0.f : std::exp(ms - M);
-        den += w[s] * part_l[(b * S + s) * a.h + j];
-      }
-      float* o = u + b * hc + j * a.c;
-      const float inv = den > 0.f ? 1.f / den : 0.f;
-      std::fill(o, o + a.c, 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float fs = w[s] * inv;
-        if (fs == 0.f) continue;
-        const float* p = part_acc.data() + ((b * S + s) * a.h + j) * a.c;
-        for (int64_t k = 0; k < a.c; ++k) o[k] += fs * p[k];
-      }
-      lse[bj] = den > 0.f ? M + std::log(den) : -INFINITY;
+      kvslim_decode::merge_row(part_acc.data(), part_m.data(), part_l.data(), S, a.h, a.c, b, j, w.data(),
+                               u + b * hc + j * a.c, lse + bj);
       if (a.vmap) map_seq(b, j, j + 1);
     }
   });
