@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -70,10 +71,8 @@ def test_unknown_family_is_refused_by_name():
         build.load_ops("no_such_family")
 
 
-@pytest.mark.skipif(build._compiler() is None, reason="no C++ compiler")
-def test_corrupt_shared_object_on_disk_is_rebuilt(tmp_path):
-    """A real build dir whose .so was overwritten with garbage (ninja would call it up to date): a fresh process
-    loads it, fails, deletes it, rebuilds, and the op then computes the right thing."""
+def _copy_of_cached_build(cache: Path) -> Path:
+    """A copy, under cache/ops, of this machine's real encdec_decode build (skips when it cannot be built)."""
     from kvslim.kernels import encdec_decode
 
     if not encdec_decode.available():
@@ -82,8 +81,16 @@ def test_corrupt_shared_object_on_disk_is_rebuilt(tmp_path):
     good = build.cache_root() / "ops" / f"encdec_decode-{key}"
     if not good.is_dir():
         pytest.skip("no cached build of encdec_decode to copy")
-    bad = tmp_path / "ops" / good.name
-    shutil.copytree(good, bad)
+    copy = cache / "ops" / good.name
+    shutil.copytree(good, copy, ignore=shutil.ignore_patterns("lock", ".kvslim-build.lock"))
+    return copy
+
+
+@pytest.mark.skipif(build._compiler() is None, reason="no C++ compiler")
+def test_corrupt_shared_object_on_disk_is_rebuilt(tmp_path):
+    """A real build dir whose .so was overwritten with garbage (ninja would call it up to date): a fresh process
+    loads it, fails, deletes it, rebuilds, and the op then computes the right thing."""
+    bad = _copy_of_cached_build(tmp_path)
     so = next(bad.glob("*.so"))
     so.write_bytes(b"\x7fELF corrupt" + os.urandom(64))
     script = textwrap.dedent("""
@@ -122,16 +129,7 @@ def test_key_follows_included_headers_only(tmp_path):
 def test_stale_torch_baton_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     """torch's file baton ("lock") left in a build dir by a killed process: the next load removes it under kvslim's
     OS lock and loads, instead of waiting forever."""
-    from kvslim.kernels import encdec_decode
-
-    if not encdec_decode.available():
-        pytest.skip("the op cannot be built here")
-    key = build._key("encdec_decode", [build.CSRC / "encdec_decode.cpp"], build.CFLAGS)
-    good = build.cache_root() / "ops" / f"encdec_decode-{key}"
-    if not good.is_dir():
-        pytest.skip("no cached build of encdec_decode to copy")
-    stale = tmp_path / "ops" / good.name
-    shutil.copytree(good, stale, ignore=shutil.ignore_patterns("lock", ".kvslim-build.lock"))
+    stale = _copy_of_cached_build(tmp_path)
     (stale / "lock").write_text("")
     script = "from kvslim.kernels import build; assert build.load_ops('encdec_decode') is True; print('loaded-ok')"
     env = {**os.environ, "KVSLIM_CACHE_DIR": str(tmp_path)}

@@ -167,13 +167,16 @@ class RingLayer(KVStoreLayer):
             reads = functools.partial(self._fused_reads, c, evicted, key_states, value_states)
             return fused.markers(fused.ring_handle(self.k_store, self.v_store, c + 1, r, key_states, value_states,
                                                    reads, evicted), key_states)
-        # the visible past (last min(c, W−1) stored tokens) plus the call's own tokens as given (quantized storage:
-        # they are attended in full precision); read before the write takes the oldest slots
+        return self._read_then_write(c, key_states, value_states)
+
+    def _read_then_write(self, c: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The visible past (last min(c, W−1) stored tokens) plus the call's own tokens as given (quantized
+        storage: they are attended in full precision), read before the write can take the oldest slots."""
         keys = self._visible(self.k_store, c, key_states)
         values = self._visible(self.v_store, c, value_states)
         self._write(c, key_states, self.k_store)
         self._write(c, value_states, self.v_store)
-        self.cumulative_length = c + s
+        self.cumulative_length = c + key_states.shape[2]
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -269,14 +272,9 @@ class ResidualRingLayer(RingLayer):
             h = fused.FusedKV(k.inner, v.inner, k.coded_slots(), k.fp[:, :, :tail], v.fp[:, :, :tail], reads,
                               columns=self._columns(c), visible=past + 1)
             return fused.markers(h, key_states)
-        # a multi-token call: the visible past as stored before the call, read before the write can take slots
-        # (tokens this call flushes into codes are attended in full precision, as HF's QuantizedCache does)
-        keys = self._visible(self.k_store, c, key_states)
-        values = self._visible(self.v_store, c, value_states)
-        self._write(c, key_states, self.k_store)
-        self._write(c, value_states, self.v_store)
-        self.cumulative_length = c + s
-        return keys, values
+        # a multi-token call (tokens this call flushes into codes are attended in full precision, as HF's
+        # QuantizedCache does)
+        return self._read_then_write(c, key_states, value_states)
 
     def _step_reads(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The unfused result of a decode step: positions [first, last) read back (the step's own token from the
