@@ -241,3 +241,40 @@ def test_scratch_reads_are_bit_identical_and_reuse_one_buffer(bits, smooth):
     buffers = pooled.layers[0].scratch_pool.buffers
     assert set(buffers) == {"k", "v"} and pooled.layers[1].scratch_pool is pooled.layers[0].scratch_pool
     assert pk.untyped_storage().data_ptr() == buffers["k"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("sink", [0, 3])
+def test_rotated_tail_follows_every_change_of_the_window(sink):
+    """Fused decode keeps a rotated copy of a rotated value store's full-precision tail and rotates only the new
+    rows on each step; after appends, flushes, a rewind, a reorder and a reset it equals tail·R recomputed."""
+    from kvslim.caches.fused import rotated_tail
+    from kvslim.caches.storage import StoreSpec, make_store
+
+    spec = StoreSpec(4, 16, asymmetric=True, rotation="hadamard", residual=8, flush=4, sink=sink)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 16, generator=gen)
+    store = make_store(spec, x, 48)
+    rot = (store.coded if sink else store.inner).rotation
+
+    def check(where):
+        r = store.length - store.flushed + min(store.length, sink)  # sinks, then the window
+        got, rotated = rotated_tail(store, r)
+        assert rotated
+        assert_close(got, store.fp[:, :, :r].float() @ rot, torch.float32, where)
+
+    store.write(0, x[:, :, :5])
+    check("prefill")
+    for t in range(5, 30):  # single-token steps through several flushes
+        store.write(t, x[:, :, t:t + 1])
+        check(f"step {t}")
+    store.write(29, x[:, :, 30:32])  # rewind by one (as after a crop) and a longer tail than before
+    check("rewind")
+    store.write(31, x[:, :, 32:33])
+    check("after rewind")
+    store.map_sequences(lambda t: t.flip(0))  # beam reorder
+    check("reorder")
+    store.write(29, x[:, :, 33:34])
+    check("after reorder")
+    store.reset()
+    store.write(0, x[:, :, 34:36])
+    check("reset")

@@ -60,7 +60,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     if rot is not None:
         q = q @ rot
         kt = None if kt is None else kt @ rot
-    if vrot is not None and vt is not None:
+    if vrot is not None and vt is not None and not h.v_tail_rotated:
         vt = vt @ vrot
     spec, vbits = h.k.spec, h.v.spec.bits
     if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only

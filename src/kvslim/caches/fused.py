@@ -40,7 +40,8 @@ class FusedKV:
     full-precision window, ``caches/window.ResidualRingLayer``): (n + r,) int64, for every coded slot then every
     tail token the column of HF's mask (the visible tokens in temporal order, ``visible`` of them) it stands for,
     or −1 for a row that must not be attended (a token that has left the window, a slot not yet written).
-    ``materialize``: the unfused reads (the cache layer's own code path).
+    ``materialize``: the unfused reads (the cache layer's own code path). ``v_tail_rotated``: ``v_tail`` is
+    already in the value store's rotated basis (``v·R``, kept across steps by :func:`rotated_tail`).
     """
 
     k: QuantizedStore
@@ -53,6 +54,7 @@ class FusedKV:
     lead: int = 0
     columns: torch.Tensor | None = None
     visible: int | None = None
+    v_tail_rotated: bool = False
 
     @property
     def tokens(self) -> int:
@@ -101,17 +103,45 @@ def fusable(store: TensorStore | None) -> bool:
 
 def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,
                   v_now: torch.Tensor, materialize) -> FusedKV:
-    """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``."""
+    """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``. A rotated
+    value store's window is handed over rotated (:func:`rotated_tail`)."""
     if isinstance(k_store, SinkStore):  # tail = [sinks | window] (one buffer), attended before the codes
-        lead, f, length = min(k_store.length, k_store.sink), k_store.inner.flushed, k_store.length
+        lead, f = min(k_store.length, k_store.sink), k_store.inner.flushed
         r = lead + k_store.inner.length - f
-        return FusedKV(k_store.coded, v_store.coded, f, k_store.fp[:, :, :r], v_store.fp[:, :, :r], materialize,
-                       lead=lead)
+        vt, rotated = rotated_tail(v_store, r)
+        return FusedKV(k_store.coded, v_store.coded, f, k_store.fp[:, :, :r], vt, materialize, lead=lead,
+                       v_tail_rotated=rotated)
     if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
         f, length = k_store.flushed, k_store.length
-        return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], v_store.fp[:, :, :length - f],
-                       materialize)
+        vt, rotated = rotated_tail(v_store, length - f)
+        return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], vt, materialize,
+                       v_tail_rotated=rotated)
     return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
+
+
+def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
+    """The first ``r`` rows of ``store.fp`` (its full-precision tail), times the coded store's rotation R when it
+    has one: ``(tail, False)`` without a rotation, else ``(tail·R in fp32, True)``.
+
+    A decode step appends one row to the tail, so the rows rotated on the previous step are kept (in a buffer on
+    the store) and only the new rows are rotated: the key ``(fp buffer, epoch(s), flushed)`` changes whenever
+    rows already rotated could have changed (a flush shifts the window, a rewind, reorder or reset bumps an
+    epoch), and then every row is rotated again."""
+    coded = store.coded if isinstance(store, SinkStore) else store.inner
+    tail = store.fp[:, :, :r]
+    rot = getattr(coded, "rotation", None)
+    if rot is None:
+        return tail, False
+    key = (id(store.fp), store.epoch, getattr(store.inner, "epoch", None), store.flushed)
+    saved = getattr(store, "_rotated_tail", None)
+    if saved is None or saved[0] != key or saved[2] > r:
+        buf, done = torch.empty(store.fp.shape, dtype=torch.float32, device=store.fp.device), 0
+    else:
+        buf, done = saved[1], saved[2]
+    if r > done:
+        buf[:, :, done:r] = tail[:, :, done:r].float() @ rot
+    store._rotated_tail = (key, buf, r)
+    return buf[:, :, :r], True
 
 
 def ring_handle(k_store: TensorStore, v_store: TensorStore, length: int, window: int, k_now: torch.Tensor,

@@ -84,6 +84,13 @@ class ChannelQuantizedStore(QuantizedStore):
         raise NotImplementedError("a channel-grouped store is read through a ResidualStore")
 
 
+def rotated_tail_nbytes(store) -> int:
+    """Bytes of the rotated copy of a store's full-precision tail that fused decode keeps
+    (``caches/fused.rotated_tail``; 0 until a fused step made one)."""
+    saved = getattr(store, "_rotated_tail", None)
+    return 0 if saved is None else saved[1].numel() * saved[1].element_size()
+
+
 class ResidualStore(TensorStore):
     """Full-precision window in front of a coded store: tokens [0, flushed) in ``inner``'s codes, tokens
     [flushed, n) in ``fp`` (B, H, residual, D) in the model dtype. ``data``/``scale``/``tensors()`` are the
@@ -95,6 +102,7 @@ class ResidualStore(TensorStore):
         self.fp = torch.empty(batch, heads, spec.residual, dim, dtype=dtype, device=device)
         self.flushed = 0  # tokens in codes (a multiple of spec.flush)
         self.length = 0  # tokens held in all
+        self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset, restore): fused.py's key
 
     # the coded store's tensors are the ones that grow with capacity
     @property
@@ -111,12 +119,16 @@ class ResidualStore(TensorStore):
     def set_tensors(self, tensors: list[torch.Tensor]) -> None:
         self.inner.set_tensors(tensors)
 
-    def write(self, start: int, x: torch.Tensor) -> None:
+    def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         """Append ``x`` (B, H, S, D) at token ``start`` (≤ current length: a shorter start rewinds, as after a
-        crop); flush whole groups of the oldest window tokens into codes while more than ``residual`` wait."""
+        crop); flush whole groups of the oldest window tokens into codes while more than ``residual`` wait.
+        ``checked``: the caller has already refused inf/nan in ``x``."""
         if start > self.length:
             raise ValueError(f"a residual store appends: start {start} is past its {self.length} tokens")
-        check_finite(x)  # refused now, not when the token is flushed into codes later
+        if not checked:
+            check_finite(x)  # refused now, not when the token is flushed into codes later
+        if start < self.length:
+            self.epoch += 1
         if start < self.flushed:  # rewind into coded history: bring the partial group back to the window
             keep = start - start % self.spec.flush
             self.fp[:, :, :start - keep] = self._inner_read(keep, keep + self.spec.flush)[:, :, :start - keep]
@@ -172,16 +184,19 @@ class ResidualStore(TensorStore):
         tensors, fp, self.flushed, self.length = saved
         self.set_tensors(tensors)
         self.fp = fp
+        self.epoch += 1
 
     def map_sequences(self, fn) -> None:
         self.inner.map_sequences(fn)
         self.fp = fn(self.fp)
+        self.epoch += 1
 
     def allocated_nbytes(self) -> int:
-        return self.inner.allocated_nbytes() + self.fp.numel() * self.fp.element_size()
+        return self.inner.allocated_nbytes() + self.fp.numel() * self.fp.element_size() + rotated_tail_nbytes(self)
 
     def reset(self) -> None:
         self.flushed = self.length = 0
+        self.epoch += 1
         self.inner.reset()
 
     def nbytes(self, used_slots: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .residual import ResidualStore
+from .residual import ResidualStore, rotated_tail_nbytes
 from .storage import ScratchPool, StoreSpec, TensorStore, check_finite
 
 
@@ -33,6 +33,7 @@ class SinkStore(TensorStore):
         self.fp = torch.empty(b, h, self.sink + r, d, dtype=inner.dtype, device=inner.fp.device)
         inner.fp = self.fp[:, :, self.sink:]  # the window right behind the sinks: one contiguous tail
         self.length = 0
+        self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset): fused.py's key
 
     @property
     def data(self) -> torch.Tensor:
@@ -64,6 +65,8 @@ class SinkStore(TensorStore):
         if start > self.length:
             raise ValueError(f"a sink store appends: start {start} is past its {self.length} tokens")
         check_finite(x)
+        if start < self.length:
+            self.epoch += 1
         s, n = self.sink, start + x.shape[2]
         if start < s:
             k = min(s, n) - start
@@ -72,7 +75,7 @@ class SinkStore(TensorStore):
             if self.inner.length:  # rewound into the sinks: everything after them is forgotten
                 self.inner.flushed = self.inner.length = 0
         if x.shape[2]:
-            self.inner.write(max(start, s) - s, x)
+            self.inner.write(max(start, s) - s, x, checked=True)
         self.length = n
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
@@ -93,12 +96,15 @@ class SinkStore(TensorStore):
         self.inner.inner.map_sequences(fn)
         self.fp = fn(self.fp)
         self.inner.fp = self.fp[:, :, self.sink:]
+        self.epoch += 1
 
     def allocated_nbytes(self) -> int:
-        return self.inner.inner.allocated_nbytes() + self.fp.numel() * self.fp.element_size()
+        return (self.inner.inner.allocated_nbytes() + self.fp.numel() * self.fp.element_size()
+                + rotated_tail_nbytes(self))
 
     def reset(self) -> None:
         self.length = 0
+        self.epoch += 1
         self.inner.reset()
 
     def nbytes(self, used_slots: int) -> int:
