@@ -318,8 +318,8 @@ def one_pass_rows(model, ids, rows, facts, args) -> list[dict]:
                           min_tokens=4096 if args.tokens >= 4096 else None)[label]
         n = q.tokens
         coded_bytes = coded_elems = window = 0
-        for ks, vs in specs:
-            for sp in (ks, vs):
+        for ls in specs:  # append-only layers and rings alike (a ring's window holds the same n − f tokens)
+            for sp in (ls.key, ls.value):
                 f = sp.flushed(n) - min(n, sp.sink) if sp.bits else 0  # coded tokens (sinks stay fp32)
                 coded_bytes += f * sp.bytes_per_value_row(d, torch.float32)
                 coded_elems += f * d

@@ -1,6 +1,6 @@
 """The one-pass quality protocol (kvslim.evaluate_parallel) gives what feeding the cache call by call gives
 (kvslim.evaluate.compare_caches): same perplexity, KL, top-1, max |Δlogit| and bytes, token and chunked modes,
-GQA, sliding-window layers, per-layer formats."""
+GQA, sliding-window layers, per-layer formats, ring-buffer layers (Gemma-3's own sliding layers, ``window=W``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import pytest
 import torch
 from conftest import tiny_model
 from tolerances import PROTOCOL_ONE_PASS_ATOL, PROTOCOL_ONE_PASS_RTOL
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from kvslim import api
 from kvslim.caches import KVSlimCache, StoreSpec
 from kvslim.caches.dense import AppendLayer
+from kvslim.caches.window import ResidualRingLayer, RingLayer
 from kvslim.evaluate import compare_caches
-from kvslim.evaluate_parallel import compare_specs, layer_specs_of
+from kvslim.evaluate_parallel import LayerSpec, compare_specs, layer_specs_of
 from kvslim.methods import METHODS
 
 F16 = torch.float16
@@ -77,6 +79,57 @@ def test_plans_of_the_methods_run_in_one_pass():
         assert b[m].kl == pytest.approx(a[m].kl, rel=0.05, abs=1e-6), m
         assert b[m].nbytes == a[m].nbytes, m
     with pytest.raises(ValueError, match="append-only"):
-        layer_specs_of(METHODS["int4"].plan_model(model, window=32))
+        layer_specs_of(METHODS["slim"].plan_model(tiny_model("llama", kv_heads=4)))  # SlimLayer: K only
     with pytest.raises(ValueError, match="one .* spec per layer"):
         compare_specs(model, ids, {"x": layer_specs_of(plans["int4"])[:1]}, steps=64)
+
+
+def _gemma3(window: int = 48) -> Gemma3ForCausalLM:
+    """3 sliding layers (window 48) then a full one; MQA 4/1, head dim 32; float64."""
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=window,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=32,
+                           max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return Gemma3ForCausalLM(cfg).to(torch.float64).eval()
+
+
+RING_PLANS = {  # the methods' formats with windows scaled to the sliding window of 48
+    "int8": {},  # quantized RingLayer (smoothed keys: the first write is the prefill's last W − 1 tokens)
+    "int4": {"residual": 8, "key_channel_group": 8, "sink": 2},  # ResidualRingLayer; full layer with sinks
+    "int2": {"residual": 16, "key_channel_group": 8, "flush": 8},
+    "int4 window=32": {"window": 32},  # rings of 32 on every layer (the full one too: HF's mask is causal there)
+}
+
+
+@pytest.mark.parametrize("mode", ["token", "chunked"])
+def test_rings_one_pass_equals_call_by_call(mode):
+    """Gemma-3's sliding layers in rings (and ``window=32`` rings): one pass = call by call (tokens seen, which
+    of them decoded, smoothing of a plain ring's first write, bytes the ring holds)."""
+    model = _gemma3()
+    ids = torch.randint(2, 128, (1, 240), generator=torch.Generator().manual_seed(1))
+    kw = dict(steps=40) if mode == "token" else dict(prefill=96, chunk=32)  # chunks of 32 < W − 1: wrap-around
+    plans = {k: METHODS[k.split()[0]].plan_model(model, **o) for k, o in RING_PLANS.items()}
+    specs = {k: layer_specs_of(p) for k, p in plans.items()}
+    kinds = {k: [type(x.factory(None)) for x in p.layers] for k, p in plans.items()}
+    assert kinds["int8"] == [RingLayer] * 3 + [AppendLayer] and kinds["int4"] == [ResidualRingLayer] * 3 + [AppendLayer]
+    assert [ls.window for ls in specs["int4 window=32"]] == [32] * 4 and specs["int4"][3].window is None
+    a = compare_caches(model, ids, {k: (lambda p=p: KVSlimCache([x.factory(None) for x in p.layers], plan=p))
+                                    for k, p in plans.items()}, mode=mode,
+                       reference=lambda: DynamicCache(config=model.config), **kw)
+    b = compare_specs(model, ids, specs, mode=mode, **kw)
+    _check(a, b)
+    for k, p in plans.items():
+        assert b[k].nbytes == p.cache_bytes(b[k].tokens), k
+
+
+def test_ring_specs_refused_by_name():
+    model = _gemma3()
+    ids = torch.randint(2, 128, (1, 240), generator=torch.Generator().manual_seed(1))
+    specs = layer_specs_of(METHODS["int4"].plan_model(model, residual=8, key_channel_group=8))
+    sink = StoreSpec(4, 16, F16, asymmetric=True, channel_group=8, residual=8, flush=8, sink=2)
+    bad = {"sink ring": [LayerSpec(sink, sink.for_values(), 48)] + specs[1:],
+           "window 0": [LayerSpec(specs[0].key, specs[0].value, 0)] + specs[1:]}
+    for label, layer_specs in bad.items():
+        with pytest.raises(ValueError, match="specs"):
+            compare_specs(model, ids, {label: layer_specs}, steps=40)

@@ -17,9 +17,22 @@ length 2T (the decoded rows, then the full-precision rows) under a mask that pic
 library's own stores (``make_store``: the same code quantizes them), written call by call's first segment
 then the rest (key smoothing is fitted on the first call, as in the protocol).
 
+Ring-buffer layers (``RingLayer``, ``ResidualRingLayer``: sliding-window layers such as Gemma-3's, or
+``window=W``) hold the same codes for the same positions; what differs is which tokens a call sees and when it
+reads them:
+
+* a call feeding ``[a, b)`` sees only the ring's last ``W − 1`` stored tokens and its own:
+  keys ``s ≥ a − W + 1`` (and-ed with HF's mask, which on the model's own sliding layers already keeps only
+  ``t − s < W``);
+* a multi-token call reads the history *before* writing (the write may reuse slots), so ``F = flushed(a)``;
+  a single-token call writes then reads, ``F = min(flushed(b), a)`` as an append-only layer;
+* a plain coded ring (no residual window) keeps only the last ``W − 1`` tokens of a longer call: its first
+  write (which fixes key smoothing) is the first call's last ``W − 1`` tokens;
+* bytes: what the ring holds (``W − 1`` rows, or the residual window plus the ring's whole coded groups).
+
 The only difference from the call-by-call run is float rounding (a batched matmul instead of T small ones):
-``tests/test_evaluate_parallel.py`` checks both against each other. Append-only layers only (no ring buffers);
-HF ``QuantizedCache`` (quanto) re-quantizes its history and is measured call by call.
+``tests/test_evaluate_parallel.py`` checks both against each other. HF ``QuantizedCache`` (quanto) re-quantizes
+its history and is measured call by call.
 """
 
 from __future__ import annotations
@@ -28,28 +41,67 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from .caches.dense import AppendLayer
 from .caches.storage import StoreSpec, make_store
+from .caches.window import ResidualRingLayer, RingLayer, residual_ring_slots
 from .evaluate import Quality, check_protocol_ids, protocol_segments
 
 NAME = "kvslim_protocol_sim"
-LayerSpecs = Sequence[tuple[StoreSpec, StoreSpec]]  # per layer: (key spec, value spec)
 
 
-def layer_specs_of(plan) -> list[tuple[StoreSpec, StoreSpec]]:
-    """Per-layer (key, value) specs of a storage-method plan (``kvslim.plan``); ``ValueError`` for ring layers."""
+class LayerSpec(NamedTuple):
+    """One layer's cache for the one-pass protocol: key and value specs, and the window W of a ring-buffer layer
+    (``None``: append-only). A plain ``(key, value)`` pair is an append-only layer."""
+
+    key: StoreSpec
+    value: StoreSpec
+    window: int | None = None
+
+    @property
+    def ring_slots(self) -> int | None:
+        """Coded slots of a ring with a residual window (``ResidualRingLayer``), else ``None``."""
+        if self.window is None or not (self.key.bits and self.key.residual):
+            return None
+        return residual_ring_slots(self.window, self.key)
+
+
+LayerSpecs = Sequence[LayerSpec | tuple[StoreSpec, StoreSpec]]  # per layer
+
+
+def layer_specs_of(plan) -> list[LayerSpec]:
+    """Per-layer specs of a storage-method plan (``kvslim.plan``): append-only layers and ring-buffer layers
+    (``RingLayer``, ``ResidualRingLayer``); ``ValueError`` for any other layer."""
     out = []
     for lp in plan.layers:
         layer = lp.factory(None)
-        if not hasattr(layer, "value_spec") or getattr(layer, "window", None) is not None or lp.window:
-            raise ValueError(f"layer {lp.index} is not an append-only store layer ({type(layer).__name__}); "
-                             "the one-pass protocol covers append-only caches only")
-        out.append((layer.spec, layer.value_spec()))
+        if isinstance(layer, (RingLayer, ResidualRingLayer)):
+            out.append(LayerSpec(layer.spec, layer.value_spec(), layer.window))
+        elif type(layer) is AppendLayer and not lp.window:
+            out.append(LayerSpec(layer.spec, layer.value_spec()))
+        else:
+            raise ValueError(f"layer {lp.index} is neither an append-only store layer nor a ring buffer "
+                             f"({type(layer).__name__}); the one-pass protocol covers those only")
+    return out
+
+
+def _checked(specs: LayerSpecs, layers: int) -> list[LayerSpec]:
+    """``specs`` as one :class:`LayerSpec` per layer; ``ValueError`` naming ``specs`` otherwise."""
+    if len(specs) != layers:
+        raise ValueError(f"specs must give one (key, value) spec per layer ({layers}), got {len(specs)}")
+    out = [LayerSpec(*s) for s in specs]
+    for i, ls in enumerate(out):
+        if ls.window is not None and (not isinstance(ls.window, int) or ls.window <= 0):
+            raise ValueError(f"specs: layer {i} window must be a positive int, got {ls.window!r}")
+        if ls.window is not None and (ls.key.sink or ls.value.sink):
+            raise ValueError(f"specs: layer {i} is a ring (window={ls.window}) with sink tokens; a ring keeps "
+                             "no sinks (its first tokens leave the window like any other)")
     return out
 
 
@@ -57,7 +109,8 @@ class _Run:
     """What the attention hook needs during one forward: specs, call boundaries, and the stores it built."""
 
     def __init__(self, specs: LayerSpecs | None, segments: list[tuple[int, int]], total: int):
-        self.specs, self.segments, self.total = specs, segments, total
+        self.specs = None if specs is None else [LayerSpec(*s) for s in specs]
+        self.segments, self.total = segments, total
         starts = torch.empty(total, dtype=torch.long)
         ends = torch.empty(total, dtype=torch.long)
         for a, b in segments:
@@ -67,25 +120,55 @@ class _Run:
 
     def decoded(self, layer: int, which: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows as a later call reads them (B, H, T, D), first-decoded index per query F (T,))."""
-        spec = self.specs[layer][which]
+        ls = self.specs[layer]
+        spec = ls[which]
         t = x.shape[2]
         store = make_store(spec, x, -(-t // 256) * 256)
         a0, b0 = self.segments[0]
-        store.write(0, x[:, :, :b0])
-        if t > b0:
-            store.write(b0, x[:, :, b0:])
+        lo, head = 0, b0  # the first write (it fixes key smoothing) is tokens [lo, head)
+        if ls.window is not None and spec.bits and not spec.residual:
+            # a plain ring keeps the first call's last W − 1 tokens, written from slot lo mod (W − 1) to the
+            # ring's end, then the rest from slot 0 (RingLayer._write)
+            r = ls.window - 1
+            lo = max(0, b0 - r)
+            head = lo + min(b0 - lo, r - lo % r) if r else b0
+        for a, b in ((lo, head), (head, b0), (b0, t)):
+            if a < b:
+                store.write(a, x[:, :, a:b])
         self.stores.setdefault(layer, []).append(store)
         out = x.clone()
         if not spec.bits:
             return out, torch.zeros(t, dtype=torch.long)
         coded = getattr(store, "flushed", t)  # tokens before the residual window (sinks, if any, read as kept)
-        if coded:
-            out[:, :, :coded] = store.read(0, coded).to(x.dtype)
+        if coded > lo:  # rows before lo are never visible decoded (older than any later call's window)
+            out[:, :, lo:coded] = store.read(lo, coded).to(x.dtype)
         flushed = torch.tensor([spec.flushed(int(e)) for e in self.ends.tolist()], dtype=torch.long)
+        if ls.window is not None:  # a ring's multi-token call reads the history before its write
+            before = torch.tensor([spec.flushed(int(a)) for a in self.starts.tolist()], dtype=torch.long)
+            flushed = torch.where(self.ends - self.starts > 1, before, flushed)
         return out, torch.minimum(flushed, self.starts)
 
+    def window_mask(self, layer: int) -> torch.Tensor | None:
+        """(T, T) bool, key s visible to query t through a ring layer (``s ≥ start(t) − W + 1``), or ``None``."""
+        w = self.specs[layer].window
+        if w is None:
+            return None
+        return torch.arange(self.total)[None, :] >= (self.starts - (w - 1))[:, None]
+
     def nbytes(self) -> int:
-        return sum(s.nbytes(self.total) for stores in self.stores.values() for s in stores)
+        """Bytes the cache holds after all tokens: append-only stores whole, rings what they keep."""
+        total = 0
+        for layer, stores in self.stores.items():
+            ls = self.specs[layer]
+            for s in stores:
+                if ls.window is None:
+                    total += s.nbytes(self.total)
+                elif ls.ring_slots is None:  # a plain ring: the last W − 1 rows
+                    total += s.nbytes(min(self.total, ls.window - 1))
+                else:  # the residual window, then the ring's coded slots in use
+                    fp = s.nbytes(self.total) - s.inner.nbytes(s.flushed)
+                    total += fp + s.inner.nbytes(min(s.flushed, ls.ring_slots))
+        return total
 
 
 _ACTIVE: list[_Run] = []
@@ -109,7 +192,8 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if not torch.equal(fk, fv):
         raise ValueError("keys and values of one layer must flush at the same tokens")
     base = torch.ones(t, t, dtype=torch.bool).tril() if attention_mask is None else attention_mask.bool()
-    base = base.expand(b, 1, t, t)
+    ring = run.window_mask(layer)
+    base = (base if ring is None else base & ring).expand(b, 1, t, t)
     s = torch.arange(t)
     use_decoded = s[None, :] < fk[:, None]  # (T, T): query t reads key s decoded
     groups = h // key.shape[1]
@@ -158,10 +242,7 @@ def protocol_hidden(model, ids: torch.Tensor, specs: LayerSpecs | None, segments
     total = ids.shape[1]
     if specs is None:
         return model.model(ids, use_cache=False).last_hidden_state[0], 0
-    if len(specs) != model.config.num_hidden_layers:
-        raise ValueError(f"specs must give one (key, value) spec per layer ({model.config.num_hidden_layers}), "
-                         f"got {len(specs)}")
-    run = _Run(specs, segments, total)
+    run = _Run(_checked(specs, model.config.num_hidden_layers), segments, total)
     with _protocol_attention(model, run):
         hidden = model.model(ids, use_cache=False).last_hidden_state[0]
     return hidden, run.nbytes()
@@ -171,11 +252,14 @@ def protocol_hidden(model, ids: torch.Tensor, specs: LayerSpecs | None, segments
 def compare_specs(model, ids: torch.Tensor, specs: dict[str, LayerSpecs], *, mode: str = "token",
                   min_tokens: int | None = None, prefill: int = 512, chunk: int = 64, steps: int = 1024,
                   block: int = 256) -> dict[str, Quality]:
-    """:func:`kvslim.evaluate.compare_caches` for append-only caches given by per-layer specs, each in one
-    forward pass (see the module docstring); same protocol, same metrics, reference = the dense model."""
+    """:func:`kvslim.evaluate.compare_caches` for append-only and ring-buffer caches given by per-layer specs,
+    each in one forward pass (see the module docstring); same protocol, same metrics, reference = the dense
+    model."""
     total = check_protocol_ids(ids, min_tokens)
     if not specs:
         raise ValueError("specs must name at least one configuration")
+    for layer_specs in specs.values():
+        _checked(layer_specs, model.config.num_hidden_layers)
     segments, first = protocol_segments(total, mode, prefill, chunk, steps)
     fed = segments[-1][1]  # token mode: the last text token is only a target
     positions = torch.arange(first - 1, min(fed, total - 1))  # position p predicts token p + 1
