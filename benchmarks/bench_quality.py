@@ -35,7 +35,7 @@ import torch
 from kvslim import api
 from kvslim.caches import KVSlimCache
 from kvslim.caches.dense import AppendLayer
-from kvslim.caches.residual import ResidualStore
+from kvslim.caches.residual import ResidualStore, RingResidualStore
 from kvslim.caches.sink import SinkStore
 from kvslim.evaluate import compare_caches, greedy_agreement, text_ids
 from kvslim.methods import METHODS
@@ -192,11 +192,13 @@ def measured_bits(cache, tokens: int, cfg) -> tuple[float, int]:
                 if isinstance(store, (ResidualStore, SinkStore)):  # window (and sinks) apart
                     coded = store.coded if isinstance(store, SinkStore) else store.inner
                     f = store.flushed - min(tokens, store.spec.sink)
+                    if isinstance(store, RingResidualStore):  # a sliding layer's ring keeps its last groups
+                        f = store.coded_slots()
                     coded_bytes += coded.nbytes(f)
                     window += store.nbytes(tokens) - coded.nbytes(f)
                 else:
-                    f = tokens
-                    coded_bytes += store.nbytes(tokens)
+                    f = layer.stored_tokens()  # a ring holds only its last W − 1 tokens
+                    coded_bytes += store.nbytes(f)
                 coded_elems += b * h * f * d
         else:  # HF QuantizedLayer: quantized tensors + full-precision residual keys/values
             from kvslim.evaluate import _tensor_bytes
