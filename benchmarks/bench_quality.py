@@ -107,6 +107,10 @@ FINAL = [
     ("int2 old: K2 kivi32 V2 g32 r128", "int2", OLD_INT2),
     ("int2 (default)", "int2", {}),
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
+    # HF's QuantizedCache refuses models with sliding-window layers (Gemma-3); the same quanto layers built one
+    # per layer (every layer keeps every token, quantized; HF's mask still applies the sliding window)
+    ("quanto 4-bit g64 r128, every layer", "quanto", dict(nbits=4, every_layer=True)),
+    ("quanto 2-bit g64 r128, every layer", "quanto", dict(nbits=2, every_layer=True)),
 ]
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
@@ -152,9 +156,13 @@ def cache_maker(model, method: str, options: dict, max_positions: int):
     """A function building a fresh cache for one row, and facts about its format."""
     if method == "quanto":
         from transformers import QuantizedCache
+        from transformers.cache_utils import Cache, QuantoQuantizedLayer
 
-        return (lambda: QuantizedCache("quanto", model.config, nbits=options["nbits"], q_group_size=64,
-                                       residual_length=128)), {}
+        kw = dict(nbits=options["nbits"], q_group_size=64, residual_length=128)
+        if options.get("every_layer"):  # what QuantizedCache would build, without its full-attention-only check
+            n = model.config.num_hidden_layers
+            return (lambda: Cache(layers=[QuantoQuantizedLayer(**kw) for _ in range(n)])), {}
+        return (lambda: QuantizedCache("quanto", model.config, **kw)), {}
     opts = dict(options)
     prerope = opts.pop("prerope", False)
     plan = METHODS[method].plan_model(model, **opts)
