@@ -84,13 +84,13 @@ def test_op_matches_twin_and_float64(d, gs, g, bits, asym, sdt, scores):
     mask[0, 5] = mask[1, n + 1] = float("-inf")
     mask[2, 40] = -3.0
     args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, mask, d ** -0.5)
-    ref, ref_lse = kernel.reference(*args, scores=scores)
+    ref, ref_lse = kernel.reference(*args, scores=scores, values="exact")
     oracle = _oracle(*args)
     lossy = scores == "int8" and kernel.int_scores_apply(bits, asym, d, gs, 0)
     err = (ref.double() - oracle).abs().max().item()
     assert err <= (INT8_SCORES_ATOL if lossy else 1e-4), f"twin ({scores}) vs float64: {err:.3e}"
     for splits in (0, 1, 3):
-        out, lse = kernel.quant_decode(*args, splits=splits, scores=scores)
+        out, lse = kernel.quant_decode(*args, splits=splits, scores=scores, values="exact")
         assert_close(out, ref, F32, f"op (splits={splits}, {scores}) vs twin")
         assert_close(lse, ref_lse, F32, f"lse (splits={splits}, {scores})")
         if not lossy:
@@ -283,7 +283,8 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
     _ops()
     from kvslim.adapters import sdpa
 
-    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")  # the exact paths are the unfused path's twins
+    monkeypatch.setenv("KVSLIM_QUANT_VALUES", "exact")
     model = _tiny(kv_heads)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -336,13 +337,16 @@ def test_isa_names_a_path():
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_int8_scores_stay_close_to_the_unfused_path(kv_heads, monkeypatch):
-    """The int8 score path (int8-rounded query; KVSLIM_QUANT_SCORES=int8) end to end: a padded batch decodes through the kernel with
+    """The integer paths (int8-rounded query; weights for int4 values) end to end: a padded batch decodes through the kernel with
     logits within the documented loss of the unfused (exact) path, formats whose keys take integer scores
     (int8 g64, int4 KIVI asymmetric, int4 old format) and one that does not (head dim 64 with 32-channel int4
     groups keeps exact scores)."""
     _ops()
-    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "int8")
-    assert kernel.default_scores() == "int8"
+    monkeypatch.delenv("KVSLIM_QUANT_SCORES", raising=False)
+    monkeypatch.delenv("KVSLIM_QUANT_VALUES", raising=False)
+    assert kernel.default_scores(4) == kernel.default_values(4) == "int8"  # 4-bit codes: integer paths by default
+    assert kernel.default_scores(8) == kernel.default_values(8) == "exact"
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "int8")  # int8 codes too, through the override
     model = _tiny(kv_heads)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

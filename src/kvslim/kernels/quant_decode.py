@@ -15,18 +15,18 @@ channels, or for keys with ``key_channel_group`` g > 0 per channel over groups o
 :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax
 attention in fp32); :func:`quant_decode` dispatches to the op when it is built and the inputs are supported.
 
-Score paths (``scores``): ``"exact"`` computes ``q · k_t`` in fp32 from the codes; ``"int8"`` (the default,
-llama.cpp's q8_0 technique) rounds the query the codes see (``scaling·q``, or ``scaling·q ⊙ s`` per KIVI token
+Score paths (``scores``): ``"exact"`` computes ``q · k_t`` in fp32 from the codes; ``"int8"`` (llama.cpp's q8_0
+technique) rounds the query the codes see (``scaling·q``, or ``scaling·q ⊙ s`` per KIVI token
 group) to int8 per block of 32 channels (``d_b = max|u_b| / 127``, round half to even) and multiplies it with the
 codes in integer arithmetic; zero-points, token scales and the tail stay fp32. It applies where
 :func:`int_scores_apply` says so (other formats take the exact path); the twin rounds the query the same way.
-``KVSLIM_QUANT_SCORES=exact|int8`` sets the default (``exact``: the int8 path's effect on a real model's
-perplexity / KL is not measured yet).
+``KVSLIM_QUANT_SCORES=exact|int8`` overrides the default (:func:`default_mode`: ``int8`` for 4-bit codes,
+``exact`` for int8 codes).
 
 Value paths (``values``): ``"exact"`` accumulates ``p_t · v_t`` in fp32; ``"int8"`` rounds ``w_t = p_t · s_{t,g}``
 (softmax weight × value scale) to uint8 per 16-token sub-block of the sequence (``dw = max w / 127``) and multiplies
 with the unsigned int4 codes in integer arithmetic (zero-points in fp32), where :func:`int_values_apply` says so.
-``KVSLIM_QUANT_VALUES=exact|int8`` sets the default (``exact``).
+``KVSLIM_QUANT_VALUES=exact|int8`` overrides the default (:func:`default_mode`, as for scores).
 """
 
 from __future__ import annotations
@@ -44,32 +44,34 @@ FAMILY = "quant_decode"
 SCORES = ("int8", "exact")
 
 
-DEFAULTS = {"scores": "exact", "values": "exact"}  # int8 paths opt-in until measured on real-model quality
+def default_mode(bits: int) -> str:
+    """The score and value path a call that names none takes for ``bits``-bit codes: ``int8`` for codes of ≤ 4
+    bits (rounding the query, or the softmax weights, to 8 bits adds an error well below the codes' own, measured
+    in docs/kernels.md), ``exact`` for int8 codes (there it would double the KL divergence from dense)."""
+    return "int8" if bits <= 4 else "exact"
 
 
-def default_scores() -> str:
-    """The score path used when a call names none: ``KVSLIM_QUANT_SCORES`` (``int8`` | ``exact``), else ``exact``."""
-    return _mode("scores", None)
+def default_scores(bits: int = 4) -> str:
+    """The score path used when a call names none: ``KVSLIM_QUANT_SCORES`` (``int8`` | ``exact``) when set,
+    else :func:`default_mode`."""
+    return _mode("scores", None, bits)
 
 
-def default_values() -> str:
-    """The value path used when a call names none: ``KVSLIM_QUANT_VALUES`` (``int8`` | ``exact``), else ``exact``."""
-    return _mode("values", None)
+def default_values(bits: int = 4) -> str:
+    """The value path used when a call names none: ``KVSLIM_QUANT_VALUES`` (``int8`` | ``exact``) when set,
+    else :func:`default_mode`."""
+    return _mode("values", None, bits)
 
 
-def _mode(what: str, mode: str | None) -> str:
+def _mode(what: str, mode: str | None, bits: int) -> str:
     if mode is None:
         env = f"KVSLIM_QUANT_{what.upper()}"
-        mode = os.environ.get(env, DEFAULTS[what])
+        mode = os.environ.get(env) or default_mode(bits)
         if mode not in SCORES:
             raise ValueError(f"{env} must be one of {SCORES}, got {mode!r}")
     if mode not in SCORES:
         raise ValueError(f"{what} must be one of {SCORES}, got {mode!r}")
     return mode
-
-
-def _scores(scores: str | None) -> str:
-    return _mode("scores", scores)
 
 
 def int_values_apply(bits: int, asymmetric: bool, head_dim: int, group_size: int) -> bool:
@@ -209,8 +211,7 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     Returns:
         out (B, Hk, G, D) and lse (B, Hk, G), fp32.
     """
-    mode = _scores(scores)
-    vmode = _mode("values", values)
+    mode, vmode = _mode("scores", scores, bits), _mode("values", values, bits)
     g = key_channel_group
     nk = -(-n // g) * g if g else n
     keys = dequantize_codes(k_codes[:, :, :nk], k_scale[:, :, :nk], None if k_zero is None else k_zero[:, :, :nk],
@@ -263,7 +264,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads);
     ``scores`` / ``values`` pick the score / value paths (``"int8"`` | ``"exact"``; ``None``: the defaults).
     """
-    mode, vmode = _scores(scores), _mode("values", values)
+    mode, vmode = _mode("scores", scores, bits), _mode("values", values, bits)
     if (k_tail is None) != (v_tail is None):
         raise ValueError("k_tail and v_tail come together")
     if (k_zero is None) != (v_zero is None):
