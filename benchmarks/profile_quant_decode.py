@@ -20,7 +20,7 @@ from kvslim.bench.decode import make_filled_cache, time_decode
 from kvslim.cli.bench import load_model
 
 PARTS = {  # part -> op names whose self time it gets (first match wins)
-    "fused attention op": ("kvslim::quant_decode",),
+    "fused attention op": ("kvslim::quant_decode", "kvslim::slim", "kvslim::shared"),
     "dense attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
     "cache write": ("kvslim::quant_write", "aten::copy_", "aten::index_copy", "aten::slice_scatter"),
     "linear (matmul)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
