@@ -269,7 +269,7 @@ def main() -> None:
     makers, facts = {}, {}
     for label, method, opts in rows:
         makers[label], facts[label] = cache_maker(model, method, opts, args.tokens + args.greedy + 8)
-    t0 = time.time()
+    t0 = _STATE["t_start"] = time.time()  # the run's start: ``seconds`` in the JSON counts from here
     if args.engine == "one-pass":
         out = one_pass_rows(model, ids, rows, facts, args)
         finish(args, model, model_label, out, t0)
@@ -365,7 +365,8 @@ def finish(args, model, model_label, out, t0, partial: bool = False) -> None:
             "engine": args.engine, "command": "python " + " ".join(sys.argv), "model": model_label or args.model,
             "text": "botchan", "hf_dense_bytes_per_token": hf_dense_bytes_per_token(model, args.tokens),
             "fp16_dense_bytes_per_token": hf_dense_bytes_per_token(model, args.tokens) / 2,
-            "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(), "t0": time.time()}
+            "torch": torch.__version__, "machine": platform.machine(), "commit": git_commit(),
+            "t0": _STATE.get("t_start", t0 if t0 is not None else time.time())}
     record = _STATE["record"]
     if model_label:
         record["model"] = model_label
