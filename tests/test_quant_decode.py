@@ -276,6 +276,15 @@ FORMATS = [("int8", {}), ("int4", {}),
            ("int4", dict(asymmetric=True, key_channel_group=32, residual=32, group_size=32, sink=4))]
 
 
+def _cache(model, fused: bool):
+    """``kvslim.make_cache`` (which turns fused decode on for kvslim's attention), then fused decode on or off."""
+    cache = kvslim.make_cache(model)
+    assert all(layer.fused_decode for layer in cache.layers)
+    for layer in cache.layers:
+        layer.fused_decode = fused
+    return cache
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
     """Padded batch, 12 new tokens: every decode step takes the kernel, tokens equal the unfused path's, and a
@@ -300,10 +309,7 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
             with torch.no_grad():
                 runs = []
                 for fused in (True, False):
-                    cache = kvslim.make_cache(model)
-                    assert all(layer.fused_decode for layer in cache.layers)
-                    for layer in cache.layers:
-                        layer.fused_decode = fused
+                    cache = _cache(model, fused)
                     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                          past_key_values=cache)
                     step = model(out[:, -1:], attention_mask=torch.cat((mask, torch.ones(2, 12, dtype=mask.dtype)),
@@ -360,9 +366,7 @@ def test_int8_scores_stay_close_to_the_unfused_path(kv_heads, monkeypatch):
             with torch.no_grad():
                 logits = []
                 for fused in (True, False):
-                    cache = kvslim.make_cache(model)
-                    for layer in cache.layers:
-                        layer.fused_decode = fused
+                    cache = _cache(model, fused)
                     model(ids, attention_mask=mask, past_key_values=cache)
                     logits.append(model(ids[:, -1:], attention_mask=full, past_key_values=cache).logits)
         finally:

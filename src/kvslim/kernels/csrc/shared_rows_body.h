@@ -55,45 +55,54 @@ inline void rope_row(const float* src, float* dst, const float* cs, const float*
   }
 }
 
+// out[k] = x · M[k] for k < nk, rows M[k] (len values) `ms` apart: four rows per pass, so each x vector is loaded
+// once per four rows and the four sums are reduced together (V::hsum4) instead of one full reduction per output
+inline void dots4(const float* x, const float* M, int64_t len, int64_t nk, int64_t ms, float* out) {
+  int64_t k = 0;
+  for (; k + 4 <= nk; k += 4) {
+    const float *m0 = M + k * ms, *m1 = m0 + ms, *m2 = m1 + ms, *m3 = m2 + ms;
+    auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+    int64_t i = 0;
+    for (; i + V::W <= len; i += V::W) {
+      const auto xv = V::load(x + i);
+      a0 = V::fma(xv, V::load(m0 + i), a0);
+      a1 = V::fma(xv, V::load(m1 + i), a1);
+      a2 = V::fma(xv, V::load(m2 + i), a2);
+      a3 = V::fma(xv, V::load(m3 + i), a3);
+    }
+    float s[4];
+    V::hsum4(a0, a1, a2, a3, s);
+    for (; i < len; ++i) {
+      s[0] += x[i] * m0[i];
+      s[1] += x[i] * m1[i];
+      s[2] += x[i] * m2[i];
+      s[3] += x[i] * m3[i];
+    }
+    for (int r = 0; r < 4; ++r) out[k + r] = s[r];
+  }
+  for (; k < nk; ++k) {
+    const float* m = M + k * ms;
+    auto a = V::zero();
+    int64_t i = 0;
+    for (; i + V::W <= len; i += V::W) a = V::fma(V::load(x + i), V::load(m + i), a);
+    float sum = V::hsum(a);
+    for (; i < len; ++i) sum += x[i] * m[i];
+    out[k] = sum;
+  }
+}
+
 // scores of all heads for rows [0, m), 4 rows at a time walking each row front to back (prefetch-friendly):
 // sc[j·ps + t] = scaling · q_j · krow_t[j·koff : j·koff + L] + mask[t]
 inline void scores(const float* q, int64_t h, int64_t koff, int64_t L, const float* krows, int64_t krs, int64_t m,
                    float scaling, const float* mask, float* sc, int64_t ps) {
-  int64_t t = 0;
-  for (; t + 4 <= m; t += 4) {
+  float s[4];
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
     for (int64_t j = 0; j < h; ++j) {
-      const float* qj = q + j * L;
-      const float *k0 = krows + t * krs + j * koff, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
-      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-      int64_t i = 0;
-      for (; i + V::W <= L; i += V::W) {
-        auto qv = V::load(qj + i);
-        a0 = V::fma(qv, V::load(k0 + i), a0);
-        a1 = V::fma(qv, V::load(k1 + i), a1);
-        a2 = V::fma(qv, V::load(k2 + i), a2);
-        a3 = V::fma(qv, V::load(k3 + i), a3);
-      }
-      float s[4];
-      V::hsum4(a0, a1, a2, a3, s);
-      for (; i < L; ++i) {
-        s[0] += qj[i] * k0[i];
-        s[1] += qj[i] * k1[i];
-        s[2] += qj[i] * k2[i];
-        s[3] += qj[i] * k3[i];
-      }
-      for (int r = 0; r < 4; ++r) sc[j * ps + t + r] = s[r] * scaling + (mask ? mask[t + r] : 0.f);
+      dots4(q + j * L, krows + t * krs + j * koff, L, r4, krs, s);
+      for (int64_t r = 0; r < r4; ++r) sc[j * ps + t + r] = s[r] * scaling + (mask ? mask[t + r] : 0.f);
     }
   }
-  for (; t < m; ++t)
-    for (int64_t j = 0; j < h; ++j) {
-      const float *qj = q + j * L, *k = krows + t * krs + j * koff;
-      auto a = V::zero();
-      int64_t i = 0;
-      for (; i + V::W <= L; i += V::W) a = V::fma(V::load(qj + i), V::load(k + i), a);
-      float s = V::hsum(a);
-      for (; i < L; ++i) s += qj[i] * k[i];
-      sc[j * ps + t] = s * scaling + (mask ? mask[t] : 0.f);
-    }
 }
 
 // scores of NH heads × 4 rows when every head scores the whole row (koff = 0, the encoder-decoder case): each
@@ -379,42 +388,6 @@ inline void run_task(const Args& a, int64_t b, int64_t s, int64_t S, float* acc,
 }
 
 // the per-head maps folded into the op (small: h·qdk·L or h·c·odk FMAs per sequence, against the pass over n rows)
-
-// out[k] = x · M[k] for k < nk, rows M[k] (len values) `ms` apart: four rows per pass, so each x vector is loaded
-// once per four rows and the four sums are reduced together (V::hsum4) instead of one full reduction per output
-inline void dots4(const float* x, const float* M, int64_t len, int64_t nk, int64_t ms, float* out) {
-  int64_t k = 0;
-  for (; k + 4 <= nk; k += 4) {
-    const float *m0 = M + k * ms, *m1 = m0 + ms, *m2 = m1 + ms, *m3 = m2 + ms;
-    auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-    int64_t i = 0;
-    for (; i + V::W <= len; i += V::W) {
-      const auto xv = V::load(x + i);
-      a0 = V::fma(xv, V::load(m0 + i), a0);
-      a1 = V::fma(xv, V::load(m1 + i), a1);
-      a2 = V::fma(xv, V::load(m2 + i), a2);
-      a3 = V::fma(xv, V::load(m3 + i), a3);
-    }
-    float s[4];
-    V::hsum4(a0, a1, a2, a3, s);
-    for (; i < len; ++i) {
-      s[0] += x[i] * m0[i];
-      s[1] += x[i] * m1[i];
-      s[2] += x[i] * m2[i];
-      s[3] += x[i] * m3[i];
-    }
-    for (int r = 0; r < 4; ++r) out[k + r] = s[r];
-  }
-  for (; k < nk; ++k) {
-    const float* m = M + k * ms;
-    auto a = V::zero();
-    int64_t i = 0;
-    for (; i + V::W <= len; i += V::W) a = V::fma(V::load(x + i), V::load(m + i), a);
-    float sum = V::hsum(a);
-    for (; i < len; ++i) sum += x[i] * m[i];
-    out[k] = sum;
-  }
-}
 
 // absorbed queries of one sequence: out[j] (L) = Σ_i q[j][i] · M[j][i][:], M (h, qdk, L) contiguous, or
 // out[j][x] = q[j] · M[j][x][:] with M (h, L, qdk) (`dk_last`)
