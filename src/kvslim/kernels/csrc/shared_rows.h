@@ -55,9 +55,8 @@ struct Args {
 
 struct Scratch {
   int64_t T;
-  std::vector<float> sc, kbuf, ubuf;  // scores (h, T); rotated keys (T, e); fp32 / un-rotated rows (T, c)
+  std::vector<float> sc, ubuf;  // scores (h, T); fp32 / un-rotated rows (T, c)
   Scratch(const Args& a, int64_t T_) : T(T_), sc(a.h * T_) {
-    if (a.R > 0 && !a.rotated) kbuf.resize(T_ * a.e);
     if (a.bf16 || (a.R > 0 && a.rotated)) ubuf.resize(T_ * a.c);
   }
 };

@@ -1,10 +1,11 @@
 // One pass of h query heads over rows shared by all heads (no include guard: shared_rows.h includes this once per
 // instruction set, inside `namespace KVSLIM_ISA` with `using V = <traits>` and the matching #pragma GCC target).
 //
-// For a chunk of T rows: (1) fp32 rows (bf16 widened into a scratch buffer), (2) the keys the scores need (RoPE
-// applied on the fly for raw storage), (3) h scores per row (4 rows at a time, transpose-reduced), (4) online
-// softmax per head (rescale only when the running max grows), (5) the rows the weighted sum needs (un-rotated on
-// the fly for rotated storage), (6) acc[h][c] += p[h][T] · rows[T][c] as a register-blocked (heads × columns)
+// For a chunk of T rows: (1) fp32 rows (bf16 widened into a scratch buffer), (2) h scores per row (raw RoPE
+// storage: the rotation folded into the query side row by row, no rotated copy of the keys; else 4 rows at a time,
+// transpose-reduced), (3) online
+// softmax per head (rescale only when the running max grows), (4) the rows the weighted sum needs (un-rotated on
+// the fly for rotated storage), (5) acc[h][c] += p[h][T] · rows[T][c] as a register-blocked (heads × columns)
 // tile loop that reads each row once per head group from L1. Every index is bounded by Args (set from tensor
 // metadata by the op and checked there).
 
@@ -16,10 +17,9 @@ inline void widen(const T* src, float* dst, int64_t len) {
   for (; i < len; ++i) dst[i] = kvslim_vec::to_f32(src[i]);
 }
 
-// RoPE of the h key heads of one fp32 row (dst may equal src): +θ (`inverse` false) or −θ; channels R..dk copied.
-// The cos/sin vectors are loaded once per column block and reused by every head (the table is per row, not per head).
-inline void rope_row(const float* src, float* dst, const float* cs, const float* sn, int64_t h, int64_t dk,
-                     int64_t R, bool inverse) {
+// inverse RoPE (−θ) of the h key heads of one fp32 row (dst may equal src; channels R..dk are copied). The cos/sin vectors are loaded once per column block and reused by every head.
+inline void unrope_row(const float* src, float* dst, const float* cs, const float* sn, int64_t h, int64_t dk,
+                       int64_t R) {
   const int64_t half = R / 2;
   int64_t i = 0;
   for (; i + V::W <= half; i += V::W) {
@@ -28,13 +28,8 @@ inline void rope_row(const float* src, float* dst, const float* cs, const float*
       const float* k = src + j * dk;
       float* o = dst + j * dk;
       const auto lo = V::load(k + i), hi = V::load(k + half + i);
-      if (inverse) {
-        V::store(o + i, V::fma(hi, s1, V::mul(lo, c1)));
-        V::store(o + half + i, V::sub(V::mul(hi, c2), V::mul(lo, s2)));
-      } else {
-        V::store(o + i, V::sub(V::mul(lo, c1), V::mul(hi, s1)));
-        V::store(o + half + i, V::fma(lo, s2, V::mul(hi, c2)));
-      }
+      V::store(o + i, V::fma(hi, s1, V::mul(lo, c1)));
+      V::store(o + half + i, V::sub(V::mul(hi, c2), V::mul(lo, s2)));
     }
   }
   for (int64_t j = 0; j < h; ++j) {
@@ -42,13 +37,8 @@ inline void rope_row(const float* src, float* dst, const float* cs, const float*
     float* o = dst + j * dk;
     for (int64_t x = i; x < half; ++x) {
       const float lo = k[x], hi = k[half + x];
-      if (inverse) {
-        o[x] = lo * cs[x] + hi * sn[x];
-        o[half + x] = hi * cs[half + x] - lo * sn[half + x];
-      } else {
-        o[x] = lo * cs[x] - hi * sn[x];
-        o[half + x] = hi * cs[half + x] + lo * sn[half + x];
-      }
+      o[x] = lo * cs[x] + hi * sn[x];
+      o[half + x] = hi * cs[half + x] - lo * sn[half + x];
     }
     if (dst != src)
       for (int64_t t = R; t < dk; ++t) o[t] = k[t];
@@ -101,6 +91,65 @@ inline void scores(const float* q, int64_t h, int64_t koff, int64_t L, const flo
     for (int64_t j = 0; j < h; ++j) {
       dots4(q + j * L, krows + t * krs + j * koff, L, r4, krs, s);
       for (int64_t r = 0; r < r4; ++r) sc[j * ps + t + r] = s[r] * scaling + (mask ? mask[t + r] : 0.f);
+    }
+  }
+}
+
+// scores of NH heads of one raw (un-rotated) row with RoPE folded into the query side, no rotated copy of the
+// row: q · rot_t(k) = Σ_i k_lo,i (q_lo,i c1_i + q_hi,i s2_i) + k_hi,i (q_hi,i c2_i − q_lo,i s1_i) over the first R
+// channels (c1/s1 the table's first half, c2/s2 its second), then the plain product over channels R..dk. The
+// row's cos/sin vectors are loaded once per NH heads.
+template <int NH>
+inline void scores_rope_heads(const float* q, int64_t dk, int64_t R, const float* row, const float* cs,
+                              const float* sn, float* s) {
+  const int64_t half = R / 2;
+  typename V::R a[NH];
+#pragma GCC unroll 4
+  for (int hh = 0; hh < NH; ++hh) a[hh] = V::zero();
+  int64_t i = 0;
+  for (; i + V::W <= half; i += V::W) {
+    const auto c1 = V::load(cs + i), c2 = V::load(cs + half + i), s1 = V::load(sn + i), s2 = V::load(sn + half + i);
+#pragma GCC unroll 4
+    for (int hh = 0; hh < NH; ++hh) {
+      const float *qj = q + hh * dk, *kj = row + hh * dk;
+      const auto qlo = V::load(qj + i), qhi = V::load(qj + half + i);
+      const auto qa = V::fma(qhi, s2, V::mul(qlo, c1)), qb = V::sub(V::mul(qhi, c2), V::mul(qlo, s1));
+      a[hh] = V::fma(V::load(kj + half + i), qb, V::fma(V::load(kj + i), qa, a[hh]));
+    }
+  }
+  int64_t p = R;
+  for (; p + V::W <= dk; p += V::W)
+#pragma GCC unroll 4
+    for (int hh = 0; hh < NH; ++hh) a[hh] = V::fma(V::load(q + hh * dk + p), V::load(row + hh * dk + p), a[hh]);
+#pragma GCC unroll 4
+  for (int hh = 0; hh < NH; ++hh) {
+    const float *qj = q + hh * dk, *kj = row + hh * dk;
+    float x = V::hsum(a[hh]);
+    for (int64_t z = i; z < half; ++z)
+      x += kj[z] * (qj[z] * cs[z] + qj[half + z] * sn[half + z]) +
+           kj[half + z] * (qj[half + z] * cs[half + z] - qj[z] * sn[z]);
+    for (int64_t z = p; z < dk; ++z) x += qj[z] * kj[z];
+    s[hh] = x;
+  }
+}
+
+// scores of all h heads over rows [0, m) of raw keys (RoPE on the fly, see scores_rope_heads)
+inline void scores_rope(const float* q, int64_t h, int64_t dk, int64_t R, const float* rows, int64_t rs,
+                        const float* cos, int64_t cos_rs, const float* sin, int64_t sin_rs, int64_t m, float scaling,
+                        const float* mask, float* sc, int64_t ps) {
+  float s[4];
+  for (int64_t t = 0; t < m; ++t) {
+    const float *row = rows + t * rs, *cs = cos + t * cos_rs, *sn = sin + t * sin_rs;
+    const float add = mask ? mask[t] : 0.f;
+    for (int64_t j = 0; j < h; j += 4) {
+      const int64_t nh = std::min<int64_t>(4, h - j);
+      switch (nh) {
+        case 4: scores_rope_heads<4>(q + j * dk, dk, R, row + j * dk, cs, sn, s); break;
+        case 3: scores_rope_heads<3>(q + j * dk, dk, R, row + j * dk, cs, sn, s); break;
+        case 2: scores_rope_heads<2>(q + j * dk, dk, R, row + j * dk, cs, sn, s); break;
+        default: scores_rope_heads<1>(q + j * dk, dk, R, row + j * dk, cs, sn, s); break;
+      }
+      for (int64_t r = 0; r < nh; ++r) sc[(j + r) * ps + t] = s[r] * scaling + add;
     }
   }
 }
@@ -325,24 +374,17 @@ void run_range(const Args& a, int64_t b, int64_t t0, int64_t t1, float* acc, flo
       src = sp.ubuf.data();
       srs = a.c;
     }
-    // (2) keys for the scores
-    const float* krows = src;
-    int64_t krs = srs;
-    if (raw_rope) {
-      for (int64_t t = 0; t < m; ++t)
-        rope_row(src + t * srs, sp.kbuf.data() + t * a.e, cosb + (cs + t) * a.cos_rs, sinb + (cs + t) * a.sin_rs,
-                 a.h, a.dk, a.R, false);
-      krows = sp.kbuf.data();
-      krs = a.e;
-    }
-    // (3) scores, all heads
-    if (a.koff == 0)
-      scores_shared(q, a.h, a.L, krows, krs, m, a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
+    // (2) scores, all heads
+    if (raw_rope)
+      scores_rope(q, a.h, a.dk, a.R, src, srs, cosb + cs * a.cos_rs, a.cos_rs, sinb + cs * a.sin_rs, a.sin_rs, m,
+                  a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
+    else if (a.koff == 0)
+      scores_shared(q, a.h, a.L, src, srs, m, a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
     else
-      scores(q, a.h, a.koff, a.L, krows, krs, m, a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
-    // (4) online softmax per head
+      scores(q, a.h, a.koff, a.L, src, srs, m, a.scaling, mask ? mask + cs : nullptr, sp.sc.data(), sp.T);
+    // (3) online softmax per head
     for (int64_t j = 0; j < a.h; ++j) online_softmax(sp.sc.data() + j * sp.T, m, mx + j, l + j, acc + j * a.c, a.c);
-    // (5) rows for the weighted sum
+    // (4) rows for the weighted sum
     const float* urows = src;
     int64_t urs = srs;
     if (rot_rope) {
@@ -352,12 +394,12 @@ void run_range(const Args& a, int64_t b, int64_t t0, int64_t t1, float* acc, flo
         float* dst = ub + t * a.c;
         if (row != dst)
           for (int64_t k = a.e; k < a.c; ++k) dst[k] = row[k];  // conditioning columns, unrotated
-        rope_row(row, dst, cosb + (cs + t) * a.cos_rs, sinb + (cs + t) * a.sin_rs, a.h, a.dk, a.R, true);
+        unrope_row(row, dst, cosb + (cs + t) * a.cos_rs, sinb + (cs + t) * a.sin_rs, a.h, a.dk, a.R);
       }
       urows = ub;
       urs = a.c;
     }
-    // (6) acc += p · rows, fetching the next chunk meanwhile
+    // (5) acc += p · rows, fetching the next chunk meanwhile
     Prefetch pf;
     if (cs + m < t1) {
       pf.base = reinterpret_cast<const char*>(base + (cs + m) * a.rs);
