@@ -95,6 +95,23 @@ def test_cache_holds_only_the_plan_and_bytes_match():
     assert all(lp.bytes_per_token == e * itemsize for lp in plan.layers)
 
 
+def test_decode_step_reads_no_projection_it_does_not_store():
+    """A K-only decode step projects q and k only: v_proj's weight is not read (prefill still needs all three)."""
+    model = make("llama")
+    kvslim.apply(model, "slim", cache="k", rank=0)
+    calls = {"k_proj": 0, "v_proj": 0}
+    for attn in (layer.self_attn for layer in model.model.layers):
+        for name in calls:
+            getattr(attn, name).register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    cache = kvslim.make_cache(model)
+    ids = torch.randint(1, 128, (1, 6))
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layers = len(model.model.layers)
+    assert calls == {"k_proj": layers, "v_proj": layers}
+    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    assert calls == {"k_proj": 2 * layers, "v_proj": layers}
+
+
 def test_conditioned_plan_bytes_match_measured():
     model = make("llama")
     plan = kvslim.apply(model, "slim", cache="k", rank=16)

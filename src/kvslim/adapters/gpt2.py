@@ -32,7 +32,7 @@ class GPT2Adapter:
         return ProjectionWeights(w[:, :d], w[:, d:2 * d], w[:, 2 * d:], attn.c_proj.weight,
                                  b[:d], b[d:2 * d], b[2 * d:], attn.c_proj.bias)
 
-    def qkv(self, attn, x):
+    def qkv(self, attn, x, parts: str = "qkv"):  # one fused projection: all three come together
         return attn.c_attn(x).split(attn.split_size, dim=2)
 
     def out_proj(self, attn, a: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

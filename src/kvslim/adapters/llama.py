@@ -61,9 +61,12 @@ class LlamaAdapter:
                                                   lin(attn.o_proj))
         return ProjectionWeights(wq, wk, wv, wo, bq, bk, bv, bo)
 
-    def qkv(self, attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, d) -> q, k, v each (B, T, e), before RoPE."""
-        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    def qkv(self, attn: torch.nn.Module, x: torch.Tensor, parts: str = "qkv"
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(B, T, d) -> q, k, v each (B, T, e), before RoPE; ``None`` for a projection not named in ``parts``
+        (a slim decode step needs only q and the stored one: each skipped projection is a weight matrix not read)."""
+        return tuple(proj(x) if name in parts else None
+                     for name, proj in zip("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)))
 
     def out_proj(self, attn: torch.nn.Module, a: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """o-projection of (B, T, e) with ``bias`` replacing the module's own."""

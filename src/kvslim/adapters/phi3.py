@@ -26,7 +26,7 @@ class Phi3Adapter(LlamaAdapter):
         return ProjectionWeights(w[:, parts[0]], w[:, parts[1]], w[:, parts[2]], attn.o_proj.weight.T,
                                  bq, bk, bv, attn.o_proj.bias)
 
-    def qkv(self, attn, x):
+    def qkv(self, attn, x, parts: str = "qkv"):  # one fused projection: all three come together
         e_q, e_kv = self._split(attn)
         qkv = attn.qkv_proj(x)
         return qkv[..., :e_q], qkv[..., e_q:e_q + e_kv], qkv[..., e_q + e_kv:]

@@ -49,20 +49,30 @@ class RopeTable:
         return cos[positions], sin[positions]
 
 
-def project_and_row(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, kwargs: dict):
+#: the projections a decode step needs besides q: the one its row stores (prefill needs all three)
+_DECODE_PARTS = {"k": "qk", "v": "qv", "x": "q"}
+
+
+def project_and_row(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, kwargs: dict,
+                    prefill: bool = True):
     """The attention inputs of one call and the row slim stores for it.
 
     Returns ``q, k, v`` (B, h, T, dk), RoPE applied to q and k when the model has it, and ``stored`` (B, T, c):
-    K (raw or rotated, as ``w.rope_storage`` says, plus the conditioning columns x·P), V, or the input X.
+    K (raw or rotated, as ``w.rope_storage`` says, plus the conditioning columns x·P), V, or the input X. With
+    ``prefill`` false, k and v are ``None`` unless the row stores them (adapters with separate projections then
+    skip the others).
     """
     b, t, _ = hidden_states.shape
     h, dk, e = w.num_heads, w.head_dim, w.num_heads * w.head_dim
-    q, k, v = adapter.qkv(self, hidden_states)  # (B, T, e) each
-    q, k, v = (z.reshape(b, t, h, dk).transpose(1, 2) for z in (q, k, v))  # (B, h, T, dk)
+    parts = "qkv" if prefill else _DECODE_PARTS[w.technique]
+    q, k, v = adapter.qkv(self, hidden_states, parts)  # (B, T, e) each, or None
+    q, k, v = (None if z is None else z.reshape(b, t, h, dk).transpose(1, 2) for z in (q, k, v))  # (B, h, T, dk)
     k_raw = k
     if adapter.has_rope:
         cos, sin = kwargs["position_embeddings"]
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        q = rotate(q, cos[:, None], sin[:, None])
+        if k is not None:
+            k = rotate(k, cos[:, None], sin[:, None])
     if w.technique == "k":
         stored = (k if w.rope and w.rope_storage == "rotated" else k_raw).transpose(1, 2).reshape(b, t, e)
         if w.proj is not None:
@@ -86,8 +96,8 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
         return original(hidden_states, *args, **kwargs)
     b, t, _ = hidden_states.shape
     e = w.num_heads * w.head_dim
-    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs)
     first = layer.get_seq_length() == 0
+    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs, prefill=first)
     layer.write(stored, kwargs.get("position_ids") if w.rope else None)
     mask = kwargs.get("attention_mask")
     if first:  # prefill: the model's own attention on the fresh keys and values

@@ -65,8 +65,8 @@ def seqpar_slim_forward(self, rt, adapter, w: SlimLayerWeights, rope, hidden_sta
     past.current = layer
     b, t, _ = hidden_states.shape
     e = w.num_heads * w.head_dim
-    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs)
     prompt = layer.cumulative_length == 0
+    q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs, prefill=prompt)
     layer.write(stored, kwargs.get("position_ids") if w.rope else None)
     mask = kwargs.get("attention_mask")
     if prompt:  # the model's own attention on the whole prompt, as one process does
