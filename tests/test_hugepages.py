@@ -54,6 +54,14 @@ def test_dense_and_quantized_caches_live_on_advised_pages():
             kvslim.restore(model)
 
 
+@linux
+def test_env_switch_turns_the_advice_off(monkeypatch):
+    monkeypatch.setenv("KVSLIM_HUGEPAGES", "0")
+    t = hugepages.empty(64 << 20, dtype=torch.uint8, device="cpu")
+    assert not hugepages.advise(t)
+    assert "hg" not in vm_flags((t.data_ptr() + hugepages.PAGE - 1) & -hugepages.PAGE)
+
+
 def test_contents_and_dtype_are_those_of_torch_empty():
     t = hugepages.empty(4, 1 << 20, dtype=torch.float32, device="cpu")
     assert t.shape == (4, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()

@@ -8,7 +8,8 @@ decode op 22.5/20.6/24.5 → 21.2/19.7/21.0 ms, torch's SDPA over K and V 28.9/2
 Most Linux systems run THP in ``madvise`` mode, where only advised memory gets huge pages. :func:`empty`
 allocates like ``torch.empty`` and advises the buffer's 2 MiB-aligned interior before anything touches it. Where
 the advice is unavailable (not Linux, no THP, another device) it is a plain ``torch.empty``: the advice changes
-speed only, never contents.
+speed only, never contents. ``KVSLIM_HUGEPAGES=0`` turns it off (e.g. where memory is committed in 2 MiB steps
+matters more than speed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 import torch
@@ -46,7 +48,7 @@ def advise(t: torch.Tensor) -> bool:
     Only pages touched afterwards are affected: call it on fresh memory (:func:`empty` does).
     """
     storage = t.untyped_storage()
-    if t.device.type != "cpu" or storage.nbytes() < MIN_BYTES:
+    if t.device.type != "cpu" or storage.nbytes() < MIN_BYTES or os.environ.get("KVSLIM_HUGEPAGES") == "0":
         return False
     fn = _madvise()
     if fn is None:
