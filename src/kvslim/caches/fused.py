@@ -133,14 +133,14 @@ def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor
     if rot is None:
         return tail, False
     key = (id(store.fp), store.epoch, getattr(store.inner, "epoch", None), store.flushed)
-    saved = getattr(store, "_rotated_tail", None)
+    saved = store.rotated_copy
     if saved is None or saved[0] != key or saved[2] > r:
         buf, done = torch.empty(store.fp.shape, dtype=torch.float32, device=store.fp.device), 0
     else:
         buf, done = saved[1], saved[2]
     if r > done:
         buf[:, :, done:r] = tail[:, :, done:r].float() @ rot
-    store._rotated_tail = (key, buf, r)
+    store.rotated_copy = (key, buf, r)
     return buf[:, :, :r], True
 
 

@@ -87,7 +87,7 @@ class ChannelQuantizedStore(QuantizedStore):
 def rotated_tail_nbytes(store) -> int:
     """Bytes of the rotated copy of a store's full-precision tail that fused decode keeps
     (``caches/fused.rotated_tail``; 0 until a fused step made one)."""
-    saved = getattr(store, "_rotated_tail", None)
+    saved = store.rotated_copy
     return 0 if saved is None else saved[1].numel() * saved[1].element_size()
 
 
@@ -103,6 +103,7 @@ class ResidualStore(TensorStore):
         self.flushed = 0  # tokens in codes (a multiple of spec.flush)
         self.length = 0  # tokens held in all
         self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset, restore): fused.py's key
+        self.rotated_copy = None  # fused decode's (key, rotated tail, rows) (caches/fused.rotated_tail)
 
     # the coded store's tensors are the ones that grow with capacity
     @property

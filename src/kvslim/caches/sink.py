@@ -34,6 +34,7 @@ class SinkStore(TensorStore):
         inner.fp = self.fp[:, :, self.sink:]  # the window right behind the sinks: one contiguous tail
         self.length = 0
         self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset): fused.py's key
+        self.rotated_copy = None  # fused decode's (key, rotated tail, rows) (caches/fused.rotated_tail)
 
     @property
     def data(self) -> torch.Tensor:
