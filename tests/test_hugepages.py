@@ -33,8 +33,7 @@ def test_large_buffer_is_advised_and_small_one_is_not():
     inner = (big.data_ptr() + hugepages.PAGE - 1) & -hugepages.PAGE
     assert "hg" in vm_flags(inner)
     small = hugepages.empty(1 << 20, dtype=torch.uint8, device="cpu")
-    assert not hugepages.advise(small)
-    assert "hg" not in vm_flags(small.data_ptr())
+    assert not hugepages.advise(small)  # (its flags may still say hg: the allocator can reuse advised memory)
 
 
 @linux
@@ -54,12 +53,14 @@ def test_dense_and_quantized_caches_live_on_advised_pages():
             kvslim.restore(model)
 
 
-@linux
 def test_env_switch_turns_the_advice_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    hugepages.empty(64 << 20, dtype=torch.uint8, device="cpu")
+    assert len(calls) == 1  # the stand-in is reached without the switch
     monkeypatch.setenv("KVSLIM_HUGEPAGES", "0")
     t = hugepages.empty(64 << 20, dtype=torch.uint8, device="cpu")
-    assert not hugepages.advise(t)
-    assert "hg" not in vm_flags((t.data_ptr() + hugepages.PAGE - 1) & -hugepages.PAGE)
+    assert not hugepages.advise(t) and len(calls) == 1
 
 
 def test_contents_and_dtype_are_those_of_torch_empty():
