@@ -9,6 +9,8 @@
 // attended after the codes in the last split, read in place. Every index is bounded by QArgs (set from tensor
 // metadata by the op and checked there).
 
+#include "dots4_body.h"
+
 // one group of `len` codes starting at a group boundary -> fp32 (x = q·s [+ z])
 template <int BITS, bool ASYM>
 inline void deq_group(const uint8_t* c, float s, float z, float* o, int64_t len) {
@@ -102,34 +104,15 @@ inline void deq_rows(const QArgs& a, const Codes& st, int64_t kivi, int64_t b, i
   }
 }
 
-// sc[j·T + t] = q_j · k_t + mask[t] for t < m (q already scaled); D a multiple of V::W
+// sc[j·T + t] = q_j · k_t + mask[t] for t < m (q already scaled), 4 tokens per pass (dots4)
 inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t krs, int64_t m,
                          const float* mask, float* sc, int64_t ps) {
-  int64_t t = 0;
-  for (; t + 4 <= m; t += 4) {
-    const float *k0 = k + t * krs, *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
+  float s[4];
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
     for (int64_t j = 0; j < G; ++j) {
-      const float* qj = q + j * D;
-      auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-      for (int64_t i = 0; i < D; i += V::W) {
-        auto qv = V::load(qj + i);
-        a0 = V::fma(qv, V::load(k0 + i), a0);
-        a1 = V::fma(qv, V::load(k1 + i), a1);
-        a2 = V::fma(qv, V::load(k2 + i), a2);
-        a3 = V::fma(qv, V::load(k3 + i), a3);
-      }
-      float s[4];
-      V::hsum4(a0, a1, a2, a3, s);
-      for (int r = 0; r < 4; ++r) sc[j * ps + t + r] = s[r] + (mask ? mask[t + r] : 0.f);
-    }
-  }
-  for (; t < m; ++t) {
-    const float* kt = k + t * krs;
-    for (int64_t j = 0; j < G; ++j) {
-      const float* qj = q + j * D;
-      auto a0 = V::zero();
-      for (int64_t i = 0; i < D; i += V::W) a0 = V::fma(V::load(qj + i), V::load(kt + i), a0);
-      sc[j * ps + t] = V::hsum(a0) + (mask ? mask[t] : 0.f);
+      dots4(q + j * D, k + t * krs, D, r4, krs, s);
+      for (int64_t r = 0; r < r4; ++r) sc[j * ps + t + r] = s[r] + (mask ? mask[t + r] : 0.f);
     }
   }
 }

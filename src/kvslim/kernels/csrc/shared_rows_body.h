@@ -3,11 +3,12 @@
 //
 // For a chunk of T rows: (1) fp32 rows (bf16 widened into a scratch buffer), (2) h scores per row (raw RoPE
 // storage: the rotation folded into the query side row by row, no rotated copy of the keys; else 4 rows at a time,
-// transpose-reduced), (3) online
-// softmax per head (rescale only when the running max grows), (4) the rows the weighted sum needs (un-rotated on
-// the fly for rotated storage), (5) acc[h][c] += p[h][T] · rows[T][c] as a register-blocked (heads × columns)
+// transpose-reduced), (3) online softmax per head (rescale only when the running max grows), (4) the rows the
+// weighted sum needs (un-rotated on the fly for rotated storage), (5) acc[h][c] += p[h][T] · rows[T][c] as a register-blocked (heads × columns)
 // tile loop that reads each row once per head group from L1. Every index is bounded by Args (set from tensor
 // metadata by the op and checked there).
+
+#include "dots4_body.h"
 
 // widen `len` values to fp32
 template <class T>
@@ -17,7 +18,8 @@ inline void widen(const T* src, float* dst, int64_t len) {
   for (; i < len; ++i) dst[i] = kvslim_vec::to_f32(src[i]);
 }
 
-// inverse RoPE (−θ) of the h key heads of one fp32 row (dst may equal src; channels R..dk are copied). The cos/sin vectors are loaded once per column block and reused by every head.
+// inverse RoPE (−θ) of the h key heads of one fp32 row (dst may equal src; channels R..dk are copied). The cos/sin
+// vectors are loaded once per column block and reused by every head.
 inline void unrope_row(const float* src, float* dst, const float* cs, const float* sn, int64_t h, int64_t dk,
                        int64_t R) {
   const int64_t half = R / 2;
@@ -42,42 +44,6 @@ inline void unrope_row(const float* src, float* dst, const float* cs, const floa
     }
     if (dst != src)
       for (int64_t t = R; t < dk; ++t) o[t] = k[t];
-  }
-}
-
-// out[k] = x · M[k] for k < nk, rows M[k] (len values) `ms` apart: four rows per pass, so each x vector is loaded
-// once per four rows and the four sums are reduced together (V::hsum4) instead of one full reduction per output
-inline void dots4(const float* x, const float* M, int64_t len, int64_t nk, int64_t ms, float* out) {
-  int64_t k = 0;
-  for (; k + 4 <= nk; k += 4) {
-    const float *m0 = M + k * ms, *m1 = m0 + ms, *m2 = m1 + ms, *m3 = m2 + ms;
-    auto a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-    int64_t i = 0;
-    for (; i + V::W <= len; i += V::W) {
-      const auto xv = V::load(x + i);
-      a0 = V::fma(xv, V::load(m0 + i), a0);
-      a1 = V::fma(xv, V::load(m1 + i), a1);
-      a2 = V::fma(xv, V::load(m2 + i), a2);
-      a3 = V::fma(xv, V::load(m3 + i), a3);
-    }
-    float s[4];
-    V::hsum4(a0, a1, a2, a3, s);
-    for (; i < len; ++i) {
-      s[0] += x[i] * m0[i];
-      s[1] += x[i] * m1[i];
-      s[2] += x[i] * m2[i];
-      s[3] += x[i] * m3[i];
-    }
-    for (int r = 0; r < 4; ++r) out[k + r] = s[r];
-  }
-  for (; k < nk; ++k) {
-    const float* m = M + k * ms;
-    auto a = V::zero();
-    int64_t i = 0;
-    for (; i + V::W <= len; i += V::W) a = V::fma(V::load(x + i), V::load(m + i), a);
-    float sum = V::hsum(a);
-    for (; i < len; ++i) sum += x[i] * m[i];
-    out[k] = sum;
   }
 }
 
