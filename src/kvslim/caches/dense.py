@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from . import fused, hugepages
+from . import fused
 from .base import KVStoreLayer, check_crop
 from .storage import StoreSpec
 
@@ -38,7 +38,7 @@ class AppendLayer(KVStoreLayer):
         for store in self._stores():
             grown = []
             for t in store.tensors():
-                g = hugepages.empty(t.shape[0], t.shape[1], new_cap, t.shape[3], dtype=t.dtype, device=t.device)
+                g = t.new_empty(t.shape[0], t.shape[1], new_cap, t.shape[3])
                 g[:, :, :cap] = t
                 grown.append(g)
             store.set_tensors(grown)

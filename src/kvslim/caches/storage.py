@@ -13,7 +13,6 @@ import torch
 
 from ..ops.quant import check_quant_args, dequantize, dequantize_into, quantize
 from ..ops.quant_formats import dequantize_asym, dequantize_sym, hadamard, quantize_asym, quantize_sym
-from . import hugepages
 
 MAX_RESIDUAL = 128
 
@@ -216,7 +215,7 @@ class TensorStore:
     def __init__(self, spec: StoreSpec, batch: int, heads: int, capacity: int, dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.spec, self.dtype, self.dim = spec, dtype, dim
-        self.data = hugepages.empty(batch, heads, capacity, dim, dtype=dtype, device=device)
+        self.data = torch.empty(batch, heads, capacity, dim, dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
@@ -279,10 +278,9 @@ class QuantizedStore(TensorStore):
         spec.check_dim(dim)
         self.spec, self.dtype, self.dim = spec, dtype, dim
         code_dtype = torch.int8 if spec.bits == 8 and not spec.asymmetric else torch.uint8
-        self.data = hugepages.empty(batch, heads, capacity, dim * spec.bits // 8, dtype=code_dtype,
-                                    device=device)
+        self.data = torch.empty(batch, heads, capacity, dim * spec.bits // 8, dtype=code_dtype, device=device)
         groups = dim // spec.channel_group if spec.channel_group else dim // spec.group_size
-        self.scale = hugepages.empty(batch, heads, capacity, groups, dtype=spec.scale_dtype, device=device)
+        self.scale = torch.empty(batch, heads, capacity, groups, dtype=spec.scale_dtype, device=device)
         self.zero = torch.empty_like(self.scale) if spec.asymmetric else None
         self.rotation = hadamard(dim).to(device) if spec.rotation == "hadamard" else None  # (D, D) fp32
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 smoothing factors, set by the first write
