@@ -186,3 +186,17 @@ def test_cache_from_user_dynamic_cache_is_left_alone():
     out = model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=2, do_sample=False, pad_token_id=0,
                          past_key_values=mine, return_dict_in_generate=True)
     assert out.past_key_values is mine
+
+
+def test_finite_check_does_not_refuse_large_finite_values_whose_sum_overflows():
+    # the check sums the write first (inf/nan always reach the sum); a sum that overflows on finite values must
+    # fall back to the element-wise test, not refuse a valid write
+    x = torch.full((1, 1, 4, 16), 3.0e38)
+    assert not torch.isfinite(x.sum())
+    store = make_store(StoreSpec(8, 8), x, 8)
+    store.write(0, x)  # no ValueError
+    assert torch.isfinite(store.read(0, 4)).all()
+    y = x.clone()
+    y[0, 0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite.*token 2 of this write, channel 3"):
+        store.write(4, y)

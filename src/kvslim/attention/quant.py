@@ -72,9 +72,10 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     else:
         out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                               spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling)
+    out = out.reshape(b * heads, d)
     if vrot is not None:
-        out = out @ vrot.T
-    return out.reshape(b, 1, heads, d).to(query.dtype)
+        out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
+    return out.view(b, 1, heads, d).to(query.dtype)
 
 
 def reference(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
