@@ -8,7 +8,6 @@ plus scales, quantized once at write time and never re-quantized).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 
 import torch
