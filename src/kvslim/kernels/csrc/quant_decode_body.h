@@ -117,46 +117,7 @@ inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, i
   }
 }
 
-// online softmax over the block: scores -> weights in place; rescales acc / l when a head's max grows.
-// Returns whether any head has a nonzero weight in the block.
-inline bool block_softmax(float* sc, int64_t ps, int64_t G, int64_t D, int64_t m, float* mrun, float* lrun,
-                          float* acc) {
-  bool any = false;
-  for (int64_t j = 0; j < G; ++j) {
-    float* s = sc + j * ps;
-    float bm = -INFINITY;
-    for (int64_t t = 0; t < m; ++t) bm = std::max(bm, s[t]);
-    if (bm == -INFINITY) {  // every token of the block masked for this head
-      std::fill(s, s + m, 0.f);
-      continue;
-    }
-    any = true;
-    if (bm > mrun[j]) {
-      const float f = mrun[j] == -INFINITY ? 0.f : std::exp(mrun[j] - bm);
-      lrun[j] *= f;
-      float* aj = acc + j * D;
-      const auto vf = V::set1(f);
-      for (int64_t i = 0; i < D; i += V::W) V::store(aj + i, V::mul(V::load(aj + i), vf));
-      mrun[j] = bm;
-    }
-    const auto vm = V::set1(mrun[j]);
-    auto vsum = V::zero();
-    int64_t t = 0;
-    for (; t + V::W <= m; t += V::W) {
-      auto p = V::exp(V::sub(V::load(s + t), vm));
-      V::store(s + t, p);
-      vsum = V::add(vsum, p);
-    }
-    float sum = V::hsum(vsum);
-    for (; t < m; ++t) {
-      const float x = s[t] - mrun[j];
-      s[t] = x < kvslim_vec::kExpLo ? 0.f : std::exp(x);
-      sum += s[t];
-    }
-    lrun[j] += sum;
-  }
-  return any;
-}
+#include "block_softmax_body.h"
 
 // acc[j] += Σ_t p[j][t] · v_t (tokens with weight 0 skipped: a masked row is never read); D a multiple of V::W
 inline void block_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t vrs, int64_t m,

@@ -149,45 +149,7 @@ inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const f
     }
 }
 
-// online softmax over a block: scores -> weights in place; rescales acc / l when a head's max grows. Returns
-// whether any head has a nonzero weight in the block.
-inline bool block_softmax(float* sc, int64_t ps, int64_t G, int64_t D, int64_t m, float* mrun, float* lrun,
-                          float* acc) {
-  bool any = false;
-  for (int64_t j = 0; j < G; ++j) {
-    float* s = sc + j * ps;
-    float bm = -INFINITY;
-    for (int64_t t = 0; t < m; ++t) bm = std::max(bm, s[t]);
-    if (bm == -INFINITY) {  // every token of the block masked for this head
-      std::fill(s, s + m, 0.f);
-      continue;
-    }
-    any = true;
-    if (bm > mrun[j]) {
-      const float f = mrun[j] == -INFINITY ? 0.f : std::exp(mrun[j] - bm);
-      lrun[j] *= f;
-      const auto vf = V::set1(f);
-      for (int64_t i = 0; i < D; i += V::W) V::store(acc + j * D + i, V::mul(V::load(acc + j * D + i), vf));
-      mrun[j] = bm;
-    }
-    const auto vm = V::set1(mrun[j]);
-    auto vsum = V::zero();
-    int64_t t = 0;
-    for (; t + V::W <= m; t += V::W) {
-      const auto p = V::exp(V::sub(V::load(s + t), vm));
-      V::store(s + t, p);
-      vsum = V::add(vsum, p);
-    }
-    float sum = V::hsum(vsum);
-    for (; t < m; ++t) {
-      const float x = s[t] - mrun[j];
-      s[t] = x < kvslim_vec::kExpLo ? 0.f : std::exp(x);
-      sum += s[t];
-    }
-    lrun[j] += sum;
-  }
-  return any;
-}
+#include "block_softmax_body.h"
 
 // acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · codes_t[c, c + 8·NV) for HC heads; tokens whose weights are all 0 are
 // skipped (a masked row is never read). ENDS: the tile's last unit ends the row.

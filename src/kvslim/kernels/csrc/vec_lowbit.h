@@ -99,6 +99,16 @@ struct LowScalar {
     for (int i = 0; i < 8; ++i) s += a.v[i];
     return s;
   }
+  static inline R max(const R& a, const R& b) {  // b where a is NaN, as _mm256_max_ps(a, b)
+    R r;
+    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  static inline float hmax(const R& a) {
+    float m = a.v[0];
+    for (int i = 1; i < 8; ++i) m = a.v[i] > m ? a.v[i] : m;
+    return m;
+  }
   static inline void hsum4(const R& a, const R& b, const R& c, const R& d, float* out) {
     out[0] = hsum(a);
     out[1] = hsum(b);
