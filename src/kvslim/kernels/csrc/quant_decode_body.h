@@ -386,7 +386,10 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
     for (int64_t g = 0; g < ng; ++g) {
       float* o = pw + (j * ng + g) * T;
       const float* pj = p + j * ps;
-      for (int64_t t = 0; t < m; ++t) o[t] = pj[t] * vs[t * ng + g];
+      int64_t t = 0;
+      if (ng == 1)  // one value group per token (the int4 default): the scales are contiguous
+        for (; t + V::W <= m; t += V::W) V::store(o + t, V::mul(V::load(pj + t), V::load(vs + t)));
+      for (; t < m; ++t) o[t] = pj[t] * vs[t * ng + g];
       if (qv)
         for (int64_t sb = 0; sb * 16 < m; ++sb)
           sp.wdw[(j * ng + g) * (T / 16) + sb] =
@@ -431,11 +434,24 @@ inline void kivi_row(const QArgs& a, const Strided& st, int64_t b, int64_t h, in
   for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
 }
 
+// the parameters of token group g + 1 into cache while group g is scored (each group's row is read once, so
+// without this every group starts with a miss); rows back to back only, never past the coded tokens
+inline void prefetch_kivi(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g) {
+  if (st.ts != a.D / a.kivi || (g + 2) * a.kivi > a.n) return;
+  const char* p = static_cast<const char*>(param_ptr(st, a.sdt, b, h, (g + 1) * a.kivi));
+  for (int64_t o = 0; o < a.D * (a.sdt == 0 ? 4 : 2); o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 template <bool ASYM>
 inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* srow, float* zrow) {
   kivi_row(a, a.k.scale, b, h, g, srow);
-  if (ASYM) kivi_row(a, a.k.zero, b, h, g, zrow);
-  else std::fill(zrow, zrow + a.D, 0.f);
+  prefetch_kivi(a, a.k.scale, b, h, g);
+  if (ASYM) {
+    kivi_row(a, a.k.zero, b, h, g, zrow);
+    prefetch_kivi(a, a.k.zero, b, h, g);
+  } else {
+    std::fill(zrow, zrow + a.D, 0.f);
+  }
 }
 
 // ---- integer scores: the query the key codes see (q, or q ⊙ s per KIVI token group), rounded to int8 per block of
