@@ -137,9 +137,10 @@ inline int64_t auto_splits(int64_t B, int64_t n, int64_t T) {
 
 // u (B, h, c) and lse (B, h), both fp32 contiguous; S = splits per sequence (0: automatic). With a.vmap, `out`
 // (B, h, odk) receives the mapped head outputs and `u` may be null (an internal buffer is used). With a.absorb,
-// the queries are absorbed first (inside each task when S = 1, else up front: S > 1 only for small batches).
-// One parallel region per call when S = 1 (each task normalises and maps its own sequence): on a loaded machine
-// every region costs a wake-up of the other threads, which can exceed the work of a small decode step.
+// the queries are absorbed first. A batch that fills the threads (S = 1) runs in one parallel region, each task
+// absorbing, normalising and mapping its own sequence: on a loaded machine every region costs a wake-up of the
+// other threads. A small batch (fewer tasks than threads, or split sequences) absorbs and maps in regions of
+// their own over (sequence, head), so that the map weights are read by every thread.
 inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nullptr) {
   const int64_t T = chunk_rows(a0.c);
   if (S <= 0) S = auto_splits(a0.B, a0.n, T);
@@ -147,13 +148,23 @@ inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nu
   const Fns f = fns();
   Args a = a0;
   const int64_t hc = a.h * a.c, hL = a.h * a.L;
+  // Fewer tasks than threads (a small batch): the per-head maps run in their own regions over (sequence, head),
+  // so both threads read the map weights (h·qdk·L and h·c·odk floats, cold in a model: ~0.6 MB each for Whisper-
+  // tiny) instead of one thread alone; otherwise each task maps its own sequence inside the one region.
+  const bool small = a.B * S < at::get_num_threads() || S > 1;
   std::vector<float> qbuf, ubuf;
   if (a.absorb) {
     qbuf.resize(a.B * hL);
     a.q = qbuf.data();
     a.qbs = hL;
-    if (S > 1)
-      for (int64_t b = 0; b < a.B; ++b) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.absorb_dk_last, a.h, a.qdk, a.L, qbuf.data() + b * hL);
+    if (small)
+      at::parallel_for(0, a.B * a.h, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bj = begin; bj < end; ++bj) {
+          const int64_t b = bj / a.h, j = bj % a.h;
+          f.absorb(a.qraw + (b * a.h + j) * a.qdk, a.absorb + j * a.qdk * a.L, a.absorb_dk_last, 1, a.qdk, a.L,
+                   qbuf.data() + b * hL + j * a.L);
+        }
+      });
   }
   if (a.vmap && u == nullptr) {
     ubuf.resize(a.B * hc);
@@ -170,20 +181,27 @@ inline void run(const Args& a0, int64_t S, float* u, float* lse, float* out = nu
     Scratch sp(a, T);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / S, s = task % S;
-      if (a.absorb && S == 1) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.absorb_dk_last, a.h, a.qdk, a.L, qbuf.data() + b * hL);
+      if (a.absorb && !small) f.absorb(a.qraw + b * a.h * a.qdk, a.absorb, a.absorb_dk_last, a.h, a.qdk, a.L, qbuf.data() + b * hL);
       float* acc = S > 1 ? part_acc.data() + task * hc : u + b * hc;
       float *m = part_m.data() + task * a.h, *l = part_l.data() + task * a.h;
       f.task(a, b, s, S, acc, m, l, sp);
       if (S == 1) {
         kvslim_decode::finish_rows(acc, m, l, lse + b * a.h, a.h, a.c);
-        if (a.vmap) map_seq(b, 0, a.h);
+        if (a.vmap && !small) map_seq(b, 0, a.h);
       }
     }
   });
-  if (S == 1) return;
-  // merge the splits exactly (merge_row); in parallel only when the
-  // merge itself is large (it reads B·h·S·c floats, usually a few µs of work)
-  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 18) / std::max<int64_t>(S * a.c, 1));
+  if (S == 1) {
+    if (a.vmap && small)
+      at::parallel_for(0, a.B * a.h, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bj = begin; bj < end; ++bj) map_seq(bj / a.h, bj % a.h, bj % a.h + 1);
+      });
+    return;
+  }
+  // merge the splits exactly (merge_row), then map: over (sequence, head) pairs in parallel when they carry maps
+  // or the merge itself is large (it reads B·h·S·c floats, usually a few µs of work)
+  const int64_t grain =
+      a.vmap ? 1 : std::max<int64_t>(16, (int64_t{1} << 18) / std::max<int64_t>(S * a.c, 1));
   at::parallel_for(0, a.B * a.h, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w(S);
     for (int64_t bj = begin; bj < end; ++bj) {
