@@ -163,9 +163,10 @@ def ring_handle(k_store: TensorStore, v_store: TensorStore, length: int, window:
 def markers(h: FusedKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two NaN zero-stride (B, H, tokens, D) tensors shaped like the step's K/V, carrying ``h``."""
     b, heads, _, d = like.shape
+    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
     out = []
-    for _ in range(2):
-        m = torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(b, heads, h.tokens, d)
+    for _ in range(2):  # two views of one NaN scalar, each carrying h
+        m = nan.expand(b, heads, h.tokens, d)
         setattr(m, ATTR, h)
         out.append(m)
     return out[0], out[1]
