@@ -186,6 +186,51 @@ def test_int8_values_match_twin_and_stay_close_to_float64(d, g, gs):
             assert_close(lse, want_lse, F32, "lse")
 
 
+@pytest.mark.parametrize("kivi,g", [(32, 3), (32, 1), (0, 2), (64, 7)])
+def test_every_instruction_set_gives_the_twins_result(kivi, g):
+    """Each path the CPU has (scalar, AVX2, AVX-512, AVX-512 VNNI; ``quant_decode_set_isa``) on the integer score and
+    value paths, KIVI keys and per-token keys, NaN-poisoned slots past ragged lengths: every one within the twin's
+    tolerance, and AVX-512 with and without VNNI bit-identical (the same integer sums, the same float code)."""
+    _ops()
+    gen = torch.Generator().manual_seed(kivi + g)
+    b, h, n, d = 3, 2, 197, 64
+    x = torch.randn(b, h, 256, d, generator=gen) * 2  # slots past n: a whole KIVI group and more
+    spec = StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=kivi, residual=128, flush=kivi) if kivi else None
+    if kivi:
+        ks_store = ChannelQuantizedStore(spec, b, h, 256, d, F32, torch.device("cpu"))
+        ks_store.write(0, x)
+        kc, ks, kz = ks_store.data, ks_store.scale, ks_store.zero
+    else:
+        kc, ks, kz = _codes(b, h, 256, d, 4, 64, True, torch.float16, gen)
+    vc, vs, vz = _codes(b, h, 256, d, 4, 64, True, torch.float16, gen)
+    lengths = torch.tensor([n, 70, 5])
+    for i, ln in enumerate(lengths.tolist()):
+        for t in (vs, vz) if kivi else (ks, kz, vs, vz):
+            t[i, :, ln:] = float("nan")
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 4, d, generator=gen), torch.randn(b, h, 4, d, generator=gen)
+    args = (q, kc, ks, kz, vc, vs, vz, 4, 64, kivi, n, lengths, kt, vt, None, d ** -0.5)
+    want, _ = kernel.reference(*args, scores="int8", values="int8")
+    best = kernel.isa(d)
+    order = ["scalar", "avx2", "avx512", "avx512_vnni"]
+    outs = {}
+    previous = torch.ops.kvslim.quant_decode_set_isa(best)
+    try:
+        for isa in order[:order.index(best) + 1]:
+            torch.ops.kvslim.quant_decode_set_isa(isa)
+            assert kernel.isa(d) == isa
+            outs[isa], _ = kernel.quant_decode(*args, splits=2, scores="int8", values="int8")
+            err = (outs[isa] - want).abs().max().item()
+            assert err <= INT8_VALUES_TWIN_ATOL, f"{isa}: op vs twin {err:.3e}"
+    finally:
+        torch.ops.kvslim.quant_decode_set_isa(previous)
+    assert kernel.isa(d) == best
+    if "avx512_vnni" in outs:
+        assert torch.equal(outs["avx512"], outs["avx512_vnni"]), "VNNI changed the integer sums"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        torch.ops.kvslim.quant_decode_set_isa("avx10")
+
+
 def test_fully_masked_sequence_gives_zeros():
     _ops()
     gen = torch.Generator().manual_seed(4)
@@ -338,7 +383,7 @@ def test_make_cache_turns_fused_decode_on_only_for_kvslim_attention():
 
 
 def test_isa_names_a_path():
-    assert kernel.isa(64) in ("avx512", "avx2", "scalar", "twin")
+    assert kernel.isa(64) in ("avx512_vnni", "avx512", "avx2", "scalar", "twin")
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

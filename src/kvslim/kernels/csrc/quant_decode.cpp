@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -107,44 +108,74 @@ using QD = kvslim_vec::QDotAVX2;
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace kvslim_quant {
 namespace avx512 {
 using V = kvslim_vec::QuantAVX512;
-using QD = kvslim_vec::QDotAVX2;  // no AVX-512 integer kernels: the AVX2 ones (a subset of the target)
+using QD = kvslim_vec::QDotAVX2;  // AVX-512 without VNNI: the AVX2 integer kernels (a subset of the target)
 #include "quant_decode_body.h"
 }  // namespace avx512
 }  // namespace kvslim_quant
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace kvslim_quant {
+namespace avx512_vnni {
+using V = kvslim_vec::QuantAVX512;
+using QD = kvslim_vec::QDotVNNI;  // integer scores and values with vpdpbusd
+#include "quant_decode_body.h"
+}  // namespace avx512_vnni
+}  // namespace kvslim_quant
+#pragma GCC pop_options
+
 namespace kvslim_quant {
 
-// the best instruction set of the CPU (KVSLIM_ISA=scalar|avx2|avx512 caps it, for tests)
-inline std::string cpu_isa() {
-  static const std::string name = [] {
+// instruction sets, best last; the one in force is the best the CPU has, capped by KVSLIM_ISA (read once) and by
+// quant_decode_set_isa (tests run several in one process)
+const char* const kIsas[] = {"scalar", "avx2", "avx512", "avx512_vnni"};
+
+inline int cpu_best() {
+  static const int best = [] {
     __builtin_cpu_init();
-    const char* cap = std::getenv("KVSLIM_ISA");
-    const std::string want = cap ? cap : "avx512";
-    if (want == "avx512" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    int level = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) level = 1;
+    if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return std::string("avx512");
-    if (want != "scalar" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-      return std::string("avx2");
-    return std::string("scalar");
+      level = 2;
+    if (level == 2 && __builtin_cpu_supports("avx512vnni")) level = 3;
+    return level;
   }();
-  return name;
+  return best;
 }
+
+inline int isa_level(const std::string& name) {
+  for (int i = 0; i < 4; ++i)
+    if (name == kIsas[i]) return i;
+  return -1;
+}
+
+inline std::atomic<int>& isa_cap() {
+  static std::atomic<int> cap([] {
+    const char* env = std::getenv("KVSLIM_ISA");
+    const int level = env ? isa_level(env) : -1;
+    return level < 0 ? 3 : level;
+  }());
+  return cap;
+}
+
+inline std::string cpu_isa() { return kIsas[std::min(cpu_best(), isa_cap().load())]; }
 
 // the instruction set for head dimension D: vector paths need D a multiple of their width
 inline std::string isa_for(int64_t D) {
   std::string isa = cpu_isa();
-  if (isa == "avx512" && D % 16) isa = "avx2";
+  if ((isa == "avx512" || isa == "avx512_vnni") && D % 16) isa = "avx2";
   if (isa == "avx2" && D % 8) isa = "scalar";
   return isa;
 }
 
 inline TaskFn task_fn(const std::string& isa, int bits, bool asym) {
+  if (isa == "avx512_vnni") return avx512_vnni::pick(bits, asym);
   if (isa == "avx512") return avx512::pick(bits, asym);
   if (isa == "avx2") return avx2::pick(bits, asym);
   return scalar::pick(bits, asym);
@@ -230,6 +261,16 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
 
 std::string quant_decode_isa(int64_t head_dim) { return kvslim_quant::isa_for(head_dim); }
 
+// cap the instruction set ("scalar", "avx2", "avx512", "avx512_vnni"; the CPU's best is used when it is lower);
+// returns the previous cap. Tests compare the paths in one process.
+std::string quant_decode_set_isa(const std::string& isa) {
+  using namespace kvslim_quant;
+  const int level = isa_level(isa);
+  TORCH_CHECK_VALUE(level >= 0, "kvslim::quant_decode_set_isa: isa must be one of 'scalar', 'avx2', 'avx512', "
+                    "'avx512_vnni', got '", isa, "'");
+  return kIsas[isa_cap().exchange(level)];
+}
+
 #pragma GCC visibility pop
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
@@ -237,6 +278,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
         "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
+  m.def("quant_decode_set_isa(str isa) -> str", &quant_decode_set_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("quant_decode", &quant_decode_cpu); }

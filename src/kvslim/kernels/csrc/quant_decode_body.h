@@ -354,7 +354,7 @@ inline bool qv_ok(const QArgs& a) {
 inline void from_qv_order(float* x, float* tmp, int64_t D) {
   std::copy(x, x + D, tmp);
   for (int64_t c = 0; c < D; c += 64)
-    for (int64_t i = 0; i < 64; ++i) x[c + i] = tmp[c + kvslim_vec::qv_pos(i)];
+    for (int64_t i = 0; i < 64; ++i) x[c + i] = tmp[c + QD::qv_pos(i)];
 }
 
 template <int HC>
@@ -396,7 +396,9 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
               QD::wprep(o + sb * 16, std::min<int64_t>(16, m - sb * 16), sp.wq.data() + (j * ng + g) * T + sb * 16);
     }
   int64_t j0 = 0;
-  if (qv) {  // two heads at a time (int16 accumulators: 4 vectors per head)
+  if (qv) {  // QD::kQvHeads heads at a time (AVX2: 2, int16 accumulators of 4 vectors per head; VNNI: 3)
+    if constexpr (QD::kQvHeads >= 3)
+      for (; j0 + 3 <= G; j0 += 3) qvalues_heads<3>(a, sp, b, h, t0, m, T, j0, acc);
     for (; j0 + 2 <= G; j0 += 2) qvalues_heads<2>(a, sp, b, h, t0, m, T, j0, acc);
     if (G - j0 == 1) qvalues_heads<1>(a, sp, b, h, t0, m, T, j0, acc);
     j0 = G;

@@ -116,6 +116,8 @@ inline int64_t qv_pos(int64_t i) {
 }
 
 struct QDotScalar {
+  static constexpr int kQvHeads = 2;  // query heads per pass of the integer value path
+  static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) { return kvslim_vec::wprep(w, n, wq); }
   // acc[j][qv_pos(i)] += Σ_sb dw[j][sb] Σ_{t∈sb} wq[j][t] · code_t[i] for the 64 channels of the chunk at byte p0
   // of each row; tokens [0, m), rows base + t·rs (unsigned nibbles)
@@ -218,6 +220,8 @@ struct QuantAVX2 : VecAVX2 {
 };
 
 struct QDotAVX2 {
+  static constexpr int kQvHeads = 2;
+  static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) {
     if (n < 16) return kvslim_vec::wprep(w, n, wq);
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
@@ -320,44 +324,12 @@ struct QDotAVX2 {
   static inline F4 half_sum(__m256 acc) {
     return F4(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
   }
-  template <int HC, bool SIGNED>
-  static inline void i4x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* qe,
-                          const int8_t* const* qo, const float* const* dx, F4* out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    // one 64-channel chunk (32 bytes: low nibbles = even channels, high = odd) -> per head [4 tokens × 2 blocks]
-    // block-scaled sums
-    auto chunk = [&](int64_t i, __m256* r) {
-      const int64_t p = i / 2;
-      __m256i lo[4], hi[4];
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr[k] + p));
-        if (SIGNED) x = _mm256_xor_si256(x, _mm256_set1_epi8(static_cast<char>(0x88)));
-        lo[k] = _mm256_and_si256(x, m4);
-        hi[k] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-      }
-#pragma GCC unroll 4
-      for (int j = 0; j < HC; ++j) {
-        const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qe[j] + p));
-        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo[j] + p));
-        __m256i s[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k)
-          s[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[k], e), _mm256_maddubs_epi16(hi[k], o)),
-                                   ones);
-        r[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(reduce4(s[0], s[1], s[2], s[3])), _mm256_loadu_ps(dx[j] + i / 8));
-      }
-    };
-    __m256 acc[HC], part[HC];
-    chunk(i0, acc);
-    for (int64_t i = i0 + 64; i < i1; i += 64) {
-      chunk(i, part);
-#pragma GCC unroll 4
-      for (int j = 0; j < HC; ++j) acc[j] = _mm256_add_ps(acc[j], part[j]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < HC; ++j) out[j] = half_sum(acc[j]);
+  // Σ over each 32-bit lane of lo·e + hi·o (unsigned codes × signed query bytes), exact in int32
+  static inline __m256i pair_dot(__m256i lo, __m256i e, __m256i hi, __m256i o) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o)),
+                             _mm256_set1_epi16(1));
   }
+#include "qdot_i4x4_body.h"
   template <int HC>
   static inline void i8x4(const uint8_t* const* cr, int64_t i0, int64_t i1, const int8_t* const* q8,
                           const float* const* d, F4* out) {
@@ -434,6 +406,82 @@ struct QuantAVX512 : VecAVX512 {
       const __m512i x = _mm512_cvtepu8_epi32(b);
       ev = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xF)));
       od = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+    }
+  }
+};
+
+}  // namespace kvslim_vec
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace kvslim_vec {
+
+// The integer paths with AVX-512 VNNI (vpdpbusd on 256-bit vectors: u8 × s8 products summed 4 to a 32-bit lane,
+// exact). Sums are the same integers as QDotAVX2's, converted and scaled the same way: the same results.
+struct QDotVNNI : QDotAVX2 {
+  static constexpr int kQvHeads = 3;
+  static inline __m256i pair_dot(__m256i lo, __m256i e, __m256i hi, __m256i o) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, e), hi, o);
+  }
+#include "qdot_i4x4_body.h"
+
+  // accumulator position of channel i of a 64-channel chunk in i4_values below: vector 2q + (i odd) of 8 lanes,
+  // lane l holding byte 4q + l % 4 + 16 · (l / 4) of the row (byte p = channels 2p, 2p + 1)
+  static inline int64_t qv_pos(int64_t i) {
+    const int64_t p = i / 2, r = p % 16, l = (p / 16) * 4 + r % 4;
+    return (2 * (r / 4) + i % 2) * 8 + l;
+  }
+  // 4 tokens at a time: the rows' bytes interleaved so that each 32-bit lane holds one byte position of 4 tokens,
+  // nibbles masked, one vpdpbusd with the 4 tokens' weights per vector of 8 channels (int32, exact)
+  template <int HC>
+  static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
+                               const float* const* dw, float* const* acc) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb * 16 < m; ++sb) {
+      __m256i A[HC][8];
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v) A[j][v] = _mm256_setzero_si256();
+      const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
+      for (int64_t t = sb * 16; t < t1; t += 4) {
+        __m256i x[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)  // never past the last token
+          x[r] = t + r < t1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t + r) * rs + p0))
+                            : _mm256_setzero_si256();
+        const __m256i u01l = _mm256_unpacklo_epi8(x[0], x[1]), u01h = _mm256_unpackhi_epi8(x[0], x[1]);
+        const __m256i u23l = _mm256_unpacklo_epi8(x[2], x[3]), u23h = _mm256_unpackhi_epi8(x[2], x[3]);
+        __m256i w[HC];
+#pragma GCC unroll 4
+        for (int j = 0; j < HC; ++j) {
+          int32_t quad;  // weights of tokens t .. t + 3 (0 past the last one: wprep pads the sub-block)
+          std::memcpy(&quad, wq[j] + t, 4);
+          w[j] = _mm256_set1_epi32(quad);
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+          const __m256i y = q == 0 ? _mm256_unpacklo_epi16(u01l, u23l)
+                            : q == 1 ? _mm256_unpackhi_epi16(u01l, u23l)
+                            : q == 2 ? _mm256_unpacklo_epi16(u01h, u23h)
+                                     : _mm256_unpackhi_epi16(u01h, u23h);
+          const __m256i lo = _mm256_and_si256(y, m4), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), m4);
+#pragma GCC unroll 4
+          for (int j = 0; j < HC; ++j) {
+            A[j][2 * q] = _mm256_dpbusd_epi32(A[j][2 * q], lo, w[j]);
+            A[j][2 * q + 1] = _mm256_dpbusd_epi32(A[j][2 * q + 1], hi, w[j]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) {
+        const __m256 d = _mm256_set1_ps(dw[j][sb]);
+        float* o = acc[j];
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; ++v)
+          _mm256_storeu_ps(o + v * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[j][v]), d, _mm256_loadu_ps(o + v * 8)));
+      }
     }
   }
 };
