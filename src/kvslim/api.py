@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 
 from .adapters.generate import STATE, AppliedState, check_model_class
 from .adapters.shape import shape_from_config
@@ -10,6 +12,22 @@ from .caches import KVSlimCache
 from .methods import METHODS
 from .methods.base import parse_dtype
 from .plan import Plan
+
+#: the transformers releases kvslim is tested with, [low, high). transformers 5.24 renamed the attention modules'
+#: ``past_key_values`` argument to ``cache``: kvslim's attention patches (slim, encoder-decoder, MLA) read the old
+#: name, so on 5.24 they would miss the cache (an error for slim, wrong tokens for MLA). pyproject pins the same range.
+TRANSFORMERS_RANGE = ("5.0", "5.24")
+
+
+def check_transformers(version: str | None = None) -> None:
+    """``RuntimeError`` when the installed transformers (or ``version``) is outside :data:`TRANSFORMERS_RANGE`."""
+    version = transformers.__version__ if version is None else version
+    low, high = TRANSFORMERS_RANGE
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(f"kvslim supports transformers >= {low}, < {high}; this is transformers {version}. "
+                           f"Install a supported release (pip install 'transformers>={low},<{high}'): from 5.24 "
+                           "the attention modules take the cache as `cache=` instead of `past_key_values=`, which "
+                           "kvslim's attention patches do not read yet. Nothing was changed.")
 
 
 def _method(method: str):
@@ -27,6 +45,7 @@ def apply(model: torch.nn.Module, method: str, **options) -> Plan:
     is undone first. On a ``ValueError`` (unknown method, unsupported model, bad option) the model is left
     exactly as it was.
     """
+    check_transformers()
     m = _method(method)
     plan = m.plan_model(model, **options)  # validates; changes nothing
     check_model_class(model)
