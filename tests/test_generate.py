@@ -116,14 +116,15 @@ def test_apply_refuses_unsupported_model_with_reason():
 
 
 def test_apply_refuses_an_untested_transformers_release(monkeypatch):
-    """transformers 5.24 passes the cache to attention as ``cache=`` (kvslim's patches read ``past_key_values``):
-    such a release is refused by name before anything changes; the installed one is in range."""
+    """A transformers release outside the tested range is refused by name before anything changes (kvslim patches
+    attention modules whose arguments change between releases: 5.24 renamed the cache argument); the installed
+    one is in range."""
     import transformers
 
     kvslim.api.check_transformers()  # the release this suite runs on
     model = tiny_model("llama")
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
-    with pytest.raises(RuntimeError, match=r"transformers >= 5\.0, < 5\.24; this is transformers 5\.24\.0"):
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    with pytest.raises(RuntimeError, match=r"transformers >= 5\.0, < 5\.25; this is transformers 5\.25\.0"):
         kvslim.apply(model, "slim")
     assert kvslim.get_plan(model) is None and "generate" not in vars(model)
     for bad in ("4.57.1", "6.0.0"):

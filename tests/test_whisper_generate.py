@@ -19,6 +19,7 @@ from transformers import T5Config, T5ForConditionalGeneration, WhisperConfig, Wh
 from transformers.generation.utils import GenerationMixin
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches.encdec import EncDecSlimCache
 from kvslim.methods.slim_encdec import EncDecPlan
 
@@ -145,7 +146,7 @@ def test_timestamps_match_hf_and_one_cache_per_pass(monkeypatch):
     want, got = generate(ref, features(), **gen), generate(slim, features(), **gen)
     assert torch.equal(got["sequences"], want["sequences"])
     for seg_got, seg_want in zip(got["segments"], want["segments"]):
-        cache, hf = seg_got[0]["result"]["past_key_values"], seg_want[0]["result"]["past_key_values"]
+        cache, hf = seg_got[0]["result"][CACHE_KW], seg_want[0]["result"][CACHE_KW]
         assert isinstance(cache, EncDecSlimCache) and cache.batch_size == 1
         assert cache.get_seq_length() == hf.get_seq_length()
 

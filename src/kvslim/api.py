@@ -13,21 +13,21 @@ from .methods import METHODS
 from .methods.base import parse_dtype
 from .plan import Plan
 
-#: the transformers releases kvslim is tested with, [low, high). transformers 5.24 renamed the attention modules'
-#: ``past_key_values`` argument to ``cache``: kvslim's attention patches (slim, encoder-decoder, MLA) read the old
-#: name, so on 5.24 they would miss the cache (an error for slim, wrong tokens for MLA). pyproject pins the same range.
-TRANSFORMERS_RANGE = ("5.0", "5.24")
+#: the transformers releases kvslim is tested with, [low, high) (5.23 and 5.24 by the suite; 5.24 renamed the
+#: attention forwards' ``past_key_values`` argument to ``cache``, adapters/compat.py). pyproject pins the same range.
+TRANSFORMERS_RANGE = ("5.0", "5.25")
 
 
 def check_transformers(version: str | None = None) -> None:
-    """``RuntimeError`` when the installed transformers (or ``version``) is outside :data:`TRANSFORMERS_RANGE`."""
+    """``RuntimeError`` when the installed transformers (or ``version``) is outside :data:`TRANSFORMERS_RANGE`:
+    kvslim patches attention modules and ``generate``'s cache hook, whose arguments change between releases (5.24
+    renamed the cache argument), so an untested release could miss the cache (an error, or wrong tokens)."""
     version = transformers.__version__ if version is None else version
     low, high = TRANSFORMERS_RANGE
     if not Version(low) <= Version(version) < Version(high):
         raise RuntimeError(f"kvslim supports transformers >= {low}, < {high}; this is transformers {version}. "
-                           f"Install a supported release (pip install 'transformers>={low},<{high}'): from 5.24 "
-                           "the attention modules take the cache as `cache=` instead of `past_key_values=`, which "
-                           "kvslim's attention patches do not read yet. Nothing was changed.")
+                           f"Install a supported release (pip install 'transformers>={low},<{high}'): kvslim "
+                           "patches attention modules whose arguments change between releases. Nothing was changed.")
 
 
 def _method(method: str):

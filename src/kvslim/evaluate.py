@@ -19,6 +19,8 @@ from importlib import resources
 
 import torch
 
+from .adapters.compat import CACHE_KW
+
 
 @dataclass
 class DecodeRun:
@@ -49,14 +51,14 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int, cache, attention_ma
     mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
     pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
     t0 = time.perf_counter()
-    out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **{CACHE_KW: cache})
     t1 = time.perf_counter()
     logits, tokens = [out.logits[:, -1].float()], [out.logits[:, -1].argmax(-1)]
     next_pos = pos[:, -1:] + 1
     for i in range(new_tokens - 1):
         inp = (forced[:, i] if forced is not None else tokens[-1])[:, None]
         mask = torch.cat((mask, torch.ones_like(inp)), dim=1)
-        out = model(inp, attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True)
+        out = model(inp, attention_mask=mask, position_ids=next_pos, use_cache=True, **{CACHE_KW: cache})
         next_pos = next_pos + 1
         logits.append(out.logits[:, -1].float())
         tokens.append(logits[-1].argmax(-1))
@@ -77,7 +79,7 @@ def chunked_perplexity(model, ids: torch.Tensor, make_cache, chunk: int = 32) ->
     prev_last = None
     for start in range(0, ids.shape[1], chunk):
         piece = ids[:, start:start + chunk]
-        logits = model(piece, past_key_values=cache, use_cache=True).logits.float()
+        logits = model(piece, use_cache=True, **{CACHE_KW: cache}).logits.float()
         if prev_last is not None:  # predict this chunk's first token from the previous chunk's last position
             nll -= torch.log_softmax(prev_last, -1)[0, piece[0, 0]].item()
             count += 1
@@ -209,7 +211,7 @@ def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], obje
         keep = b - p0 if p0 <= b - 1 else 1  # logits of positions [b - keep, b) only
         n = max(0, p1 - p0 + 1)
         tgt = ids[0, p0 + 1:p0 + 1 + n]
-        ref = model(piece, past_key_values=ref_cache, use_cache=True, logits_to_keep=keep).logits[0, :n].float()
+        ref = model(piece, use_cache=True, **{CACHE_KW: ref_cache}, logits_to_keep=keep).logits[0, :n].float()
         if n:
             ref_lp = torch.log_softmax(ref, -1)
             ref_nll -= ref_lp.gather(-1, tgt[:, None]).sum().item()
@@ -217,7 +219,7 @@ def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], obje
             scored += n
         for label, cache in built.items():
             t0 = time.perf_counter()
-            out = model(piece, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0, :n].float()
+            out = model(piece, use_cache=True, **{CACHE_KW: cache}, logits_to_keep=keep).logits[0, :n].float()
             acc[label]["s"] += time.perf_counter() - t0
             if not n:
                 continue

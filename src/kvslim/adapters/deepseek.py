@@ -16,6 +16,7 @@ import torch
 from ..attention import mla
 from ..caches.cache import KVSlimCache
 from .bound import BoundForward
+from .compat import CACHE_KW
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _STATE = "_kvslim_mla"
@@ -100,14 +101,16 @@ def project(module, hidden_states: torch.Tensor, position_embeddings):
 
 
 def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values=None, position_embeddings=None, **kwargs):
-    """Drop-in for ``DeepseekV2Attention.forward`` / ``DeepseekV3Attention.forward``; returns ``(out, None)``."""
+                position_embeddings=None, **kwargs):
+    """Drop-in for ``DeepseekV2Attention.forward`` / ``DeepseekV3Attention.forward``; returns ``(out, None)``.
+    The cache comes as ``kwargs[CACHE_KW]`` (``past_key_values`` or, from transformers 5.24, ``cache``)."""
+    past_key_values = kwargs.pop(CACHE_KW, None)
     p: MLAPatch = getattr(module, _STATE)
     if past_key_values is not None and not isinstance(past_key_values, KVSlimCache):
         # a Hugging Face cache the user asked for (cache_implementation=..., past_key_values=DynamicCache()):
         # it holds per-head K/V as HF's attention writes them, so HF's own forward serves it
         return type(module).forward(module, hidden_states, attention_mask=attention_mask,
-                                    past_key_values=past_key_values, position_embeddings=position_embeddings,
+                                    position_embeddings=position_embeddings, **{CACHE_KW: past_key_values},
                                     **kwargs)
     b, s = hidden_states.shape[:-1]
     q_nope, q_pe, c_kv, k_pe = project(module, hidden_states, position_embeddings)

@@ -18,6 +18,7 @@ from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.encdec import EncDecSlimCache, SharedEncoderCache
 from ..caches.slim import SlimLayer
 from .bound import BoundForward
+from .compat import CACHE_KW
 
 _ORIG = "_kvslim_original_forward"
 
@@ -42,14 +43,14 @@ def _rows(adapter, attn, w: SlimLayerWeights, x: torch.Tensor) -> torch.Tensor:
 def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder self-attention module (bound per instance)."""
     original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
-    past = kwargs.get("past_key_values")
+    past = kwargs.get(CACHE_KW)
     layer = past.self_attention_cache.layers[self.layer_idx] if isinstance(past, EncDecSlimCache) else None
     if args or not isinstance(layer, SlimLayer) or kwargs.get("key_value_states") is not None:
         return original(hidden_states, *args, **kwargs)
     n_past = layer.get_seq_length()
     rows = _rows(adapter, self, w, hidden_states)
     if n_past == 0:  # prefill: the model's own attention, uncached; then keep the slim rows
-        out = original(hidden_states, **{**kwargs, "past_key_values": None})
+        out = original(hidden_states, **{**kwargs, CACHE_KW: None})
         layer.write(rows)
         return out
     b, t, _ = hidden_states.shape
@@ -97,7 +98,7 @@ def current_cross_weights(attn, adapter, w: CrossWeights) -> CrossWeights:
 def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder cross-attention module (bound per instance)."""
     original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
-    past = kwargs.get("past_key_values")
+    past = kwargs.get(CACHE_KW)
     enc_in = kwargs.get("key_value_states")
     if (args or enc_in is None or not isinstance(past, EncDecSlimCache)
             or not isinstance(past.cross_attention_cache, SharedEncoderCache)):

@@ -23,6 +23,8 @@ from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
+from .compat import CACHE_KW
+
 STATE = "_kvslim_state"
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
@@ -66,7 +68,7 @@ def prepare_cache_for_generation(self, generation_config, model_kwargs: dict, ge
     original = _ORIGINAL["prepare"]
     state = self.__dict__.get(STATE)
     args = (generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-    if (not isinstance(state, AppliedState) or model_kwargs.get("past_key_values") is not None
+    if (not isinstance(state, AppliedState) or model_kwargs.get(CACHE_KW) is not None
             or generation_config.use_cache is False or not self._supports_default_dynamic_cache()):
         return original(self, *args)
     if generation_config.cache_implementation is not None:
@@ -80,6 +82,6 @@ def prepare_cache_for_generation(self, generation_config, model_kwargs: dict, ge
     mask = model_kwargs.get("attention_mask")
     if not self.config.is_encoder_decoder and (mask is None or bool(mask.bool().all())):
         cache.declare_unpadded()  # no position will ever be masked: ring layers may read in slot order
-    model_kwargs["past_key_values"] = cache
+    model_kwargs[CACHE_KW] = cache
     if generation_config.is_assistant:
         cache.activate_past_recording()

@@ -20,6 +20,7 @@ from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.slim import SlimLayer
 from ..ops.rope import rotate
 from .bound import BoundForward
+from .compat import CACHE_KW, CACHE_KWS
 
 _ORIG = "_kvslim_original_forward"
 
@@ -89,7 +90,7 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
                  *args, **kwargs):
     """Replacement ``forward`` of one HF attention module (bound per instance)."""
     original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
-    past = kwargs.get("past_key_values")
+    past = kwargs.get(CACHE_KW)
     layers = getattr(past, "layers", None)
     layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
     if args or not isinstance(layer, SlimLayer) or kwargs.get("encoder_hidden_states") is not None:
@@ -104,7 +105,7 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
         eager = getattr(sys.modules[type(self).__module__], "eager_attention_forward", None)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         extra = {key: val for key, val in kwargs.items()
-                 if key not in ("past_key_values", "attention_mask", "position_embeddings", "use_cache",
+                 if key not in (*CACHE_KWS, "attention_mask", "position_embeddings", "use_cache",
                                 "output_attentions", "position_ids")}
         if interface is None:
             from ..attention.slim import reference_attention

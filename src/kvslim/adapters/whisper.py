@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from ..caches.encdec import EncDecSlimCache
+from .compat import CACHE_KW
 from .llama import ProjectionWeights
 
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
-_KEY = "past_key_values"
+_KEY = CACHE_KW  # the cache field of HF's outputs (adapters/compat.py)
 
 
 def install() -> None:

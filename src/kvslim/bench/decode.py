@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from .. import api
+from ..adapters.compat import CACHE_KW
 from ..adapters.shape import shape_from_config
 
 #: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments; each method's defaults, i.e.
@@ -100,7 +101,7 @@ def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int 
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(tok, position_ids=pos, use_cache=True, **{CACHE_KW: cache})
         tok = out.logits[:, -1:].argmax(-1)
         if device.type == "cuda":
             torch.cuda.synchronize()

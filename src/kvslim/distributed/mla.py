@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..adapters import deepseek
+from ..adapters.compat import CACHE_KW
 from ..attention import mla
 from .attention import local_mask
 from .layers import ShardedLatentLayer
@@ -20,14 +21,16 @@ _PREVIOUS = "_kvslim_seqpar_previous_forward"
 
 
 def seqpar_mla_forward(module, rt, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       past_key_values=None, position_embeddings=None, **kwargs):
-    """Drop-in for the MLA module's forward on a sequence-parallel rank; returns ``(out, None)``."""
+                       position_embeddings=None, **kwargs):
+    """Drop-in for the MLA module's forward on a sequence-parallel rank; returns ``(out, None)`` (the cache comes
+    as ``kwargs[CACHE_KW]``, adapters/compat.py)."""
+    past_key_values = kwargs.pop(CACHE_KW, None)
     layers = getattr(past_key_values, "layers", None)
     layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
     if not isinstance(layer, ShardedLatentLayer):
         return getattr(module, _PREVIOUS)(hidden_states, attention_mask=attention_mask,
-                                          past_key_values=past_key_values,
-                                          position_embeddings=position_embeddings, **kwargs)
+                                          position_embeddings=position_embeddings,
+                                          **{CACHE_KW: past_key_values}, **kwargs)
     past_key_values.current = layer
     p = getattr(module, deepseek._STATE)
     b, s = hidden_states.shape[:-1]

@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .. import api
+from ..adapters.compat import CACHE_KW, CACHE_KWS
 from ..plan import Plan
 from . import mla as mla_hook
 from . import slim as slim_hook
@@ -150,7 +151,7 @@ def apply(model: torch.nn.Module, method: str, *, rule: str = "fewest", split=No
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is None:
+        if all(kwargs.get(name) is None for name in CACHE_KWS):
             ids = kwargs.get("input_ids", args[0] if args else None)
             call = {"generate arguments": repr(sorted((k, v) for k, v in kwargs.items()
                                                       if isinstance(v, (int, float, str, bool, type(None))))),
@@ -159,7 +160,7 @@ def apply(model: torch.nn.Module, method: str, *, rule: str = "fewest", split=No
             if isinstance(mask, torch.Tensor):
                 call["attention_mask"] = fingerprint_tensor(mask)
             check_agreement(comm, call, "generate")
-            kwargs["past_key_values"] = rt.make_cache(_max_length(ids, kwargs, model))
+            kwargs[CACHE_KW] = rt.make_cache(_max_length(ids, kwargs, model))
         return original(*args, **kwargs)
 
     model.generate = generate

@@ -18,6 +18,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..adapters.compat import CACHE_KW, CACHE_KWS
 from ..adapters.slim_patch import project_and_row
 from ..attention.slim import SlimLayerWeights
 from ..ops.rope import rotate_heads
@@ -57,7 +58,7 @@ def slim_partial(q: torch.Tensor, rows: torch.Tensor, w: SlimLayerWeights, mask:
 def seqpar_slim_forward(self, rt, adapter, w: SlimLayerWeights, rope, hidden_states: torch.Tensor, *args,
                         **kwargs):
     """Replacement ``forward`` of one HF attention module on a sequence-parallel rank."""
-    past = kwargs.get("past_key_values")
+    past = kwargs.get(CACHE_KW)
     layers = getattr(past, "layers", None)
     layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
     if args or not isinstance(layer, ShardedRowLayer) or kwargs.get("encoder_hidden_states") is not None:
@@ -72,7 +73,7 @@ def seqpar_slim_forward(self, rt, adapter, w: SlimLayerWeights, rope, hidden_sta
     if prompt:  # the model's own attention on the whole prompt, as one process does
         fn = ALL_ATTENTION_FUNCTIONS.get(rt.prompt_impl) or sdpa_attention_forward
         extra = {key: val for key, val in kwargs.items()
-                 if key not in ("past_key_values", "attention_mask", "position_embeddings", "use_cache",
+                 if key not in (*CACHE_KWS, "attention_mask", "position_embeddings", "use_cache",
                                 "output_attentions", "position_ids")}
         out, _ = fn(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **adapter.attention_kwargs(self),
                     **extra)

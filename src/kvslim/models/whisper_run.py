@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import torch
 
+from ..adapters.compat import CACHE_KW
 from ..audio import SAMPLE_RATE
 
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
@@ -82,5 +83,5 @@ def context_bytes(model, processor, audio: np.ndarray, tokens: torch.Tensor) -> 
         cache = api.make_cache(model)
     else:
         cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
-    out = model(input_features=feats, decoder_input_ids=ids, past_key_values=cache, use_cache=True)
-    return hf_cache_nbytes(out.past_key_values)
+    out = model(input_features=feats, decoder_input_ids=ids, use_cache=True, **{CACHE_KW: cache})
+    return hf_cache_nbytes(getattr(out, CACHE_KW))
