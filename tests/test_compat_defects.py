@@ -19,7 +19,7 @@ import kvslim
 from kvslim.caches import StoreSpec
 from kvslim.caches.dense import AppendLayer
 from kvslim.caches.storage import make_store
-from kvslim.caches.window import RingLayer
+from kvslim.caches.window import ResidualRingLayer, RingLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,6 +166,39 @@ def test_quantized_store_refuses_non_finite_values_and_writes_nothing(spec, bad)
     plain = make_store(StoreSpec(), x, 8)
     plain.write(0, y)  # plain storage keeps what the model made
     assert torch.allclose(plain.read(0, 3), y, rtol=0, atol=0, equal_nan=True)
+
+
+KIVI = StoreSpec(4, 16, torch.float16, asymmetric=True, channel_group=4, residual=8, flush=4, sink=2)
+
+
+@pytest.mark.parametrize("make", [lambda: AppendLayer(StoreSpec(8, 8)), lambda: AppendLayer(KIVI),
+                                  lambda: RingLayer(32, StoreSpec(4, 8)),
+                                  lambda: ResidualRingLayer(16, StoreSpec(4, 16, torch.float16, asymmetric=True,
+                                                                          residual=8, flush=4))],
+                         ids=["append-int8", "append-int4-kivi-sinks", "ring-int4", "residual-ring-int4"])
+def test_layer_update_refused_for_bad_values_writes_neither_store(make):
+    """A step whose *values* hold a NaN is refused before the keys are written (before the fix the key store took
+    the token: its residual window advanced, so the next step replayed it as a rewind, re-reading a flushed group
+    from codes)."""
+    layer = make()
+    gen = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(1, 2, 13, 16, generator=gen), torch.randn(1, 2, 13, 16, generator=gen))
+
+    def state():
+        out = []
+        for store in layer._stores():
+            out += [t.clone() for t in store.tensors()] + ([store.fp.clone()] if hasattr(store, "fp") else [])
+            out += [torch.tensor([getattr(store, "length", -1), getattr(getattr(store, "inner", None), "flushed", -1)])]
+        return out
+
+    before = state()
+    k, v = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen)
+    v[0, 1, 0, 7] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        layer.update(k, v)
+    assert layer.get_seq_length() == 13
+    assert all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+               for a, b in zip(before, state(), strict=True))
 
 
 def test_quantized_cache_refuses_inf_inside_generate_step():

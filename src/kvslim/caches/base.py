@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .fused import fusable
-from .storage import StoreSpec, TensorStore, make_store
+from .storage import StoreSpec, TensorStore, check_finite, make_store
 
 
 def _index_select(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -117,6 +117,10 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
                     spec.check_dim(x.shape[3])
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
+        if self.spec.bits and self.value_spec().bits:
+            # the key store checks its own write, and it is written first; the values are checked before it, so a
+            # refused call writes neither (a key store whose window advanced would later re-read a flushed group)
+            check_finite(value_states)
 
     # -- HF protocol -----------------------------------------------------------------------------------------
     def _fused_step(self, key_states: torch.Tensor) -> bool:

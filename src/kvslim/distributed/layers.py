@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..caches.base import BatchOpsMixin
-from ..caches.storage import StoreSpec, TensorStore, make_store
+from ..caches.storage import StoreSpec, TensorStore, check_finite, make_store
 from .placement import Placement
 
 
@@ -110,6 +110,9 @@ class ShardedLayer(BatchOpsMixin, CacheLayerMixin):
         if c > 0 and s > 1 and self.window is not None:
             raise NotImplementedError("sequence-parallel window layers take the prompt then one token per step; "
                                       "a multi-token call after the prompt is not supported")
+        for spec, x in zip(self.specs, tensors):  # every tensor before any store writes: a refused call writes nothing
+            if spec.bits:
+                check_finite(x)
         local = self.placement.local_indices(self.rank, c, s)
         slots = self._free_slots(len(local), c + s - 1)
         for slot, i in _runs(slots, local):
