@@ -201,3 +201,23 @@ def test_refused_setup_and_killed_rank(tmp_path):
     kill = r0["kill"]
     assert kill["type"] == "DistributedError" and "rank 0/2" in kill["error"] and "died" in kill["error"]
     assert kill["elapsed"] < 10, "the surviving rank should fail within the 10 s timeout"
+
+
+def test_sharded_layer_refuses_bad_values_before_writing_keys():
+    """A sequence-parallel int8 layer (one rank's view, no process group needed) refuses a step whose values hold
+    a NaN before any store is written: the keys' slot and the counters stay as they were."""
+    from kvslim.caches.storage import StoreSpec
+    from kvslim.distributed.layers import ShardedKVLayer
+
+    spec = StoreSpec(8, 8)
+    layer = ShardedKVLayer([spec, spec.for_values()], Placement(1), 0)
+    gen = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen))
+    before = [t.clone() for s in layer.stores for t in s.tensors()]
+    k, v = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen)
+    v[0, 0, 0, 2] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        layer.update(k, v)
+    assert layer.cumulative_length == 5 and layer.used == 5
+    assert all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+               for a, b in zip(before, [t for s in layer.stores for t in s.tensors()], strict=True))
