@@ -13,15 +13,16 @@ from .methods import METHODS
 from .methods.base import parse_dtype
 from .plan import Plan
 
-#: the transformers releases kvslim is tested with, [low, high) (5.23 and 5.24 by the suite; 5.24 renamed the
-#: attention forwards' ``past_key_values`` argument to ``cache``, adapters/compat.py). pyproject pins the same range.
+#: the transformers releases kvslim accepts, [low, high), as pyproject pins them. The suite runs on 5.23 and 5.24
+#: (5.24 renamed the attention forwards' ``past_key_values`` argument to ``cache``, adapters/compat.py); releases
+#: before 5.23 are accepted untested.
 TRANSFORMERS_RANGE = ("5.0", "5.25")
 
 
 def check_transformers(version: str | None = None) -> None:
     """``RuntimeError`` when the installed transformers (or ``version``) is outside :data:`TRANSFORMERS_RANGE`:
     kvslim patches attention modules and ``generate``'s cache hook, whose arguments change between releases (5.24
-    renamed the cache argument), so an untested release could miss the cache (an error, or wrong tokens)."""
+    renamed the cache argument), so a newer release could miss the cache (an error, or wrong tokens)."""
     version = transformers.__version__ if version is None else version
     low, high = TRANSFORMERS_RANGE
     if not Version(low) <= Version(version) < Version(high):

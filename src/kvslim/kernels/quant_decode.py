@@ -11,7 +11,7 @@ symmetric ``q·s`` or asymmetric ``q·s + z`` (``k_zero``/``v_zero`` given), sca
 channels, or for keys with ``key_channel_group`` g > 0 per channel over groups of g tokens (KIVI layout of
 :class:`kvslim.caches.residual.ChannelQuantizedStore`). The op never materialises the history in full precision
 (it decodes a block of tokens at a time into a small scratch). Source: ``csrc/quant_decode.cpp`` (+
-``quant_decode_body.h``, ``vec_quant.h``; AVX-512 / AVX2 / scalar chosen at run time), built by
+``quant_decode_body.h``, ``vec_quant.h``; AVX-512 VNNI / AVX-512 / AVX2 / scalar chosen at run time), built by
 :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax
 attention in fp32); :func:`quant_decode` dispatches to the op when it is built and the inputs are supported.
 
@@ -137,7 +137,8 @@ def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_siz
 
 
 def isa(head_dim: int = 64) -> str:
-    """The instruction set the op runs with for ``head_dim`` here (``avx512``, ``avx2``, ``scalar``) or ``twin``."""
+    """The instruction set the op runs with for ``head_dim`` here (``avx512_vnni``, ``avx512``, ``avx2``,
+    ``scalar``) or ``twin``. ``KVSLIM_ISA`` caps it per process, ``torch.ops.kvslim.quant_decode_set_isa`` in one."""
     return torch.ops.kvslim.quant_decode_isa(head_dim) if available() else "twin"
 
 

@@ -13,7 +13,7 @@
 // Each struct is compiled for its own target (`#pragma GCC target`), like vec_slim.h.
 //
 // Integer dot products (the kernel's int8-query score path, llama.cpp's q8_0 technique): QDotScalar / QDotAVX2
-// (the AVX-512 build uses QDotAVX2) give the scores of 4 tokens for HC query heads quantized to int8 per block of
+// (the AVX-512 build uses QDotAVX2) / QDotVNNI (AVX-512 VNNI: vpdpbusd, the same integer sums) give the scores of 4 tokens for HC query heads quantized to int8 per block of
 // 32 channels (`qprep`: d_b = max|u_b| / 127, u8_i = round-half-even(u_i / d_b), |u8| ≤ 127):
 //   i4x4  int4 codes (packed nibbles, SPEC §1 order; `SIGNED` two's-complement nibbles are read as c + 8 and the
 //         caller subtracts 8·Σu8), channels [i0, i1) a multiple of 64: out[j][r] = Σ_b d_b Σ_{i∈b} u8_i · c_{r,i}
