@@ -248,6 +248,7 @@ inline void scores_heads(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64
   for (int64_t t = 0; t < m; t += 4) {
     const int64_t r4 = std::min<int64_t>(4, m - t);
     const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
     const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
     float tot[HC][4] = {};
     for (int64_t g = 0; g < ng; ++g) {
@@ -291,6 +292,7 @@ inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* 
     for (int v = 0; v < NV; ++v) A[j][v] = V::load(acc + j * D + c + v * V::W);
   const uint8_t* ct = base + c * BITS / 8;
   for (int64_t t = 0; t < m; ++t, ct += rs) {
+    __builtin_prefetch(ct + kvslim_decode::kPrefetchRows * rs, 0, 3);
     typename V::R w[HC];
     bool any = false;
 #pragma GCC unroll 4
@@ -500,6 +502,7 @@ inline void qscores_heads(const QArgs& a, const Scratch& sp, int64_t b, int64_t 
   for (int64_t t = 0; t < m; t += 4) {
     const int64_t r4 = std::min<int64_t>(4, m - t);
     const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
     const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
     // lanes r ≥ r4 compute on a repeated row and are never stored; the token tables (ks, kz) hold T ≥ t + 4 rows
     F4 tot[HC];

@@ -95,6 +95,7 @@ inline void scores_heads(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64
   for (int64_t t = 0; t < m; t += NR) {
     const int64_t r4 = std::min<int64_t>(NR, m - t);
     const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, NR * rs);
     const uint8_t* cr[NR];
     for (int r = 0; r < NR; ++r) cr[r] = r < r4 ? c0 + r * rs : c0;  // rows past m repeat row 0 (never used)
     float tot[HC][NR] = {};
@@ -163,6 +164,7 @@ inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* 
     for (int v = 0; v < NV; ++v) A[j][v] = V::load(acc + j * D + c + 8 * v);
   const uint8_t* ct = base + (c / 8) * BITS;
   for (int64_t t = 0; t < m; ++t, ct += rs) {
+    __builtin_prefetch(ct + kvslim_decode::kPrefetchRows * rs, 0, 3);
     typename V::R w[HC];
     bool any = false;
 #pragma GCC unroll 4

@@ -239,6 +239,8 @@ struct QDotAVX2 {
   }
   // pairs of tokens: bytes of rows t, t+1 interleaved, nibbles masked -> 4 × 16 (code_t, code_t+1) byte pairs;
   // maddubs with the pair of weights accumulates 16 tokens in int16 (≤ 8 · 2 · 15 · 127 < 2^15), then fp32
+  // value rows are prefetched kPrefetch tokens ahead (decode_common.h, prefetch_span)
+  static constexpr int64_t kPrefetch = 64;
   template <int HC>
   static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
                                const float* const* dw, float* const* acc) {
@@ -251,6 +253,7 @@ struct QDotAVX2 {
         for (int v = 0; v < 4; ++v) A[j][v] = _mm256_setzero_si256();
       const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
       for (int64_t t = sb * 16; t < t1; t += 2) {
+        for (int64_t o = 0; o < 2 * rs; o += 64) __builtin_prefetch(base + (t + kPrefetch) * rs + p0 + o, 0, 3);
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + t * rs + p0));
         const __m256i x1 = t + 1 < t1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t + 1) * rs + p0))
                                       : _mm256_setzero_si256();  // never past the last token
@@ -417,8 +420,9 @@ struct QuantAVX512 : VecAVX512 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace kvslim_vec {
 
-// The integer paths with AVX-512 VNNI (vpdpbusd on 256-bit vectors: u8 × s8 products summed 4 to a 32-bit lane,
-// exact). Sums are the same integers as QDotAVX2's, converted and scaled the same way: the same results.
+// The integer paths with AVX-512 VNNI (vpdpbusd: u8 × s8 products summed 4 to a 32-bit lane, exact; 256-bit
+// vectors for the scores, 512-bit for the values). Sums are the same integers as QDotAVX2's, converted and scaled
+// the same way: the same results.
 struct QDotVNNI : QDotAVX2 {
   static constexpr int kQvHeads = 3;
   static inline __m256i pair_dot(__m256i lo, __m256i e, __m256i hi, __m256i o) {
@@ -426,61 +430,69 @@ struct QDotVNNI : QDotAVX2 {
   }
 #include "qdot_i4x4_body.h"
 
-  // accumulator position of channel i of a 64-channel chunk in i4_values below: vector 2q + (i odd) of 8 lanes,
-  // lane l holding byte 4q + l % 4 + 16 · (l / 4) of the row (byte p = channels 2p, 2p + 1)
+  // accumulator position of channel i of a 64-channel chunk in i4_values below: 512-bit vector v = 2·(which
+  // half y of the 4-token interleave) + (i odd), dword lane 4·L + k holding byte p = base[L] + 4·y + k of the row
+  // (byte p = channels 2p, 2p + 1; base = {0, 16, 8, 24}: the 128-bit lanes after the two unpacks)
   static inline int64_t qv_pos(int64_t i) {
-    const int64_t p = i / 2, r = p % 16, l = (p / 16) * 4 + r % 4;
-    return (2 * (r / 4) + i % 2) * 8 + l;
+    static constexpr int64_t kLane[4] = {0, 2, 1, 3};  // L of p / 8
+    const int64_t p = i / 2, y = (p % 8) / 4;
+    return (2 * y + i % 2) * 16 + 4 * kLane[p / 8] + p % 4;
   }
-  // 4 tokens at a time: the rows' bytes interleaved so that each 32-bit lane holds one byte position of 4 tokens,
-  // nibbles masked, one vpdpbusd with the 4 tokens' weights per vector of 8 channels (int32, exact)
+  // 4 tokens at a time in 512-bit vectors: rows (0, 2) and (1, 3) side by side, bytes interleaved (unpack 8-bit,
+  // realign the 128-bit lanes, unpack 16-bit) so that each dword lane holds one byte position of the 4 tokens in
+  // token order; nibbles masked; one vpdpbusd with the 4 tokens' weights per 16 channels (int32, exact). Per head
+  // 4 accumulators: 3 heads fit the register file with the temporaries.
   template <int HC>
   static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
                                const float* const* dw, float* const* acc) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb * 16 < m; ++sb) {
-      __m256i A[HC][8];
+      __m512i A[HC][4];
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; ++v) A[j][v] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) A[j][v] = _mm512_setzero_si512();
       const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
       for (int64_t t = sb * 16; t < t1; t += 4) {
+        const uint8_t* r = base + t * rs + p0;
+        for (int64_t o = 0; o < 4 * rs; o += 64) __builtin_prefetch(r + kPrefetch * rs + o, 0, 3);
         __m256i x[4];
+        if (t + 4 <= t1) {
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r)  // never past the last token
-          x[r] = t + r < t1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t + r) * rs + p0))
-                            : _mm256_setzero_si256();
-        const __m256i u01l = _mm256_unpacklo_epi8(x[0], x[1]), u01h = _mm256_unpackhi_epi8(x[0], x[1]);
-        const __m256i u23l = _mm256_unpacklo_epi8(x[2], x[3]), u23h = _mm256_unpackhi_epi8(x[2], x[3]);
-        __m256i w[HC];
+          for (int k = 0; k < 4; ++k) x[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k * rs));
+        } else {  // never past the last token: masked loads read nothing for the missing rows
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) x[k] = _mm256_maskz_loadu_epi8(t + k < t1 ? ~0u : 0u, r + k * rs);
+        }
+        const __m512i X = _mm512_inserti64x4(_mm512_castsi256_si512(x[0]), x[2], 1);
+        const __m512i Y = _mm512_inserti64x4(_mm512_castsi256_si512(x[1]), x[3], 1);
+        const __m512i U = _mm512_unpacklo_epi8(X, Y), H = _mm512_unpackhi_epi8(X, Y);
+        const __m512i P01 = _mm512_shuffle_i64x2(U, H, 0x44), P23 = _mm512_shuffle_i64x2(U, H, 0xEE);
+        const __m512i y[2] = {_mm512_unpacklo_epi16(P01, P23), _mm512_unpackhi_epi16(P01, P23)};
+        __m512i w[HC];
 #pragma GCC unroll 4
         for (int j = 0; j < HC; ++j) {
           int32_t quad;  // weights of tokens t .. t + 3 (0 past the last one: wprep pads the sub-block)
           std::memcpy(&quad, wq[j] + t, 4);
-          w[j] = _mm256_set1_epi32(quad);
+          w[j] = _mm512_set1_epi32(quad);
         }
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q) {
-          const __m256i y = q == 0 ? _mm256_unpacklo_epi16(u01l, u23l)
-                            : q == 1 ? _mm256_unpackhi_epi16(u01l, u23l)
-                            : q == 2 ? _mm256_unpacklo_epi16(u01h, u23h)
-                                     : _mm256_unpackhi_epi16(u01h, u23h);
-          const __m256i lo = _mm256_and_si256(y, m4), hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), m4);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m512i lo = _mm512_and_si512(y[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(y[h], 4), m4);
 #pragma GCC unroll 4
           for (int j = 0; j < HC; ++j) {
-            A[j][2 * q] = _mm256_dpbusd_epi32(A[j][2 * q], lo, w[j]);
-            A[j][2 * q + 1] = _mm256_dpbusd_epi32(A[j][2 * q + 1], hi, w[j]);
+            A[j][2 * h] = _mm512_dpbusd_epi32(A[j][2 * h], lo, w[j]);
+            A[j][2 * h + 1] = _mm512_dpbusd_epi32(A[j][2 * h + 1], hi, w[j]);
           }
         }
       }
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j) {
-        const __m256 d = _mm256_set1_ps(dw[j][sb]);
+        const __m512 d = _mm512_set1_ps(dw[j][sb]);
         float* o = acc[j];
-#pragma GCC unroll 8
-        for (int v = 0; v < 8; ++v)
-          _mm256_storeu_ps(o + v * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(A[j][v]), d, _mm256_loadu_ps(o + v * 8)));
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+          _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j][v]), d, _mm512_loadu_ps(o + v * 16)));
       }
     }
   }
