@@ -122,17 +122,24 @@ inline void scores_rope(const float* q, int64_t h, int64_t dk, int64_t R, const 
 
 // scores of NH heads × 4 rows when every head scores the whole row (koff = 0, the encoder-decoder case): each
 // row vector loaded once serves NH heads and each query vector 4 rows (7 loads per 12 FMAs for NH = 3, instead of
-// 5 per 4 head by head)
-template <int NH>
+// 5 per 4 head by head). The empty asm keeps the 4 row vectors in registers: without it GCC folds them into the
+// FMAs as memory operands and loads every row vector NH times (15 loads per 12 FMAs). PF: the next tile's 4 rows
+// (`nxt`) are fetched into L1 a line per row and vector step while these compute (the chunk's rows come from L2;
+// the first loads of each row were the op's hottest instructions). Measured, the Whisper cross-attention op alone
+// (6 heads, 1500 frames, in-process A/B): 1.27× at batch 8 (1 thread), 1.13× at batch 64 (2 threads).
+template <int NH, bool PF>
 inline void scores_shared_tile(const float* q, int64_t L, const float* k0, int64_t krs, float scaling,
-                               const float* mask, float* sc, int64_t ps) {
+                               const float* mask, float* sc, int64_t ps, const float* nxt) {
   const float *k1 = k0 + krs, *k2 = k1 + krs, *k3 = k2 + krs;
   typename V::R a[NH][4];
 #pragma GCC unroll 4
   for (int hh = 0; hh < NH; ++hh) a[hh][0] = a[hh][1] = a[hh][2] = a[hh][3] = V::zero();
   int64_t i = 0;
   for (; i + V::W <= L; i += V::W) {
-    const auto r0 = V::load(k0 + i), r1 = V::load(k1 + i), r2 = V::load(k2 + i), r3 = V::load(k3 + i);
+    auto r0 = V::load(k0 + i), r1 = V::load(k1 + i), r2 = V::load(k2 + i), r3 = V::load(k3 + i);
+    asm("" : "+v"(r0), "+v"(r1), "+v"(r2), "+v"(r3));
+    if (PF)
+      for (int r = 0; r < 4; ++r) __builtin_prefetch(nxt + r * krs + i, 0, 3);
 #pragma GCC unroll 4
     for (int hh = 0; hh < NH; ++hh) {
       const auto qv = V::load(q + hh * L + i);
@@ -164,10 +171,21 @@ inline void scores_shared(const float* q, int64_t h, int64_t L, const float* kro
     for (int64_t j = 0; j < h; j += 3) {
       const float* k0 = krows + t * krs;
       const float* mk = mask ? mask + t : nullptr;
+      const bool pf = j == 0 && t + 8 <= m;  // the first head group reads the rows from L2: fetch the next tile's
+      const float* nxt = k0 + 4 * krs;
       switch (std::min<int64_t>(3, h - j)) {
-        case 3: scores_shared_tile<3>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps); break;
-        case 2: scores_shared_tile<2>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps); break;
-        default: scores_shared_tile<1>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps); break;
+        case 3:
+          if (pf) scores_shared_tile<3, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          else scores_shared_tile<3, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          break;
+        case 2:
+          if (pf) scores_shared_tile<2, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          else scores_shared_tile<2, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          break;
+        default:
+          if (pf) scores_shared_tile<1, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          else scores_shared_tile<1, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
+          break;
       }
     }
   if (t < m) scores(q, h, 0, L, krows + t * krs, krs, m - t, scaling, mask ? mask + t : nullptr, sc + t, ps);
