@@ -7,6 +7,7 @@ plus scales, quantized once at write time and never re-quantized).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -98,10 +99,9 @@ class StoreSpec:
             raise ValueError("asymmetric, rotation, value_rotation, channel_group and residual need bits > 0")
 
     def for_values(self) -> StoreSpec:
-        """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups."""
-        rotation = self.rotation if self.value_rotation is None else self.value_rotation
-        return replace(self, bits=self.value_bits or self.bits, value_bits=None, smooth=False, channel_group=0,
-                       rotation=None if rotation == "none" else rotation, value_rotation=None)
+        """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups. (Specs are
+        frozen: the result is computed once per spec; a layer asks on every update.)"""
+        return _values_spec(self)
 
     def check_dim(self, dim: int) -> None:
         """Raise ``ValueError`` naming the option when rows of ``dim`` values cannot be kept with this spec."""
@@ -168,6 +168,13 @@ class StoreSpec:
         if self.sink:
             parts.append(f"sink{self.sink}")
         return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _values_spec(spec: StoreSpec) -> StoreSpec:
+    rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
+    return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
+                   rotation=None if rotation == "none" else rotation, value_rotation=None)
 
 
 def check_finite(x: torch.Tensor) -> None:
