@@ -483,12 +483,57 @@ inline void qdot_prep(const QArgs& a, Scratch& sp, int64_t j, const float* u, in
   }
 }
 
+// qscores_heads for int4 KIVI keys of head dim 64 (one 64-channel chunk per row; SmolLM2, Qwen2.5-0.5B, ...): the
+// HC heads' query bytes and block scales are loaded into registers once for the token group, and the per-4-token
+// bookkeeping has no group loop. The same integer sums and float operations: the same scores.
+template <bool ASYM, int HC, class Q = QD>  // Q: dependent, so an ISA without i4x4_64 never instantiates this
+inline void qscores_kivi64(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
+                           int64_t j0, const float* zq, const float* mask, float* sc, int64_t ps) {
+  using kvslim_vec::F4;
+  const int64_t rs = a.k.codes.ts;
+  __m256i e[HC], o[HC];
+  __m256 dx[HC];
+  float corr[HC], z[HC];
+  for (int j = 0; j < HC; ++j) {
+    e[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp.qe.data() + (j0 + j) * 32));
+    o[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp.qo.data() + (j0 + j) * 32));
+    dx[j] = _mm256_loadu_ps(sp.qdx.data() + (j0 + j) * 8);
+    corr[j] = sp.corr[j0 + j];
+    z[j] = ASYM ? zq[j0 + j] : 0.f;
+  }
+  for (int64_t t = 0; t < m; t += 4) {
+    const int64_t r4 = std::min<int64_t>(4, m - t);
+    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
+    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    F4 sv[HC];
+    Q::template i4x4_64<HC, !ASYM>(cr, e, o, dx, sv);
+    F4 m4 = {0.f, 0.f, 0.f, 0.f};
+    if (mask)
+      for (int64_t r = 0; r < r4; ++r) m4[r] = mask[t + r];
+    for (int j = 0; j < HC; ++j) {
+      F4 tot = F4{0.f, 0.f, 0.f, 0.f};
+      tot += (sv[j] + corr[j]) * F4{1.f, 1.f, 1.f, 1.f};
+      F4 zz = m4;
+      if (ASYM) zz += z[j];
+      const F4 res = tot + zz;
+      float* out = sc + (j0 + j) * ps + t;
+      if (r4 == 4) std::memcpy(out, &res, sizeof(res));
+      else
+        for (int64_t r = 0; r < r4; ++r) out[r] = res[r];
+    }
+  }
+}
+
 // sc[j·ps + t] for tokens [t0, t0 + m), heads [j0, j0 + HC) from the int8 query in sp: per-token key groups
 // (Σ_g s_{t,g} · dot_g + zero-points) or KIVI (dot + zq[j]; all m tokens in one token group)
 template <int BITS, bool ASYM, int HC, bool KIVI>
 inline void qscores_heads(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
                           int64_t j0, const float* qsum, const float* zq, const float* ks, const float* kz,
                           const float* mask, float* sc, int64_t ps) {
+  if constexpr (BITS == 4 && KIVI && QD::kHasI4x4_64) {
+    if (a.D == 64) return qscores_kivi64<ASYM, HC>(a, sp, b, h, t0, m, j0, zq, mask, sc, ps);
+  }
   const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs, rs = a.k.codes.ts;
   const int8_t *qe[HC], *qo[HC], *q8[HC];
   const float* dq[HC];

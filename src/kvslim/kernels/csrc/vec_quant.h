@@ -116,6 +116,7 @@ inline int64_t qv_pos(int64_t i) {
 }
 
 struct QDotScalar {
+  static constexpr bool kHasI4x4_64 = false;  // no i4x4_64 (quant_decode_body.h qscores_kivi64)
   static constexpr int kQvHeads = 2;  // query heads per pass of the integer value path
   static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) { return kvslim_vec::wprep(w, n, wq); }
@@ -220,6 +221,7 @@ struct QuantAVX2 : VecAVX2 {
 };
 
 struct QDotAVX2 {
+  static constexpr bool kHasI4x4_64 = true;
   static constexpr int kQvHeads = 2;
   static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) {
