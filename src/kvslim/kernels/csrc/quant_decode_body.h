@@ -210,6 +210,17 @@ inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h,
   for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
 }
 
+// the key code rows of tokens [t, t + 4) of stream (b, h) from token t0 (rows past m repeat the first: computed on,
+// never stored), with the rows kPrefetchRows ahead fetched; returns how many of the 4 are real
+inline int64_t key_rows4(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t, int64_t m,
+                         const uint8_t** cr) {
+  const int64_t r4 = std::min<int64_t>(4, m - t), rs = a.k.codes.ts;
+  const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+  kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
+  for (int r = 0; r < 4; ++r) cr[r] = r < r4 ? c0 + r * rs : c0;
+  return r4;
+}
+
 // scores of 4 tokens (rows cr[0..3], only the first r4 real) for HC query heads (q: HC rows of stride D, chunk
 // order for int4) over channels [i0, i1): sv[j][r] = q_j · codes_r (no scales)
 template <int BITS, bool ASYM, int HC>
@@ -244,12 +255,9 @@ inline void scores_heads(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64
                          const float* qsum, const float* zq, const float* ks, const float* kz, const float* mask,
                          float* sc, int64_t ps) {
   const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs;
-  const int64_t rs = a.k.codes.ts;
   for (int64_t t = 0; t < m; t += 4) {
-    const int64_t r4 = std::min<int64_t>(4, m - t);
-    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
-    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
-    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    const uint8_t* cr[4];
+    const int64_t r4 = key_rows4(a, b, h, t0, t, m, cr);
     float tot[HC][4] = {};
     for (int64_t g = 0; g < ng; ++g) {
       float sv[HC][4];
@@ -490,7 +498,6 @@ template <bool ASYM, int HC, class Q = QD>  // Q: dependent, so an ISA without i
 inline void qscores_kivi64(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
                            int64_t j0, const float* zq, const float* mask, float* sc, int64_t ps) {
   using kvslim_vec::F4;
-  const int64_t rs = a.k.codes.ts;
   __m256i e[HC], o[HC];
   __m256 dx[HC];
   float corr[HC], z[HC];
@@ -502,10 +509,8 @@ inline void qscores_kivi64(const QArgs& a, const Scratch& sp, int64_t b, int64_t
     z[j] = ASYM ? zq[j0 + j] : 0.f;
   }
   for (int64_t t = 0; t < m; t += 4) {
-    const int64_t r4 = std::min<int64_t>(4, m - t);
-    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
-    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
-    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    const uint8_t* cr[4];
+    const int64_t r4 = key_rows4(a, b, h, t0, t, m, cr);
     F4 sv[HC];
     Q::template i4x4_64<HC, !ASYM>(cr, e, o, dx, sv);
     F4 m4 = {0.f, 0.f, 0.f, 0.f};
@@ -534,7 +539,7 @@ inline void qscores_heads(const QArgs& a, const Scratch& sp, int64_t b, int64_t 
   if constexpr (BITS == 4 && KIVI && QD::kHasI4x4_64) {
     if (a.D == 64) return qscores_kivi64<ASYM, HC>(a, sp, b, h, t0, m, j0, zq, mask, sc, ps);
   }
-  const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs, rs = a.k.codes.ts;
+  const int64_t D = a.D, gs = KIVI ? a.D : a.gs, ng = D / gs;
   const int8_t *qe[HC], *qo[HC], *q8[HC];
   const float* dq[HC];
   for (int j = 0; j < HC; ++j) {
@@ -545,10 +550,8 @@ inline void qscores_heads(const QArgs& a, const Scratch& sp, int64_t b, int64_t 
   }
   using kvslim_vec::F4;
   for (int64_t t = 0; t < m; t += 4) {
-    const int64_t r4 = std::min<int64_t>(4, m - t);
-    const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
-    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
-    const uint8_t* cr[4] = {c0, r4 > 1 ? c0 + rs : c0, r4 > 2 ? c0 + 2 * rs : c0, r4 > 3 ? c0 + 3 * rs : c0};
+    const uint8_t* cr[4];
+    const int64_t r4 = key_rows4(a, b, h, t0, t, m, cr);
     // lanes r ≥ r4 compute on a repeated row and are never stored; the token tables (ks, kz) hold T ≥ t + 4 rows
     F4 tot[HC];
     for (int j = 0; j < HC; ++j) tot[j] = F4{0.f, 0.f, 0.f, 0.f};
