@@ -517,7 +517,7 @@ inline void qscores_kivi64(const QArgs& a, const Scratch& sp, int64_t b, int64_t
     if (mask)
       for (int64_t r = 0; r < r4; ++r) m4[r] = mask[t + r];
     for (int j = 0; j < HC; ++j) {
-      F4 tot = F4{0.f, 0.f, 0.f, 0.f};
+      F4 tot = F4{0.f, 0.f, 0.f, 0.f};  // qscores_heads' expression with its KIVI scale 1, kept bit for bit
       tot += (sv[j] + corr[j]) * F4{1.f, 1.f, 1.f, 1.f};
       F4 zz = m4;
       if (ASYM) zz += z[j];

@@ -126,7 +126,7 @@ inline void scores_rope(const float* q, int64_t h, int64_t dk, int64_t R, const 
 // FMAs as memory operands and loads every row vector NH times (15 loads per 12 FMAs). PF: the next tile's 4 rows
 // (`nxt`) are fetched into L1 a line per row and vector step while these compute (the chunk's rows come from L2;
 // the first loads of each row were the op's hottest instructions). Measured, the Whisper cross-attention op alone
-// (6 heads, 1500 frames, in-process A/B): 1.27× at batch 8 (1 thread), 1.13× at batch 64 (2 threads).
+// (6 heads, 1500 frames, in-process A/B): 1.27× at batch 8 (1 thread), 1.08–1.13× at batch 64 (2 threads).
 template <int NH, bool PF>
 inline void scores_shared_tile(const float* q, int64_t L, const float* k0, int64_t krs, float scaling,
                                const float* mask, float* sc, int64_t ps, const float* nxt) {
@@ -163,6 +163,14 @@ inline void scores_shared_tile(const float* q, int64_t L, const float* k0, int64
   }
 }
 
+// scores_shared_tile with the next tile's rows fetched when `nxt` is given
+template <int NH>
+inline void scores_shared_tile_pf(const float* q, int64_t L, const float* k0, int64_t krs, float scaling,
+                                  const float* mask, float* sc, int64_t ps, const float* nxt) {
+  if (nxt) scores_shared_tile<NH, true>(q, L, k0, krs, scaling, mask, sc, ps, nxt);
+  else scores_shared_tile<NH, false>(q, L, k0, krs, scaling, mask, sc, ps, nxt);
+}
+
 // scores of all heads over whole rows (koff = 0): 4 rows × up to 3 heads per register tile, then the row tail
 inline void scores_shared(const float* q, int64_t h, int64_t L, const float* krows, int64_t krs, int64_t m,
                           float scaling, const float* mask, float* sc, int64_t ps) {
@@ -171,21 +179,13 @@ inline void scores_shared(const float* q, int64_t h, int64_t L, const float* kro
     for (int64_t j = 0; j < h; j += 3) {
       const float* k0 = krows + t * krs;
       const float* mk = mask ? mask + t : nullptr;
-      const bool pf = j == 0 && t + 8 <= m;  // the first head group reads the rows from L2: fetch the next tile's
-      const float* nxt = k0 + 4 * krs;
+      // the first head group reads the rows from L2: it fetches the next tile's rows
+      const float* nxt = j == 0 && t + 8 <= m ? k0 + 4 * krs : nullptr;
+      float* st = sc + j * ps + t;
       switch (std::min<int64_t>(3, h - j)) {
-        case 3:
-          if (pf) scores_shared_tile<3, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          else scores_shared_tile<3, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          break;
-        case 2:
-          if (pf) scores_shared_tile<2, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          else scores_shared_tile<2, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          break;
-        default:
-          if (pf) scores_shared_tile<1, true>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          else scores_shared_tile<1, false>(q + j * L, L, k0, krs, scaling, mk, sc + j * ps + t, ps, nxt);
-          break;
+        case 3: scores_shared_tile_pf<3>(q + j * L, L, k0, krs, scaling, mk, st, ps, nxt); break;
+        case 2: scores_shared_tile_pf<2>(q + j * L, L, k0, krs, scaling, mk, st, ps, nxt); break;
+        default: scores_shared_tile_pf<1>(q + j * L, L, k0, krs, scaling, mk, st, ps, nxt); break;
       }
     }
   if (t < m) scores(q, h, 0, L, krows + t * krs, krs, m - t, scaling, mask ? mask + t : nullptr, sc + t, ps);

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "decode_common.h"  // prefetch_span, kPrefetchRows
 #include "vec_slim.h"
 
 namespace kvslim_vec {
@@ -240,9 +241,8 @@ struct QDotAVX2 {
     return dw;
   }
   // pairs of tokens: bytes of rows t, t+1 interleaved, nibbles masked -> 4 × 16 (code_t, code_t+1) byte pairs;
-  // maddubs with the pair of weights accumulates 16 tokens in int16 (≤ 8 · 2 · 15 · 127 < 2^15), then fp32
-  // value rows are prefetched kPrefetch tokens ahead (decode_common.h, prefetch_span)
-  static constexpr int64_t kPrefetch = 64;
+  // maddubs with the pair of weights accumulates 16 tokens in int16 (≤ 8 · 2 · 15 · 127 < 2^15), then fp32. The
+  // rows kPrefetchRows tokens ahead are fetched meanwhile (decode_common.h).
   template <int HC>
   static inline void i4_values(const uint8_t* base, int64_t rs, int64_t m, int64_t p0, const uint8_t* const* wq,
                                const float* const* dw, float* const* acc) {
@@ -255,7 +255,7 @@ struct QDotAVX2 {
         for (int v = 0; v < 4; ++v) A[j][v] = _mm256_setzero_si256();
       const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
       for (int64_t t = sb * 16; t < t1; t += 2) {
-        for (int64_t o = 0; o < 2 * rs; o += 64) __builtin_prefetch(base + (t + kPrefetch) * rs + p0 + o, 0, 3);
+        kvslim_decode::prefetch_span(base + (t + kvslim_decode::kPrefetchRows) * rs + p0, 2 * rs);
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + t * rs + p0));
         const __m256i x1 = t + 1 < t1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (t + 1) * rs + p0))
                                       : _mm256_setzero_si256();  // never past the last token
@@ -457,7 +457,7 @@ struct QDotVNNI : QDotAVX2 {
       const int64_t t1 = std::min<int64_t>(m, sb * 16 + 16);
       for (int64_t t = sb * 16; t < t1; t += 4) {
         const uint8_t* r = base + t * rs + p0;
-        for (int64_t o = 0; o < 4 * rs; o += 64) __builtin_prefetch(r + kPrefetch * rs + o, 0, 3);
+        kvslim_decode::prefetch_span(r + kvslim_decode::kPrefetchRows * rs, 4 * rs);
         __m256i x[4];
         if (t + 4 <= t1) {
 #pragma GCC unroll 4
