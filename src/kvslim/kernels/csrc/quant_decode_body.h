@@ -491,24 +491,79 @@ inline void qdot_prep(const QArgs& a, Scratch& sp, int64_t j, const float* u, in
   }
 }
 
-// qscores_heads for int4 KIVI keys of head dim 64 (one 64-channel chunk per row; SmolLM2, Qwen2.5-0.5B, ...): the
-// HC heads' query bytes and block scales are loaded into registers once for the token group, and the per-4-token
-// bookkeeping has no group loop. The same integer sums and float operations: the same scores.
+// the KIVI query prep of run_task for int4 asymmetric keys of head dim 64 on a path with QD::qprep64: q_j ⊙ s kept in
+// registers and rounded there (the same codes, scales and q·z as the general loop); false: not this case
+template <int BITS, bool ASYM, class Q = QD>  // Q: dependent, so an ISA without qprep64 never instantiates the body
+inline bool kivi_prep64(const QArgs& a, Scratch& sp) {
+  if constexpr (!(Q::kHasScores16 && BITS == 4 && ASYM)) {
+    return false;
+  } else {
+    if (a.D != 64) return false;
+    const float *s = sp.srow.data(), *zr = sp.zrow.data();
+    for (int64_t j = 0; j < a.G; ++j) {
+      const float* qn = sp.q.data() + j * 64;
+      typename V::R u[4];
+      auto z = V::zero();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        u[i] = V::mul(V::load(qn + 16 * i), V::load(s + 16 * i));
+        z = V::fma(V::load(qn + 16 * i), V::load(zr + 16 * i), z);
+      }
+      Q::qprep64(u, sp.qe.data() + j * 32, sp.qo.data() + j * 32, sp.qd.data() + j * 2, sp.qdx.data() + j * 8);
+      sp.corr[j] = 0.f;
+      sp.zq[j] = V::hsum(z);
+    }
+    return true;
+  }
+}
+
+// KIVI integer scores: per head, the int8 query of q ⊙ s for the token group's scales (srow) and zq = q · z (zrow)
+template <int BITS, bool ASYM>
+inline void kivi_qprep(const QArgs& a, Scratch& sp) {
+  if (kivi_prep64<BITS, ASYM>(a, sp)) return;
+  const int64_t D = a.D;
+  for (int64_t j = 0; j < a.G; ++j) {
+    const float* qn = sp.q.data() + j * D;
+    float* o = sp.qs.data() + j * D;
+    auto z = V::zero();
+    for (int64_t i = 0; i < D; i += V::W) {
+      V::store(o + i, V::mul(V::load(qn + i), V::load(sp.srow.data() + i)));
+      if (ASYM) z = V::fma(V::load(qn + i), V::load(sp.zrow.data() + i), z);
+    }
+    qdot_prep<BITS, ASYM>(a, sp, j, o, 1);
+    sp.zq[j] = (ASYM ? V::hsum(z) : 0.f);
+  }
+}
+
+// qscores_heads for int4 KIVI keys of head dim 64 (one 64-channel chunk per row; SmolLM2, Qwen2.5-0.5B, ...): with
+// VNNI 16 tokens per pass (QD::scores16_64, rows transposed in registers); the rest 4 at a time with the HC heads'
+// query bytes and block scales loaded into registers once for the token group, and no group loop. The same
+// integer sums and float operations either way: the same scores.
 template <bool ASYM, int HC, class Q = QD>  // Q: dependent, so an ISA without i4x4_64 never instantiates this
 inline void qscores_kivi64(const QArgs& a, const Scratch& sp, int64_t b, int64_t h, int64_t t0, int64_t m,
                            int64_t j0, const float* zq, const float* mask, float* sc, int64_t ps) {
   using kvslim_vec::F4;
+  float corr[HC], z[HC];
+  for (int j = 0; j < HC; ++j) {
+    corr[j] = sp.corr[j0 + j];
+    z[j] = ASYM ? zq[j0 + j] : 0.f;
+  }
+  int64_t t = 0;
+  if constexpr (Q::kHasScores16)  // 16 tokens per pass, sums per token without a horizontal reduction
+    for (; t + 16 <= m; t += 16)
+      Q::template scores16_64<HC, !ASYM, ASYM>(a.k.codes.at<uint8_t>(b, h, t0 + t), a.k.codes.ts,
+                                               sp.qe.data() + j0 * 32, sp.qo.data() + j0 * 32,
+                                               sp.qd.data() + j0 * 2, corr, z, mask ? mask + t : nullptr,
+                                               sc + j0 * ps + t, ps);
+  if (t == m) return;
   __m256i e[HC], o[HC];
   __m256 dx[HC];
-  float corr[HC], z[HC];
   for (int j = 0; j < HC; ++j) {
     e[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp.qe.data() + (j0 + j) * 32));
     o[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp.qo.data() + (j0 + j) * 32));
     dx[j] = _mm256_loadu_ps(sp.qdx.data() + (j0 + j) * 8);
-    corr[j] = sp.corr[j0 + j];
-    z[j] = ASYM ? zq[j0 + j] : 0.f;
   }
-  for (int64_t t = 0; t < m; t += 4) {
+  for (; t < m; t += 4) {
     const uint8_t* cr[4];
     const int64_t r4 = key_rows4(a, b, h, t0, t, m, cr);
     F4 sv[HC];
@@ -647,17 +702,7 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
       for (int64_t u0 = t0; u0 < t0 + m;) {
         const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
         kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
-        for (int64_t j = 0; j < G; ++j) {
-          const float* qn = sp.q.data() + j * D;
-          float* o = sp.qs.data() + j * D;
-          auto z = V::zero();
-          for (int64_t i = 0; i < D; i += V::W) {
-            V::store(o + i, V::mul(V::load(qn + i), V::load(sp.srow.data() + i)));
-            if (ASYM) z = V::fma(V::load(qn + i), V::load(sp.zrow.data() + i), z);
-          }
-          qdot_prep<BITS, ASYM>(a, sp, j, o, 1);
-          sp.zq[j] = (ASYM ? V::hsum(z) : 0.f);
-        }
+        kivi_qprep<BITS, ASYM>(a, sp);
         qscores<BITS, ASYM, true>(a, sp, b, h, u0, u1 - u0, nullptr, sp.zq.data(), nullptr, nullptr,
                                   mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
         u0 = u1;

@@ -118,6 +118,7 @@ inline int64_t qv_pos(int64_t i) {
 
 struct QDotScalar {
   static constexpr bool kHasI4x4_64 = false;  // no i4x4_64 (quant_decode_body.h qscores_kivi64)
+  static constexpr bool kHasScores16 = false;  // no scores16_64 (16 tokens per pass, QDotVNNI)
   static constexpr int kQvHeads = 2;  // query heads per pass of the integer value path
   static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) { return kvslim_vec::wprep(w, n, wq); }
@@ -223,6 +224,7 @@ struct QuantAVX2 : VecAVX2 {
 
 struct QDotAVX2 {
   static constexpr bool kHasI4x4_64 = true;
+  static constexpr bool kHasScores16 = false;
   static constexpr int kQvHeads = 2;
   static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) {
@@ -427,6 +429,101 @@ namespace kvslim_vec {
 // the same way: the same results.
 struct QDotVNNI : QDotAVX2 {
   static constexpr int kQvHeads = 3;
+  static constexpr bool kHasScores16 = true;
+  // Scores of 16 tokens of head dim 64 (int4 KIVI keys: one 64-channel row of 32 bytes per token, rows r + t·rs)
+  // for HC query heads, token t in lane t. The rows are transposed in registers (8 × 8 dwords per 256-bit half), so
+  // that vector q holds bytes 4q .. 4q + 3 of all 16 rows; then one vpdpbusd per (q, nibble half) and head with the
+  // query's 4 matching bytes broadcast: the sums come out per token, with no horizontal reduction. The same
+  // integer sums as i4x4_64 and the same float operations per lane (the block products rounded apart, then added):
+  // the same scores. qe / qo: the heads' even / odd query bytes (32 each, stride 32), d: block scales (2 per head),
+  // corr: signed-int4 offsets (or 0), z: q·zero-points (ASYM), mask: 16 additive entries or nullptr;
+  // out[j·ps + t] = (Σ + corr_j) + (mask_t + z_j).
+  // qprep for one 64-channel row already in registers (u: channels 0-15, 16-31, 32-47, 48-63): the same codes, block
+  // scales and even / odd bytes as qprep(u, 64, ...) (the same division and round-half-even conversion; saturation
+  // int32 -> int8 in one step equals the two packs)
+  static inline void qprep64(const __m512* u, int8_t* qe, int8_t* qo, float* d, float* dx) {
+    const __m512 sgn = _mm512_set1_ps(-0.f);
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                        14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i s[2];
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; ++b) {
+      const __m512 v0 = u[2 * b], v1 = u[2 * b + 1];
+      const float db = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sgn, v0), _mm512_andnot_ps(sgn, v1))) / 127.f;
+      d[b] = db;
+      _mm_storeu_ps(dx + 4 * b, _mm_set1_ps(db));
+      __m256i c = _mm256_setzero_si256();
+      if (db > 0.f) {
+        const __m512 vd = _mm512_set1_ps(db);
+        c = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v0, vd)))),
+            _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(v1, vd))), 1);
+      }
+      s[b] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(c, eo), 0xD8);  // [evens | odds] of the block
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qe), _mm256_permute2x128_si256(s[0], s[1], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qo), _mm256_permute2x128_si256(s[0], s[1], 0x31));
+  }
+  template <int HC, bool SIGNED, bool ASYM>
+  static inline void scores16_64(const uint8_t* r, int64_t rs, const int8_t* qe, const int8_t* qo, const float* d,
+                                 const float* corr, const float* z, const float* mask, float* out, int64_t ps) {
+    kvslim_decode::prefetch_span(r + kvslim_decode::kPrefetchRows * rs, 16 * rs);
+    auto row = [&](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + t * rs)); };
+    // R[k] = [row a | row b] with (a, b) = (k, k + 4) for k < 4 and (k + 4, k + 8) for k ≥ 4: after the two
+    // in-lane unpack stages and one 128-bit lane shuffle the tokens come out in order
+    __m512i R[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const int a = k < 4 ? k : k + 4;
+      R[k] = _mm512_inserti64x4(_mm512_castsi256_si512(row(a)), row(a + 4), 1);
+    }
+    __m512i T[8], A[8];
+#pragma GCC unroll 2
+    for (int s = 0; s < 2; ++s) {  // s = 0: rows of R0..R3, s = 1: of R4..R7
+      const __m512i* q = R + 4 * s;
+      T[4 * s] = _mm512_unpacklo_epi32(q[0], q[1]);
+      T[4 * s + 1] = _mm512_unpackhi_epi32(q[0], q[1]);
+      T[4 * s + 2] = _mm512_unpacklo_epi32(q[2], q[3]);
+      T[4 * s + 3] = _mm512_unpackhi_epi32(q[2], q[3]);
+      // A[4s + u]: dword u (lanes 0, 2) and u + 4 (lanes 1, 3) of the set's rows
+      A[4 * s] = _mm512_unpacklo_epi64(T[4 * s], T[4 * s + 2]);
+      A[4 * s + 1] = _mm512_unpackhi_epi64(T[4 * s], T[4 * s + 2]);
+      A[4 * s + 2] = _mm512_unpacklo_epi64(T[4 * s + 1], T[4 * s + 3]);
+      A[4 * s + 3] = _mm512_unpackhi_epi64(T[4 * s + 1], T[4 * s + 3]);
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i lo[8], hi[8];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      __m512i x[2] = {_mm512_shuffle_i32x4(A[u], A[4 + u], _MM_SHUFFLE(2, 0, 2, 0)),   // dword u of rows 0..15
+                      _mm512_shuffle_i32x4(A[u], A[4 + u], _MM_SHUFFLE(3, 1, 3, 1))};  // dword u + 4
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        if (SIGNED) x[v] = _mm512_xor_si512(x[v], _mm512_set1_epi8(static_cast<char>(0x88)));
+        lo[u + 4 * v] = _mm512_and_si512(x[v], m4);
+        hi[u + 4 * v] = _mm512_and_si512(_mm512_srli_epi16(x[v], 4), m4);
+      }
+    }
+    const __m512 mk = mask ? _mm512_loadu_ps(mask) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) {
+      int32_t e4[8], o4[8];
+      std::memcpy(e4, qe + 32 * j, 32);
+      std::memcpy(o4, qo + 32 * j, 32);
+      __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // 32-channel blocks 0 and 1
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        s[q / 4] = _mm512_dpbusd_epi32(s[q / 4], lo[q], _mm512_set1_epi32(e4[q]));
+        s[q / 4] = _mm512_dpbusd_epi32(s[q / 4], hi[q], _mm512_set1_epi32(o4[q]));
+      }
+      __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(d[2 * j]));
+      __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(d[2 * j + 1]));
+      asm("" : "+v"(p0), "+v"(p1));  // each product rounded on its own, as in i4x4_64 (no fused multiply-add)
+      const __m512 sv = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_set1_ps(corr[j]));
+      const __m512 zz = ASYM ? _mm512_add_ps(mk, _mm512_set1_ps(z[j])) : mk;
+      _mm512_storeu_ps(out + j * ps, _mm512_add_ps(_mm512_add_ps(sv, _mm512_setzero_ps()), zz));
+    }
+  }
   static inline __m256i pair_dot(__m256i lo, __m256i e, __m256i hi, __m256i o) {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, e), hi, o);
   }
