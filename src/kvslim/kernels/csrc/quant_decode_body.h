@@ -387,6 +387,19 @@ inline void qvalues_heads(const QArgs& a, Scratch& sp, int64_t b, int64_t h, int
   }
 }
 
+// the integer value path's weights of one head and one value group per token, whole 16-token sub-blocks only, on a
+// path with QD::wprep16 (p ⊙ s and its rounding in one pass); returns the tokens done (0 elsewhere)
+template <class Q = QD>  // Q: dependent, so an ISA without wprep16 never instantiates the call
+inline int64_t weights16(const float* p, const float* s, int64_t m, uint8_t* wq, float* dw) {
+  if constexpr (!Q::kHasScores16) {
+    return 0;
+  } else {
+    int64_t t = 0;
+    for (; t + 16 <= m; t += 16) dw[t / 16] = Q::wprep16(p + t, s + t, wq + t);
+    return t;
+  }
+}
+
 // acc[j] += Σ_t p[j][t] · v_t, v_t = codes·s (+ z) decoded in registers (weights folded into the scales)
 template <int BITS, bool ASYM>
 inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t ps,
@@ -396,12 +409,13 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
     for (int64_t g = 0; g < ng; ++g) {
       float* o = pw + (j * ng + g) * T;
       const float* pj = p + j * ps;
-      int64_t t = 0;
+      const int64_t done = qv && ng == 1 ? weights16(pj, vs, m, sp.wq.data() + j * T, sp.wdw.data() + j * (T / 16)) : 0;
+      int64_t t = done;
       if (ng == 1)  // one value group per token (the int4 default): the scales are contiguous
         for (; t + V::W <= m; t += V::W) V::store(o + t, V::mul(V::load(pj + t), V::load(vs + t)));
       for (; t < m; ++t) o[t] = pj[t] * vs[t * ng + g];
       if (qv)
-        for (int64_t sb = 0; sb * 16 < m; ++sb)
+        for (int64_t sb = done / 16; sb * 16 < m; ++sb)
           sp.wdw[(j * ng + g) * (T / 16) + sb] =
               QD::wprep(o + sb * 16, std::min<int64_t>(16, m - sb * 16), sp.wq.data() + (j * ng + g) * T + sb * 16);
     }

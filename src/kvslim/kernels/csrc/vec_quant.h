@@ -118,7 +118,7 @@ inline int64_t qv_pos(int64_t i) {
 
 struct QDotScalar {
   static constexpr bool kHasI4x4_64 = false;  // no i4x4_64 (quant_decode_body.h qscores_kivi64)
-  static constexpr bool kHasScores16 = false;  // no scores16_64 (16 tokens per pass, QDotVNNI)
+  static constexpr bool kHasScores16 = false;  // no scores16_64 / qprep64 / wprep16 (QDotVNNI)
   static constexpr int kQvHeads = 2;  // query heads per pass of the integer value path
   static inline int64_t qv_pos(int64_t i) { return kvslim_vec::qv_pos(i); }
   static inline float wprep(const float* w, int64_t n, uint8_t* wq) { return kvslim_vec::wprep(w, n, wq); }
@@ -430,6 +430,16 @@ namespace kvslim_vec {
 struct QDotVNNI : QDotAVX2 {
   static constexpr int kQvHeads = 3;
   static constexpr bool kHasScores16 = true;
+  // wprep for 16 weights w = p ⊙ s (one 512-bit vector): the same codes (division, round-half-even; int32 -> uint8
+  // saturation in one step equals the two packs for w ≥ 0) and the same dw
+  static inline float wprep16(const float* p, const float* s, uint8_t* wq) {
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p), _mm512_loadu_ps(s));
+    const float dw = _mm512_reduce_max_ps(w) / 127.f;
+    __m128i b = _mm_setzero_si128();
+    if (dw > 0.f) b = _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(w, _mm512_set1_ps(dw))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq), b);
+    return dw;
+  }
   // Scores of 16 tokens of head dim 64 (int4 KIVI keys: one 64-channel row of 32 bytes per token, rows r + t·rs)
   // for HC query heads, token t in lane t. The rows are transposed in registers (8 × 8 dwords per 256-bit half), so
   // that vector q holds bytes 4q .. 4q + 3 of all 16 rows; then one vpdpbusd per (q, nibble half) and head with the
