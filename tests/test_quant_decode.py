@@ -131,6 +131,48 @@ def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, g, heads):
         assert (ref8.double() - oracle).abs().max().item() <= INT8_SCORES_ATOL
 
 
+@pytest.mark.parametrize("bits,d,g,values", [(4, 64, 3, "int8"), (4, 64, 1, "exact"), (8, 128, 7, "exact"),
+                                              (4, 128, 2, "int8")])
+def test_rotated_value_codes_are_taken_back_inside_the_op(bits, d, g, values):
+    """Values coded as v·R (Hadamard): with ``v_unrot`` = Rᵀ the op rotates the coded tokens' weighted sum back
+    itself and adds the tail in the values' own basis. op == twin, both == float64 attention over the store's
+    reads (original basis) and the raw tail, for forced splits and ragged lengths; a wrong ``v_unrot`` is refused
+    by name."""
+    _ops()
+    gen = torch.Generator().manual_seed(bits + d + g)
+    b, h, n = 3, 2, 150
+    spec = StoreSpec(bits, 64, torch.float16, asymmetric=True, rotation="hadamard")
+    ks = QuantizedStore(StoreSpec(bits, 64, torch.float16, asymmetric=True), b, h, n, d, F32, torch.device("cpu"))
+    vs = QuantizedStore(spec, b, h, n, d, F32, torch.device("cpu"))
+    ks.write(0, torch.randn(b, h, n, d, generator=gen))
+    vs.write(0, torch.randn(b, h, n, d, generator=gen) * 2)
+    assert vs.unrotation is not None and torch.equal(vs.unrotation, vs.rotation.T)
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 5, d, generator=gen), torch.randn(b, h, 5, d, generator=gen)
+    lengths = torch.tensor([n, 61, 2])
+    args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 64, 0, n, lengths, kt, vt, None, 0.125)
+    ref, _ = kernel.reference(*args, scores="exact", values=values, v_unrot=vs.unrotation)
+    keys, vals = ks.read(0, n).double(), vs.read(0, n).double()  # reads: the original basis
+    oracle = []
+    for i, ln in enumerate(lengths.tolist()):
+        k, v = torch.cat((keys[i, :, :ln], kt[i].double()), 1), torch.cat((vals[i, :, :ln], vt[i].double()), 1)
+        oracle.append(torch.softmax(torch.einsum("hgd,htd->hgt", q[i].double(), k) * 0.125, -1) @ v)
+    oracle = torch.stack(oracle)
+    lossy = values == "int8" and kernel.int_values_apply(bits, True, d, 64)
+    err = (ref.double() - oracle).abs().max().item()
+    assert err <= (INT8_SCORES_ATOL if lossy else 1e-4), f"twin vs float64: {err:.3e}"
+    for splits in (0, 1, 3):
+        out, _ = kernel.quant_decode(*args, splits=splits, scores="exact", values=values, v_unrot=vs.unrotation)
+        err = (out - ref).abs().max().item()
+        assert err <= (INT8_VALUES_TWIN_ATOL if lossy else 1e-5), f"op vs twin (splits={splits}): {err:.3e}"
+        if not lossy:
+            assert_close(out, oracle, F32, f"op (splits={splits}) vs float64")
+    wrong, _ = kernel.quant_decode(*args, scores="exact", values=values)  # the rotation left in: far off
+    assert (wrong.double() - oracle).abs().max().item() > 0.1
+    with pytest.raises(ValueError, match="v_unrot must be a float32 CPU tensor of shape"):
+        kernel.quant_decode(*args, v_unrot=torch.eye(d + 1))
+
+
 def test_never_reads_past_a_sequence_length():
     """Scales and zero-points NaN past each sequence's length: the result stays finite and equal to the twin's."""
     _ops()

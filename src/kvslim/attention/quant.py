@@ -6,8 +6,9 @@ of dequantized keys and values. Everything a store does to values before coding 
 output, never on the history:
 
 * key smoothing (``x / c`` coded, c per channel): scores use ``q ⊙ c``; the tail keys are divided by c;
-* Hadamard rotation (``x·R`` coded): scores use ``q·R`` (key tail ``k·R``), the output is rotated back by
-  ``Rᵀ`` once (value tail ``v·R``);
+* Hadamard rotation (``x·R`` coded): scores use ``q·R`` (key tail ``k·R``); values: the int8/int4 op takes the
+  coded tokens' weighted sum back by ``Rᵀ`` inside and adds the tail's in its own basis (no rotated tail, no
+  product after the op); the int2 op attends a rotated tail (``v·R``) and the output is rotated back once;
 * GQA / MQA: the G query heads of a KV head share one pass over its codes (HF's ``repeat_kv`` order).
 
 :func:`reference` is the obviously-correct twin: the layer's own unfused reads, then softmax attention.
@@ -60,21 +61,24 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     if rot is not None:
         q = q @ rot
         kt = None if kt is None else kt @ rot
-    if vrot is not None and vt is not None and not h.v_tail_rotated:
-        vt = vt @ vrot
     spec, vbits = h.k.spec, h.v.spec.bits
     if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only
         if spec.bits not in LOW_BITS or vbits not in LOW_BITS or h.k.zero is None or h.v.zero is None:
             return None
+        if vrot is not None and vt is not None and not h.v_tail_rotated:
+            vt = vt @ vrot
         out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                                      vbits, spec.group_size, spec.channel_group, h.n, None, kt, vt,
                                      h.kernel_mask(mask), scaling)
-    else:
-        out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                              spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling)
-    out = out.reshape(b * heads, d)
-    if vrot is not None:
-        out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
+        out = out.reshape(b * heads, d)
+        if vrot is not None:
+            out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
+        return out.view(b, 1, heads, d).to(query.dtype)
+    if vrot is not None and vt is not None and h.v_tail_rotated:  # the op takes the tail in the values' basis
+        vt = vt @ vrot.T
+    out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                          spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling,
+                          v_unrot=h.v.unrotation)
     return out.view(b, 1, heads, d).to(query.dtype)
 
 

@@ -104,19 +104,28 @@ def fusable(store: TensorStore | None) -> bool:
 def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,
                   v_now: torch.Tensor, materialize) -> FusedKV:
     """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``. A rotated
-    value store's window is handed over rotated (:func:`rotated_tail`)."""
+    value store's window is handed over as stored for the int8/int4 op (which rotates the coded sum back
+    instead), rotated (:func:`rotated_tail`) for the low-bit op."""
     if isinstance(k_store, SinkStore):  # tail = [sinks | window] (one buffer), attended before the codes
         lead, f = min(k_store.length, k_store.sink), k_store.inner.flushed
         r = lead + k_store.inner.length - f
-        vt, rotated = rotated_tail(v_store, r)
+        vt, rotated = _value_tail(v_store, r)
         return FusedKV(k_store.coded, v_store.coded, f, k_store.fp[:, :, :r], vt, materialize, lead=lead,
                        v_tail_rotated=rotated)
     if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
         f, length = k_store.flushed, k_store.length
-        vt, rotated = rotated_tail(v_store, length - f)
+        vt, rotated = _value_tail(v_store, length - f)
         return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], vt, materialize,
                        v_tail_rotated=rotated)
     return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
+
+
+def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
+    """The value window for the op that will read it: as stored for int8/int4 codes, else :func:`rotated_tail`."""
+    coded = store.coded if isinstance(store, SinkStore) else store.inner
+    if coded.spec.bits in (4, 8):
+        return store.fp[:, :, :r], False
+    return rotated_tail(store, r)
 
 
 def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:

@@ -293,6 +293,8 @@ class QuantizedStore(TensorStore):
         self.scale = torch.empty(batch, heads, capacity, groups, dtype=spec.scale_dtype, device=device)
         self.zero = torch.empty_like(self.scale) if spec.asymmetric else None
         self.rotation = hadamard(dim).to(device) if spec.rotation == "hadamard" else None  # (D, D) fp32
+        # Rᵀ, contiguous: the fused decode op takes its coded values' weighted sum back with it (attention/quant.py)
+        self.unrotation = None if self.rotation is None else self.rotation.T.contiguous()
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 smoothing factors, set by the first write
 
     def tensors(self) -> list[torch.Tensor]:

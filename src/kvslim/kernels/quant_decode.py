@@ -131,7 +131,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-          k_tail, v_tail, mask, scaling, splits=0, int_scores=False, int_values=False):
+          k_tail, v_tail, mask, scaling, splits=0, int_scores=False, int_values=False, v_unrot=None):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -193,7 +193,8 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
               key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, scaling: float = 1.0,
-              scores: str | None = None, values: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scores: str | None = None, values: str | None = None,
+              v_unrot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: dequantize the first ``n`` tokens, append the tail, softmax attention in fp32.
 
     Args:
@@ -209,6 +210,9 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
             :func:`default_scores`.
         values: ``"exact"`` or ``"int8"`` (:func:`int8_weight_values` where :func:`int_values_apply`); ``None``:
             :func:`default_values`.
+        v_unrot: (D, D) fp32 M, or ``None``: the value codes hold ``v·R`` (a rotated store) and the tail is in the
+            values' own basis; the coded tokens' weighted sum is taken back by ``· M`` (M = Rᵀ) before the tail's
+            is added.
 
     Returns:
         out (B, Hk, G, D) and lse (B, Hk, G), fp32.
@@ -242,8 +246,13 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     weights = torch.softmax(scores_, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
     if vmode == "int8" and int_values_apply(bits, v_zero is not None, q.shape[-1], group_size):
         out = int8_weight_values(weights[..., :n], v_codes[:, :, :n], v_scale[:, :, :n], v_zero[:, :, :n], group_size)
-        return out + torch.einsum("bhgt,bhtd->bhgd", weights[..., n:], vals[:, :, n:]), lse
-    return torch.einsum("bhgt,bhtd->bhgd", weights, vals), lse
+    elif v_unrot is not None:
+        out = torch.einsum("bhgt,bhtd->bhgd", weights[..., :n], vals[:, :, :n])
+    else:
+        return torch.einsum("bhgt,bhtd->bhgd", weights, vals), lse
+    if v_unrot is not None:
+        out = out @ v_unrot.float()
+    return out + torch.einsum("bhgt,bhtd->bhgd", weights[..., n:], vals[:, :, n:]), lse
 
 
 def supported(q: torch.Tensor, k_codes: torch.Tensor, bits: int) -> bool:
@@ -259,7 +268,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
                  splits: int = 0, scores: str | None = None,
-                 values: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 values: str | None = None, v_unrot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
@@ -276,9 +285,9 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
                                              k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8",
-                                             vmode == "int8")
+                                             vmode == "int8", v_unrot)
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
-                     lengths, k_tail, v_tail, mask, scaling, mode, vmode)
+                     lengths, k_tail, v_tail, mask, scaling, mode, vmode, v_unrot)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

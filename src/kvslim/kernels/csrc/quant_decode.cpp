@@ -51,6 +51,7 @@ struct QArgs : kvslim_decode::Common {
   Codes k, v;
   bool qdot = false;  // scores from an int8-rounded query where the format allows (qdot_ok in the body)
   bool qvals = false;  // value products from uint8-rounded softmax weights where the format allows (qv_ok)
+  const float* vunrot = nullptr;  // (D, D) M: value codes hold v·R, their weighted sum is taken back by · M = Rᵀ
 };
 
 inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64_t i, int sdt) {
@@ -203,7 +204,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
     const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero, int64_t bits,
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
-    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores, bool int_values) {
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores, bool int_values,
+    const c10::optional<at::Tensor>& v_unrot) {
   using namespace kvslim_quant;
   QArgs a;
   kvslim_decode::read_query_shape(OP, a, q);
@@ -253,6 +255,16 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   const kvslim_decode::Held held = kvslim_decode::bind_common(OP, a, q, scaling, lengths, k_tail, v_tail, mask);
   a.qdot = int_scores;
   a.qvals = int_values;
+  at::Tensor unrot;
+  if (v_unrot.has_value()) {
+    const at::Tensor& m = *v_unrot;
+    TORCH_CHECK_VALUE(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 2 && m.size(0) == a.D &&
+                          m.size(1) == a.D,
+                      OP, ": v_unrot must be a float32 CPU tensor of shape (", a.D, ", ", a.D, ") (Rᵀ of the value ",
+                      "codes' rotation), got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
+    unrot = m.contiguous();
+    a.vunrot = unrot.data_ptr<float>();
+  }
   at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
   at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
   if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());
@@ -276,7 +288,8 @@ std::string quant_decode_set_isa(const std::string& isa) {
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
-        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False) -> (Tensor, Tensor)");
+        "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False, "
+        "Tensor? v_unrot=None) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
   m.def("quant_decode_set_isa(str isa) -> str", &quant_decode_set_isa);
 }

@@ -667,7 +667,21 @@ inline bool fast_ok(const QArgs& a) {
   return a.gs % (2 * V::W) == 0;  // D is a multiple of gs
 }
 
-// one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
+// x (D) := x · M for a row-major D × D M (tmp: D floats)
+inline void times_matrix(float* x, const float* M, int64_t D, float* tmp) {
+  std::copy(x, x + D, tmp);
+  std::fill(x, x + D, 0.f);
+  for (int64_t k = 0; k < D; ++k) {
+    const auto w = V::set1(tmp[k]);
+    const float* row = M + k * D;
+    int64_t i = 0;
+    for (; i + V::W <= D; i += V::W) V::store(x + i, V::fma(w, V::load(row + i), V::load(x + i)));
+    for (; i < D; ++i) x[i] += tmp[k] * row[i];
+  }
+}
+
+// one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split, in the
+// values' own basis: with a.vunrot the coded sum is rotated back first).
 // acc (G × D) gets the unnormalised sum, mo / lo (G) the running max and denominator.
 template <int BITS, bool ASYM>
 void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
@@ -770,6 +784,10 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     for (int64_t j = 0; j < G; ++j) from_qv_order(acc + j * D, sp.srow.data(), D);
   else if (perm)
     for (int64_t j = 0; j < G; ++j) from_chunk_order(acc + j * D, sp.srow.data(), D);
+  // value codes in a rotated basis: this split's coded sum back to the values' basis (linear, so it commutes with
+  // the online-softmax rescaling and the split merge)
+  if (a.vunrot)
+    for (int64_t j = 0; j < G; ++j) times_matrix(acc + j * D, a.vunrot, D, sp.zrow.data());
   if (s != S - 1 || a.r == 0) return;
   for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
     const int64_t m = std::min(T, a.r - t0);
