@@ -57,6 +57,9 @@ def measure(model, tokenizer, runs, ids: torch.Tensor, text_ids: torch.Tensor, n
     rows, dense = [], None
     for label, method, opts in track(runs, description="methods"):
         plan = api.apply(model, method, **opts)
+        # warm-up: a method's first decode step may build its C++ ops (once per machine, minutes) and loads them;
+        # neither belongs in its tokens/s
+        greedy_decode(model, ids, 2, api.make_cache(model))
         free = greedy_decode(model, ids, new_tokens, api.make_cache(model))
         if dense is None:
             dense = free
