@@ -137,3 +137,25 @@ def test_stale_torch_baton_left_by_a_killed_build_does_not_hang_the_next_load(tm
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "loaded-ok" in res.stdout, res.stderr[-2000:]
     assert not (stale / "lock").exists()
+
+
+def test_load_for_builds_exactly_the_families_a_method_decodes_with(monkeypatch):
+    """``kernels.load_for(method)`` (called by the demo and ``kvslim transcribe`` before they time anything) loads the
+    method's op families and no others; every family it names is a real kernels module."""
+    import importlib
+
+    from kvslim import kernels
+
+    calls = []
+    families = {f for fams in kernels.FAMILIES.values() for f in fams}
+    for family in families:
+        mod = importlib.import_module(f"kvslim.kernels.{family}")
+        monkeypatch.setattr(mod, "available", lambda family=family: calls.append(family) or True)
+    kernels.load_for("int4")
+    assert calls == ["quant_decode", "quant_write"]
+    calls.clear()
+    kernels.load_for("slim")
+    assert sorted(calls) == ["encdec_decode", "slim_decode"]
+    calls.clear()
+    kernels.load_for("dense")
+    assert calls == []

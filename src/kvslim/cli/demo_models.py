@@ -36,7 +36,7 @@ def whisper_rows(name: str, console) -> list[dict]:
     """Transcribe the shipped clip with HF's cache and with kvslim slim (greedy and beam 5), in fp32."""
     from .. import api
     from ..audio import read_wav, speech_clip
-    from ..kernels import encdec_decode, slim_decode
+    from ..kernels import load_for
     from ..models.whisper_run import context_bytes, transcribe_tokens
     from .transcribe import load_whisper
 
@@ -47,8 +47,7 @@ def whisper_rows(name: str, console) -> list[dict]:
     for method in ("hf", "slim"):
         if method == "slim":
             api.apply(model, "slim")
-            encdec_decode.available()  # build / load the ops outside the timing (a first use may compile them)
-            slim_decode.available()
+            load_for("slim")  # build / load the ops outside the timing (a first use may compile them)
         for beams in (1, 5):
             t = time.perf_counter()
             tokens = transcribe_tokens(model, processor, audio, num_beams=beams)

@@ -48,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
     audio = read_wav(path)  # a missing or bad file is refused before the model loads
 
     from .. import api
+    from ..kernels import load_for
     from ..models.whisper_run import context_bytes, transcribe_tokens
     console = Console()
     model, processor = load_whisper(args.model, DTYPES[args.dtype])
     opts = {"num_beams": args.beams, "timestamps": args.timestamps}
     api.apply(model, args.method)
+    load_for(args.method)  # build / load the method's ops outside the timing (a first use may compile them)
     t = time.perf_counter()
     tokens = transcribe_tokens(model, processor, audio, **opts)
     seconds = time.perf_counter() - t

@@ -1,1 +1,17 @@
 """Optional accelerated kernels; each has a pure-torch twin in ``attention/`` and is tested against it."""
+
+from __future__ import annotations
+
+import importlib
+
+#: the op families a method's decode steps call (kernels/<family>.py); the others never run for it
+FAMILIES = {"slim": ("slim_decode", "encdec_decode"), "int8": ("quant_decode", "quant_write"),
+            "int4": ("quant_decode", "quant_write"), "int2": ("quant_decode_lowbit", "quant_write")}
+
+
+def load_for(method: str) -> None:
+    """Build (once per machine, cached; minutes on first use) and load the op families ``method`` decodes with,
+    now: before a timing, so that neither lands inside it. A method without ops does nothing; no compiler: each
+    family warns once and its twin runs."""
+    for family in FAMILIES.get(method, ()):
+        importlib.import_module(f"{__name__}.{family}").available()
