@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import padded_batch, tiny_model
@@ -189,3 +191,28 @@ def test_unpadded_window_decode_reads_the_ring_in_slot_order(method, opts):
     assert _logit_err(out, slow) <= LOGIT_ATOL[torch.float32]
     if method == "window":
         assert torch.equal(out.sequences, ref.sequences) and _logit_err(out, ref) <= LOGIT_ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("method", ["int4", "slim"])
+def test_a_cache_handed_to_generate_under_either_spelling_is_used(method):
+    """``generate(..., past_key_values=cache)`` and, from transformers 5.24, ``generate(..., cache=cache)`` (the new
+    name; the old one is a deprecated alias there): the same tokens and logits, and the kvslim cache handed over is
+    the one that holds the context afterwards."""
+    from kvslim.adapters.compat import CACHE_KW
+
+    model = tiny_model("llama", kv_heads=4) if method == "slim" else tiny_model("mistral")  # slim needs MHA
+    ids, mask = padded_batch()
+    with warnings.catch_warnings():  # random weights: slim's fp32 conditioning notice
+        warnings.simplefilter("ignore")
+        kvslim.apply(model, method)
+    spellings = ["past_key_values"] + (["cache"] if CACHE_KW == "cache" else [])
+    outs = {}
+    for kw in spellings:
+        cache = kvslim.make_cache(model)
+        outs[kw] = _generate(model, ids, mask, **{kw: cache})
+        assert cache.get_seq_length() == ids.shape[1] + NEW - 1, kw  # the last token is never fed back
+        assert cache.nbytes > 0
+    first = outs["past_key_values"]
+    for kw, out in outs.items():
+        assert torch.equal(out.sequences, first.sequences), kw
+        assert _logit_err(out, first) == 0.0, kw
