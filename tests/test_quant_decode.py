@@ -169,8 +169,12 @@ def test_rotated_value_codes_are_taken_back_inside_the_op(bits, d, g, values):
             assert_close(out, oracle, F32, f"op (splits={splits}) vs float64")
     wrong, _ = kernel.quant_decode(*args, scores="exact", values=values)  # the rotation left in: far off
     assert (wrong.double() - oracle).abs().max().item() > 0.1
-    with pytest.raises(ValueError, match="v_unrot must be a float32 CPU tensor of shape"):
-        kernel.quant_decode(*args, v_unrot=torch.eye(d + 1))
+    for bad in (torch.eye(d + 1), torch.eye(d, dtype=torch.float64), torch.ones(d)):
+        with pytest.raises(ValueError, match="v_unrot must be a float32 CPU tensor of shape"):
+            kernel.quant_decode(*args, v_unrot=bad)
+        with pytest.raises(ValueError, match="v_unrot must be a float32 CPU tensor of shape"):  # the op's own check
+            torch.ops.kvslim.quant_decode(q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 64, 0, n,
+                                          lengths, kt, vt, None, 0.125, 0, False, False, bad)
 
 
 def test_never_reads_past_a_sequence_length():

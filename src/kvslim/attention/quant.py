@@ -74,8 +74,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         if vrot is not None:
             out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
         return out.view(b, 1, heads, d).to(query.dtype)
-    if vrot is not None and vt is not None and h.v_tail_rotated:  # the op takes the tail in the values' basis
-        vt = vt @ vrot.T
+    # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
     out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                           spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling,
                           v_unrot=h.v.unrotation)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 
-#: the op families a method's decode steps call (kernels/<family>.py); the others never run for it
+#: the op families a method's decode steps may call (kernels/<family>.py; ``quant_write``: symmetric int8/int4
+#: stores); the others never run for it
 FAMILIES = {"slim": ("slim_decode", "encdec_decode"), "int8": ("quant_decode", "quant_write"),
-            "int4": ("quant_decode", "quant_write"), "int2": ("quant_decode_lowbit", "quant_write")}
+            "int4": ("quant_decode", "quant_write"), "int2": ("quant_decode_lowbit",)}
 
 
 def load_for(method: str) -> None:

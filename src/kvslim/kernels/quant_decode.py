@@ -280,6 +280,11 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         raise ValueError("k_tail and v_tail come together")
     if (k_zero is None) != (v_zero is None):
         raise ValueError("k_zero and v_zero come together (asymmetric codes)")
+    d = q.shape[-1]
+    if v_unrot is not None and (v_unrot.dtype != torch.float32 or tuple(v_unrot.shape) != (d, d)
+                                or v_unrot.device.type != q.device.type):
+        raise ValueError(f"v_unrot must be a float32 {q.device.type.upper()} tensor of shape ({d}, {d}) (Rᵀ of the "
+                         f"value codes' rotation), got {v_unrot.dtype} {tuple(v_unrot.shape)} on {v_unrot.device}")
     if available() and supported(q, k_codes, bits):
         k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
