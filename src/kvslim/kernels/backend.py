@@ -1,0 +1,118 @@
+"""Which implementation of an op family runs for a call: the device seam.
+
+Every op family (``kernels/<family>.py``) has up to three implementations of one contract:
+
+* ``"cpp"``: the C++ op (``csrc/``), CPU tensors only;
+* ``"triton"``: the Triton kernels (``kernels/triton/<family>.py``), CUDA tensors; with ``TRITON_INTERPRET=1`` they
+  also run on CPU tensors through Triton's interpreter (how CI runs the GPU code path without a GPU);
+* ``"torch"``: the pure-torch twin, the reference for both, on any device.
+
+:func:`pick` chooses, per call, from the tensors' device: CUDA → ``triton`` (when Triton imports), CPU → ``cpp``
+(when the family's op is built), else ``torch``. ``KVSLIM_BACKEND=triton|cpp|torch`` overrides the choice for every
+family; a value it cannot honour is refused by name (never a silent fallback to another backend). A family whose
+forced backend does not cover a particular input (a head dim, a dtype) still runs the twin, with one warning per
+process (:func:`warn_fallback`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+ENV = "KVSLIM_BACKEND"
+BACKENDS = ("triton", "cpp", "torch")
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether ``import triton`` can work here (the package is present; nothing is imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run through the interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def forced() -> str | None:
+    """The backend ``KVSLIM_BACKEND`` forces, or ``None`` when it is unset or empty.
+
+    Raises:
+        ValueError: an unknown value, or ``triton`` without Triton installed.
+    """
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV} must be one of {BACKENDS} (or unset for the choice by device), got {value!r}")
+    if value == "triton" and not triton_installed():
+        raise ValueError(f"{ENV}=triton, but Triton is not installed here: pip install triton (a CUDA torch ships "
+                         f"it), or unset {ENV}")
+    return value
+
+
+def pick(device: torch.device | str, cpp_available: bool) -> str:
+    """The backend for a call whose tensors live on ``device``.
+
+    Args:
+        device: the device of the call's tensors (all of them on one device; the caller checks).
+        cpp_available: whether the family's C++ op is built and loaded here.
+
+    Returns:
+        ``"triton"``, ``"cpp"`` or ``"torch"``.
+
+    Raises:
+        ValueError: ``KVSLIM_BACKEND`` names a backend that cannot run on ``device`` (``cpp`` on CUDA tensors,
+            ``triton`` on CPU tensors without ``TRITON_INTERPRET=1``, ``cpp`` without a built op).
+    """
+    kind = torch.device(device).type
+    want = forced()
+    if want == "torch":
+        return "torch"
+    if want == "triton":
+        if kind == "cpu" and not interpreting():
+            raise ValueError(f"{ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter); "
+                             "without it Triton kernels run on CUDA tensors only")
+        return "triton"
+    if want == "cpp":
+        if kind != "cpu":
+            raise ValueError(f"{ENV}=cpp, but the C++ ops take CPU tensors only (these are on {kind}); "
+                             f"use {ENV}=triton or torch, or unset it")
+        if not cpp_available:
+            raise ValueError(f"{ENV}=cpp, but the C++ ops are not built here (no compiler?): "
+                             "run `python -m kvslim.kernels.build`, or unset it")
+        return "cpp"
+    if kind == "cuda" and triton_installed():
+        return "triton"
+    if kind == "cpu" and cpp_available:
+        return "cpp"
+    return "torch"
+
+
+_warned: set[str] = set()
+
+
+def warn_fallback(family: str, why: str) -> None:
+    """One warning per process and family: the chosen kernel does not take this input, the twin runs."""
+    if family in _warned:
+        return
+    _warned.add(family)
+    warnings.warn(f"kvslim: {family}: {why}; the pure-torch twin runs instead (correct, slower)", stacklevel=3)
+
+
+def same_device(what: str, *tensors: torch.Tensor | None) -> torch.device:
+    """The one device of ``tensors`` (``None`` entries skipped); a mix (a CUDA cache with a CPU query) is refused.
+
+    Raises:
+        ValueError: naming ``what`` and the devices found.
+    """
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        found = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{what}: all tensors must be on one device, got {found} (move the cache and the model "
+                         "together: cache.to(device))")
+    return next(iter(devices)) if devices else torch.device("cpu")
