@@ -1,6 +1,19 @@
-// The integer score path of the int8/int4 decode op (quant_decode_body.h includes this once per instruction set,
-// inside its namespace: no include guard). Query prep (the int8 query of q or of q ⊙ s per KIVI token group) and
-// the score loops; the Python twin is quant_decode.int_scores_apply / int8_query_scores.
+// The score helpers of the int8/int4 decode op: the key rows of 4 tokens (key_rows4, used by the fp32 and the
+// integer score loops) and the integer score path (query prep: the int8 query of q or of q ⊙ s per KIVI token
+// group; the score loops). quant_decode_body.h includes this once per instruction set, inside its namespace (no
+// include guard); it needs only QArgs / Scratch (quant_decode.cpp), V / QD and decode_common.h, never a function
+// of the body. The Python twin is quant_decode.int_scores_apply / int8_query_scores.
+
+// the key code rows of tokens [t, t + 4) of stream (b, h) from token t0 (rows past m repeat the first: computed on,
+// never stored), with the rows kPrefetchRows ahead fetched; returns how many of the 4 are real
+inline int64_t key_rows4(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t, int64_t m,
+                         const uint8_t** cr) {
+  const int64_t r4 = std::min<int64_t>(4, m - t), rs = a.k.codes.ts;
+  const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
+  kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
+  for (int r = 0; r < 4; ++r) cr[r] = r < r4 ? c0 + r * rs : c0;
+  return r4;
+}
 
 // ---- integer scores: the query the key codes see (q, or q ⊙ s per KIVI token group), rounded to int8 per block of
 // 32 channels (vec_quant.h qprep), times the codes in integer arithmetic (QD::i4x4 / i8x4); zero-points, the token

@@ -210,16 +210,7 @@ inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h,
   for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
 }
 
-// the key code rows of tokens [t, t + 4) of stream (b, h) from token t0 (rows past m repeat the first: computed on,
-// never stored), with the rows kPrefetchRows ahead fetched; returns how many of the 4 are real
-inline int64_t key_rows4(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_t t, int64_t m,
-                         const uint8_t** cr) {
-  const int64_t r4 = std::min<int64_t>(4, m - t), rs = a.k.codes.ts;
-  const uint8_t* c0 = a.k.codes.at<uint8_t>(b, h, t0 + t);
-  kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, 4 * rs);
-  for (int r = 0; r < 4; ++r) cr[r] = r < r4 ? c0 + r * rs : c0;
-  return r4;
-}
+#include "qscores_body.h"  // key_rows4 and the integer score path
 
 // scores of 4 tokens (rows cr[0..3], only the first r4 real) for HC query heads (q: HC rows of stride D, chunk
 // order for int4) over channels [i0, i1): sv[j][r] = q_j · codes_r (no scales)
@@ -479,8 +470,6 @@ inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* 
     std::fill(zrow, zrow + a.D, 0.f);
   }
 }
-
-#include "qscores_body.h"
 
 template <int BITS>
 inline bool fast_ok(const QArgs& a) {
