@@ -248,7 +248,8 @@ def test_rotated_tail_follows_every_change_of_the_window(sink):
     """Fused decode keeps a rotated copy of a rotated value store's full-precision tail and rotates only the new
     rows on each step; after appends, flushes, a rewind, a reorder and a reset it equals tail·R recomputed."""
     from kvslim.caches.fused import rotated_tail
-    from kvslim.caches.storage import StoreSpec, make_store
+    from kvslim.caches.storage import StoreSpec
+    from kvslim.caches.stores import make_store
 
     spec = StoreSpec(4, 16, asymmetric=True, rotation="hadamard", residual=8, flush=4, sink=sink)
     gen = torch.Generator().manual_seed(0)

@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 import kvslim
 from kvslim.caches import StoreSpec
 from kvslim.caches.dense import AppendLayer
-from kvslim.caches.storage import make_store
+from kvslim.caches.stores import make_store
 from kvslim.caches.window import ResidualRingLayer, RingLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvslim
 from kvslim.caches.residual import ChannelQuantizedStore, ResidualStore
-from kvslim.caches.storage import QuantizedStore, StoreSpec, make_store
+from kvslim.caches.storage import QuantizedStore, StoreSpec
+from kvslim.caches.stores import make_store
 from kvslim.ops.quant import dequantize, quantize
 from kvslim.ops.quant_formats import (
     dequantize_asym,

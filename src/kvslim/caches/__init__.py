@@ -3,7 +3,8 @@
 from .base import KVStoreLayer
 from .cache import KVSlimCache
 from .dense import AppendLayer
-from .storage import QuantizedStore, StoreSpec, TensorStore, make_store
+from .storage import QuantizedStore, StoreSpec, TensorStore
+from .stores import make_store
 from .window import RingLayer
 
 __all__ = ["AppendLayer", "KVSlimCache", "KVStoreLayer", "QuantizedStore", "RingLayer", "StoreSpec", "TensorStore",

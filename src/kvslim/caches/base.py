@@ -8,7 +8,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .fused import fusable
-from .storage import StoreSpec, TensorStore, check_finite, make_store
+from .storage import StoreSpec, TensorStore, check_finite
+from .stores import make_store
 
 
 def _index_select(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

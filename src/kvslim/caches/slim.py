@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from .dense import AppendLayer
-from .storage import StoreSpec, make_store
+from .storage import StoreSpec
+from .stores import make_store
 
 
 class SlimLayer(AppendLayer):

@@ -400,20 +400,3 @@ class QuantizedStore(TensorStore):
         fixed = 0 if self.channel is None or used_slots == 0 else self.channel.numel() * 4
         return super().nbytes(used_slots) + fixed
 
-
-def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStore:
-    """A store for tensors shaped like ``like`` (B, H, S, D) with ``capacity`` token slots."""
-    b, h, _, d = like.shape
-    if spec.bits == 0:
-        return TensorStore(spec, b, h, capacity, d, like.dtype, like.device)
-    from .residual import ChannelQuantizedStore, ResidualStore  # they build on the classes above
-
-    cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
-    if spec.sink:  # tokens [sink, …) go to a residual store of their own positions, shifted by sink
-        from .sink import SinkStore
-
-        inner = replace(spec, sink=0)
-        store = cls(inner, b, h, capacity, d, like.dtype, like.device)
-        return SinkStore(spec, ResidualStore(inner, store, b, h, d, like.dtype, like.device))
-    store = cls(spec, b, h, capacity, d, like.dtype, like.device)
-    return ResidualStore(spec, store, b, h, d, like.dtype, like.device) if spec.residual else store
