@@ -44,11 +44,12 @@ def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Ten
 def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
            scaling: float | None) -> torch.Tensor | None:
     """Attention output (B, 1, H, D) in the query's dtype for a decode step's query (B, H, 1, D), or ``None`` when
-    this path does not take the inputs (the caller then attends over ``h.materialize()``)."""
+    this path does not take the inputs (the caller then attends over ``h.materialize()``). Any device: the ops'
+    dispatch (:mod:`kvslim.kernels.backend`) picks the C++ op, the Triton kernels or the twin."""
     b, heads, s, d = query.shape
     hk = h.k.data.shape[1]
     mask = additive_mask(attention_mask, h.tokens)
-    if s != 1 or heads % hk or mask is False or query.device.type != "cpu":
+    if s != 1 or heads % hk or mask is False:
         return None
     scaling = d ** -0.5 if scaling is None else float(scaling)
     q = query.float().reshape(b, hk, heads // hk, d)  # head j·G + g -> (KV head j, g)

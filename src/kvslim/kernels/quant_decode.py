@@ -13,7 +13,10 @@ channels, or for keys with ``key_channel_group`` g > 0 per channel over groups o
 (it decodes a block of tokens at a time into a small scratch). Source: ``csrc/quant_decode.cpp`` (+
 ``quant_decode_body.h``, ``vec_quant.h``; AVX-512 VNNI / AVX-512 / AVX2 / scalar chosen at run time), built by
 :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax
-attention in fp32); :func:`quant_decode` dispatches to the op when it is built and the inputs are supported.
+attention in fp32). :func:`quant_decode` dispatches by device (:func:`kvslim.kernels.backend.pick`): CPU tensors to
+the op when it is built, CUDA tensors (or CPU ones under ``KVSLIM_BACKEND=triton`` with ``TRITON_INTERPRET=1``) to
+the Triton kernels of :mod:`kvslim.kernels.triton.quant_decode` (exact scores and values only: they ignore
+``scores``/``values``), anything else (or ``KVSLIM_BACKEND=torch``) to the twin.
 
 Score paths (``scores``): ``"exact"`` computes ``q · k_t`` in fp32 from the codes; ``"int8"`` (llama.cpp's q8_0
 technique) rounds the query the codes see (``scaling·q``, or ``scaling·q ⊙ s`` per KIVI token
@@ -38,6 +41,7 @@ import torch
 
 from ..ops.quant import dequantize
 from ..ops.quant_formats import dequantize_asym, unpack_codes
+from . import backend
 from .build import load_ops
 
 FAMILY = "quant_decode"
@@ -224,9 +228,9 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
                             bits, group_size, g)[:, :, :n]
     vals = dequantize_codes(v_codes[:, :, :n], v_scale[:, :, :n], None if v_zero is None else v_zero[:, :, :n],
                             bits, group_size)
-    live = torch.ones(q.shape[0], n, dtype=torch.bool)
+    live = torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device)
     if lengths is not None:  # never use a slot past a sequence's length (it may hold anything)
-        live = torch.arange(n)[None, :] < lengths[:, None]
+        live = torch.arange(n, device=q.device)[None, :] < lengths[:, None]
         keys = torch.where(live[:, None, :, None], keys, 0.0)
         vals = torch.where(live[:, None, :, None], vals, 0.0)
     if mode == "int8" and int_scores_apply(bits, k_zero is not None, q.shape[-1], group_size, g):
@@ -237,7 +241,7 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     if k_tail is not None:
         parts.append(torch.einsum("bhgd,bhtd->bhgt", q.float(), k_tail.float()) * scaling)
         vals = torch.cat((vals, v_tail.float()), dim=2)
-        live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool)), dim=1)
+        live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool, device=q.device)), dim=1)
     scores_ = torch.cat(parts, dim=-1)
     if mask is not None:
         scores_ = scores_ + mask.float()[:, None, None, :]
@@ -269,11 +273,17 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
                  splits: int = 0, scores: str | None = None,
                  values: str | None = None, v_unrot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+    """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` names: the C++
+    op (CPU), the Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``) or the twin; an input the chosen kernel
+    does not take runs the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
-    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads);
-    ``scores`` / ``values`` pick the score / value paths (``"int8"`` | ``"exact"``; ``None``: the defaults).
+    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs);
+    ``scores`` / ``values`` pick the score / value paths (``"int8"`` | ``"exact"``; ``None``: the defaults) of the
+    C++ op and the twin; the Triton kernels always compute the exact ones.
+
+    Raises:
+        ValueError: tensors on more than one device, a bad ``v_unrot``, a forced backend that cannot run here.
     """
     mode, vmode = _mode("scores", scores, bits), _mode("values", values, bits)
     if (k_tail is None) != (v_tail is None):
@@ -285,7 +295,19 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                                 or v_unrot.device.type != q.device.type):
         raise ValueError(f"v_unrot must be a float32 {q.device.type.upper()} tensor of shape ({d}, {d}) (Rᵀ of the "
                          f"value codes' rotation), got {v_unrot.dtype} {tuple(v_unrot.shape)} on {v_unrot.device}")
-    if available() and supported(q, k_codes, bits):
+    device = backend.same_device("quant_decode", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
+                                 k_tail, v_tail, mask, v_unrot)
+    which = backend.pick(device, device.type == "cpu" and available())
+    if which == "triton":
+        from .triton import quant_decode as tq  # imports Triton: only when a call takes this path
+
+        why = tq.covers(q, k_codes, bits)
+        if why is None:
+            return tq.op()(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, int(bits), int(group_size),
+                           int(key_channel_group), int(n), lengths, k_tail, v_tail, mask, float(scaling), int(splits),
+                           v_unrot)
+        backend.warn_fallback(FAMILY, f"the Triton kernel does not take {why}")
+    elif which == "cpp" and supported(q, k_codes, bits):
         k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
