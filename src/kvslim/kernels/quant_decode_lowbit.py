@@ -13,7 +13,9 @@ materialises the history in full precision: codes are converted in registers (sc
 values with the softmax weight folded into the scale). Source: ``csrc/quant_decode_lowbit.cpp`` (+
 ``quant_decode_lowbit_body.h``, ``vec_lowbit.h``; AVX2 + FMA + F16C or scalar, chosen at run time), built by
 :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (dequantize, then softmax attention
-in fp32); :func:`quant_decode_lowbit` dispatches to the op when it is built and the inputs are supported.
+in fp32); :func:`quant_decode_lowbit` dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the op
+when it is built and takes the inputs, CUDA tensors to the Triton kernels (:mod:`kvslim.kernels.triton.quant_decode_lowbit`),
+anything else to the twin.
 Rotations and key smoothing are undone on the query and the output by the caller (:mod:`kvslim.attention.quant`).
 """
 
@@ -24,6 +26,7 @@ import functools
 import torch
 
 from ..ops.quant_formats import unpack_codes
+from . import backend
 from .build import load_ops
 
 FAMILY = "quant_decode_lowbit"
@@ -90,15 +93,15 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_z
     nk = -(-n // g) * g if g else n
     keys = dequantize(k_codes[:, :, :nk], k_scale[:, :, :nk], k_zero[:, :, :nk], k_bits, group_size, g)[:, :, :n]
     values = dequantize(v_codes[:, :, :n], v_scale[:, :, :n], v_zero[:, :, :n], v_bits, group_size)
-    live = torch.ones(q.shape[0], n, dtype=torch.bool)
+    live = torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device)
     if lengths is not None:  # never use a slot past a sequence's length (it may hold anything)
-        live = torch.arange(n)[None, :] < lengths[:, None]
+        live = torch.arange(n, device=q.device)[None, :] < lengths.to(q.device)[:, None]
         keys = torch.where(live[:, None, :, None], keys, 0.0)
         values = torch.where(live[:, None, :, None], values, 0.0)
     if k_tail is not None:
         keys = torch.cat((keys, k_tail.float()), dim=2)
         values = torch.cat((values, v_tail.float()), dim=2)
-        live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool)), dim=1)
+        live = torch.cat((live, torch.ones(q.shape[0], k_tail.shape[2], dtype=torch.bool, device=q.device)), dim=1)
     scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
     if mask is not None:
         scores = scores + mask.float()[:, None, None, :]
@@ -118,16 +121,29 @@ def supported(q: torch.Tensor, k_codes: torch.Tensor, group_size: int) -> bool:
     return not (torch.is_grad_enabled() and q.requires_grad)
 
 
+def _triton():
+    """The Triton family module (imported on first use: importing this module never imports Triton)."""
+    from .triton import quant_decode_lowbit as tq
+
+    return tq
+
+
 def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                         v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
                         group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0,
                         splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+    """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` chooses: the
+    Triton kernels (``kernels/triton/quant_decode_lowbit.py``; CUDA, or CPU under ``TRITON_INTERPRET=1``), the C++
+    op (CPU), or the twin; an input the chosen kernel does not take runs the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
-    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads).
+    forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs).
+
+    Raises:
+        ValueError: bad bits, a tail half given, no zero-points, tensors on several devices, or a backend forced by
+            ``KVSLIM_BACKEND`` that cannot run here.
     """
     if k_bits not in BITS or v_bits not in BITS:
         raise ValueError(f"k_bits and v_bits must be 2 or 3, got {k_bits!r} / {v_bits!r}")
@@ -135,11 +151,26 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
         raise ValueError("k_tail and v_tail come together")
     if k_zero is None or v_zero is None:
         raise ValueError("k_zero and v_zero are required (the low-bit op reads asymmetric codes only)")
-    if available() and supported(q, k_codes, group_size):
-        k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
-        return torch.ops.kvslim.quant_decode_lowbit(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                    int(k_bits), int(v_bits), int(group_size),
-                                                    int(key_channel_group), int(n), lengths, k_tail, v_tail, mask,
-                                                    float(scaling), int(splits))
+    device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
+                                 v_tail, mask)
+    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    if which == "triton":
+        tq = _triton()
+        why = tq.covers(q)
+        if why is None:
+            k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
+            return tq.op()(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, int(k_bits), int(v_bits),
+                           int(group_size), int(key_channel_group), int(n), lengths, k_tail, v_tail, mask,
+                           float(scaling), int(splits))
+        backend.warn_fallback(f"{FAMILY} (triton)", why)
+    elif which == "cpp":
+        if supported(q, k_codes, group_size):
+            k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
+            return torch.ops.kvslim.quant_decode_lowbit(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                        v_zero, int(k_bits), int(v_bits), int(group_size),
+                                                        int(key_channel_group), int(n), lengths, k_tail, v_tail,
+                                                        mask, float(scaling), int(splits))
+        if backend.forced() == "cpp":
+            backend.warn_fallback(f"{FAMILY} (cpp)", "head dim or group size not a multiple of 16, or autograd")
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
                      key_channel_group, n, lengths, k_tail, v_tail, mask, scaling)

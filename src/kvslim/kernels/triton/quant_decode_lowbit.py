@@ -1,0 +1,345 @@
+"""Triton decode attention straight from asymmetric 2-bit / 3-bit KV codes (the ``int2`` method's format).
+
+The GPU twin of ``csrc/quant_decode_lowbit.cpp``, same contract as :func:`kvslim.kernels.quant_decode_lowbit.reference`:
+``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 for one query token, over the first ``lengths[b]`` (≤ n) coded tokens
+of each KV head, then an optional fp32 tail, with an additive mask (B|1, n + r). Flash-decoding in two kernels:
+
+* ``_lowbit_stage1``: one program per (sequence, KV head, split of the coded tokens); the G query heads of the KV
+  group are one block (padded to 16 rows for ``tl.dot``); codes are unpacked and dequantized in registers
+  (``c·s + z``; 3 bits: code ``8i + j`` at bits ``[3j, 3j+3)`` of 3 bytes, read as two bytes around its bit
+  offset; 2 bits: 4 codes per byte, low bits first); online softmax; the last split also attends the tail. Slots at
+  or past ``lengths[b]`` (or ``n``) are never read: their loads are masked, so NaN there cannot leak.
+* ``_lowbit_stage2``: the log-sum-exp merge of the splits (skipped with one split: stage 1 writes the result).
+
+:func:`launch` (bottom) takes only tensors and sizes and picks the block sizes and the split count;
+:func:`op` registers it as ``torch.ops.kvslim.quant_decode_lowbit_triton`` (a ``torch.library.custom_op`` with a
+fake impl, so ``torch.compile(fullgraph=True)`` traces a call). Importing this module imports Triton; the dispatch
+(:mod:`kvslim.kernels.quant_decode_lowbit`) imports it only when the Triton backend is picked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+#: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
+MAX_HEAD_DIM = 256
+#: streaming multiprocessors assumed when the tensors are not on a GPU (interpreter runs): an H100 SXM
+DEFAULT_SMS = 132
+
+
+@triton.jit
+def _unpack(row_ptr, byte, shift, bits: tl.constexpr, ok):
+    """Codes (BLOCK_N, D_PAD) at bit offsets ``byte·8 + shift`` of their rows: two bytes read where a code straddles."""
+    lo = tl.load(row_ptr + byte, mask=ok, other=0).to(tl.int32)
+    if bits == 3:
+        hi = tl.load(row_ptr + byte + 1, mask=ok & (shift > 5), other=0).to(tl.int32)
+        lo = lo | (hi << 8)
+    return (lo >> shift) & ((1 << bits) - 1)
+
+
+@triton.jit
+def _lowbit_stage1(
+    Q, KC, KS, KZ, VC, VS, VZ, LENGTHS, KT, VT, MASK, PO, PL,
+    s_qb, s_qh, s_qg,
+    s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_kzb, s_kzh, s_kzt,
+    s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst, s_vzb, s_vzh, s_vzt,
+    s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb,
+    Hk, G, n, r, chunk, scaling,
+    D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, KIVI: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    b = bh // Hk
+    h = bh % Hk
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    rows = tl.arange(0, G_PAD)  # query heads of the group
+    cols = tl.arange(0, D_PAD)  # channels
+    toks = tl.arange(0, BLOCK_N)
+    row_ok = rows < G
+    col_ok = cols < D
+    q = tl.load(Q + b64 * s_qb + h64 * s_qh + rows[:, None] * s_qg + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    q = q * scaling  # (G_PAD, D_PAD)
+
+    # where each channel's code sits in a packed row, and which parameter column it uses
+    k_byte = (cols * KB) // 8
+    k_shift = (cols * KB) % 8
+    v_byte = (cols * VB) // 8
+    v_shift = (cols * VB) % 8
+    if KIVI > 0:  # group i's D parameters over rows [i·g, (i+1)·g), D/g per row
+        k_prow = cols // (D // KIVI)
+        k_pcol = cols % (D // KIVI)
+    else:
+        k_prow = cols * 0
+        k_pcol = cols // GS
+    v_pcol = cols // GS
+
+    kc_base = KC + b64 * s_kcb + h64 * s_kch
+    ks_base = KS + b64 * s_ksb + h64 * s_ksh
+    kz_base = KZ + b64 * s_kzb + h64 * s_kzh
+    vc_base = VC + b64 * s_vcb + h64 * s_vch
+    vs_base = VS + b64 * s_vsb + h64 * s_vsh
+    vz_base = VZ + b64 * s_vzb + h64 * s_vzh
+    m_base = MASK + b64 * s_mb
+
+    length = n
+    if HAS_LENGTHS:
+        length = tl.minimum(tl.maximum(tl.load(LENGTHS + b).to(tl.int32), 0), n)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + toks
+        t_ok = t < end
+        ok = t_ok[:, None] & col_ok[None, :]  # (BLOCK_N, D_PAD)
+        code = _unpack(kc_base + t[:, None] * s_kct, k_byte[None, :], k_shift[None, :], KB, ok)
+        if KIVI > 0:
+            prow = (t // KIVI) * KIVI
+            prow = prow[:, None] + k_prow[None, :]
+        else:
+            prow = t[:, None] + k_prow[None, :]
+        ks = tl.load(ks_base + prow * s_kst + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+        kz = tl.load(kz_base + prow * s_kzt + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+        k = code.to(tl.float32) * ks + kz  # (BLOCK_N, D_PAD)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (G_PAD, BLOCK_N)
+        if HAS_MASK:
+            s = s + tl.load(m_base + t, mask=t_ok, other=0.0)[None, :]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+
+        code = _unpack(vc_base + t[:, None] * s_vct, v_byte[None, :], v_shift[None, :], VB, ok)
+        vs = tl.load(vs_base + t[:, None] * s_vst + v_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+        vz = tl.load(vz_base + t[:, None] * s_vzt + v_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = code.to(tl.float32) * vs + vz  # (BLOCK_N, D_PAD), 0 on every slot not read
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    if HAS_TAIL:
+        tail_end = tl.where(split == splits - 1, r, 0)  # the last split attends the fp32 tail
+        kt_base = KT + b64 * s_ktb + h64 * s_kth
+        vt_base = VT + b64 * s_vtb + h64 * s_vth
+        for t0 in range(0, tail_end, BLOCK_N):
+            t = t0 + toks
+            t_ok = t < tail_end
+            ok = t_ok[:, None] & col_ok[None, :]
+            k = tl.load(kt_base + t[:, None] * s_ktt + cols[None, :], mask=ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if HAS_MASK:
+                s = s + tl.load(m_base + n + t, mask=t_ok, other=0.0)[None, :]
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
+            v = tl.load(vt_base + t[:, None] * s_vtt + cols[None, :], mask=ok, other=0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    part = (bh.to(tl.int64) * splits + split) * G
+    tl.store(PO + (part + rows[:, None]) * D + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(PL + part + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _lowbit_stage2(PO, PL, OUT, LSE, G, splits, D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, G_PAD)
+    cols = tl.arange(0, D_PAD)
+    row_ok = rows < G
+    ok = row_ok[:, None] & (cols < D)[None, :]
+    m = tl.full((G_PAD,), float("-inf"), tl.float32)
+    w_sum = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+    for s in range(0, splits):
+        part = (bh * splits + s) * G
+        lse = tl.load(PL + part + rows, mask=row_ok, other=float("-inf"))
+        o = tl.load(PO + (part + rows[:, None]) * D + cols[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        w = tl.exp(lse - m_use)
+        w_sum = w_sum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    live = w_sum > 0.0
+    out = acc / tl.where(live, w_sum, 1.0)[:, None]
+    lse = tl.where(live, m + tl.log(tl.where(live, w_sum, 1.0)), float("-inf"))
+    tl.store(OUT + (bh * G + rows[:, None]) * D + cols[None, :], out, mask=ok)
+    tl.store(LSE + bh * G + rows, lse, mask=row_ok)
+
+
+# ---- launcher ------------------------------------------------------------------------------------------------
+
+
+def covers(q: torch.Tensor) -> str | None:
+    """Why the kernels do not take this query (``None`` when they do): head dim, autograd."""
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if torch.is_grad_enabled() and q.requires_grad:
+        return "a query that requires grad (the kernels have no backward)"
+    return None
+
+
+def check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
+          lengths, k_tail, v_tail, mask) -> None:
+    """The C++ op's argument checks, as named ValueErrors (no device sync: ``lengths`` values are clamped to
+    ``[0, n]`` in the kernel instead of checked)."""
+    name = "kvslim::quant_decode_lowbit_triton"
+    if q.dim() != 4 or q.dtype != torch.float32:
+        raise ValueError(f"{name}: q must be float32 (B, Hk, G, D), got {q.dtype} {tuple(q.shape)}")
+    b, hk, _, d = q.shape
+    if k_bits not in (2, 3) or v_bits not in (2, 3):
+        raise ValueError(f"{name}: k_bits and v_bits must be 2 or 3, got {k_bits} / {v_bits}")
+    if d < 1 or d % 8 or (d * k_bits) % 8 or (d * v_bits) % 8:
+        raise ValueError(f"{name}: the head dimension must be a positive multiple of 8, got {d}")
+    if group_size < 1 or d % group_size:
+        raise ValueError(f"{name}: group_size={group_size} must divide the head dimension {d}")
+    if key_channel_group < 0 or (key_channel_group and d % key_channel_group):
+        raise ValueError(f"{name}: key_channel_group={key_channel_group} must be 0 or divide the head dimension {d}")
+    if n < 0:
+        raise ValueError(f"{name}: n must be ≥ 0, got {n}")
+    kivi = key_channel_group
+    ktokens = -(-n // kivi) * kivi if kivi else n
+    kparams = d // kivi if kivi else d // group_size
+    for t, what, tokens, width in ((k_codes, "k_codes", n, d * k_bits // 8), (v_codes, "v_codes", n, d * v_bits // 8),
+                                   (k_scale, "k_scale", ktokens, kparams), (k_zero, "k_zero", ktokens, kparams),
+                                   (v_scale, "v_scale", n, d // group_size), (v_zero, "v_zero", n, d // group_size)):
+        if t.dim() != 4 or t.shape[0] != b or t.shape[1] != hk or t.shape[2] < tokens or t.shape[3] != width:
+            raise ValueError(f"{name}: {what} must be (B={b}, Hk={hk}, ≥{tokens}, {width}), got {tuple(t.shape)}")
+    if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
+        raise ValueError(f"{name}: codes must be uint8, got {k_codes.dtype} / {v_codes.dtype}")
+    dtypes = {t.dtype for t in (k_scale, k_zero, v_scale, v_zero)}
+    if len(dtypes) != 1 or k_scale.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: scales and zero-points must share one dtype of fp32/fp16/bf16, got {dtypes}")
+    if lengths is not None and (lengths.dtype != torch.int64 or lengths.shape != (b,)):
+        raise ValueError(f"{name}: lengths must be int64 of shape (B={b},), got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}")
+    if (k_tail is None) != (v_tail is None):
+        raise ValueError(f"{name}: k_tail and v_tail come together")
+    r = 0
+    if k_tail is not None:
+        for t, what in ((k_tail, "k_tail"), (v_tail, "v_tail")):
+            if t.dtype != torch.float32 or t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (b, hk, d):
+                raise ValueError(f"{name}: {what} must be float32 (B={b}, Hk={hk}, r, D={d}), got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        r = k_tail.shape[2]
+        if v_tail.shape[2] != r:
+            raise ValueError(f"{name}: k_tail and v_tail hold different token counts ({r} / {v_tail.shape[2]})")
+    if mask is not None and (mask.dtype != torch.float32 or mask.dim() != 2 or mask.shape[0] not in (1, b)
+                             or mask.shape[1] != n + r):
+        raise ValueError(f"{name}: mask must be float32 (1 or B={b}, n + tail={n + r}), got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+
+
+def choose_splits(tasks: int, n: int, block: int, sms: int, splits: int = 0) -> tuple[int, int]:
+    """``(splits, chunk)``: the coded tokens ``[0, n)`` cut into ``splits`` chunks of ``chunk`` tokens (a multiple
+    of ``block``). Forced ``splits`` > 0 is honoured up to one block per split; otherwise enough splits for about
+    two programs per SM, each at least 256 tokens long."""
+    blocks = -(-n // block)
+    if blocks <= 1:
+        return 1, max(n, 1)
+    want = splits if splits > 0 else min(-(-2 * sms // max(tasks, 1)), -(-n // 256), 64)
+    want = max(1, min(want, blocks))
+    chunk = -(-blocks // want) * block
+    return -(-n // chunk), chunk
+
+
+def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+           v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
+           group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None,
+           k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None, scaling: float,
+           splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32; arguments as :func:`kvslim.kernels.quant_decode_lowbit.reference`
+    (``q``, the tail and the mask fp32; ``splits`` > 0 forces the number of splits of the coded tokens)."""
+    check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
+          lengths, k_tail, v_tail, mask)
+    b, hk, g, d = q.shape
+    out = q.new_empty(b, hk, g, d)
+    lse = q.new_empty(b, hk, g)
+    if b * hk * g == 0:
+        return out, lse
+    q = q.contiguous()
+    kc, ks, kz, vc, vs, vz, kt, vt, mask = (_unit_last(t) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                                      v_zero, k_tail, v_tail, mask))
+    r = 0 if kt is None else kt.shape[2]
+    d_pad = max(16, triton.next_power_of_2(d))
+    g_pad = max(16, triton.next_power_of_2(g))
+    block = 64 if d_pad <= 128 else 32
+    sms = (torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda"
+           else DEFAULT_SMS)
+    s, chunk = choose_splits(b * hk, n, block, sms, splits)
+    if s == 1:
+        part_o, part_l = out, lse
+    else:
+        part_o = q.new_empty(b * hk, s, g, d)
+        part_l = q.new_empty(b * hk, s, g)
+    dummy = q  # pointer for absent optional tensors (never read: constexpr flags)
+    kt_, vt_ = (kt, vt) if kt is not None else (dummy, dummy)
+    st_k = kt.stride()[:3] if kt is not None else (0, 0, 0)
+    st_v = vt.stride()[:3] if vt is not None else (0, 0, 0)
+    s_mb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    _lowbit_stage1[(b * hk, s)](
+        q, kc, ks, kz, vc, vs, vz, lengths if lengths is not None else dummy, kt_, vt_,
+        mask if mask is not None else dummy, part_o, part_l,
+        *q.stride()[:3], *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3],
+        *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3], *st_k, *st_v, s_mb,
+        hk, g, n, r, chunk, float(scaling),
+        D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
+        KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
+        HAS_MASK=mask is not None, num_warps=4)
+    if s > 1:
+        _lowbit_stage2[(b * hk,)](part_o, part_l, out, lse, g, s, D=d, D_PAD=d_pad, G_PAD=g_pad, num_warps=4)
+    return out, lse
+
+
+@functools.cache
+def op():
+    """``torch.ops.kvslim.quant_decode_lowbit_triton``, registered on first use (a custom op with a fake impl)."""
+
+    @torch.library.custom_op("kvslim::quant_decode_lowbit_triton", mutates_args=())
+    def quant_decode_lowbit_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                                   k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                                   v_zero: torch.Tensor, k_bits: int, v_bits: int, group_size: int,
+                                   key_channel_group: int, n: int, lengths: torch.Tensor | None,
+                                   k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
+                                   mask: torch.Tensor | None, scaling: float,
+                                   splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
+                      key_channel_group, n, lengths, k_tail, v_tail, mask, scaling, splits)
+
+    @quant_decode_lowbit_triton.register_fake
+    def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
+          lengths, k_tail, v_tail, mask, scaling, splits=0):
+        b, hk, g, d = q.shape
+        return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
+
+    return torch.ops.kvslim.quant_decode_lowbit_triton
+
+
+__all__ = ["MAX_HEAD_DIM", "check", "choose_splits", "covers", "launch", "op"]
