@@ -3,7 +3,9 @@
 The patched forward computes the queries, the latent ``c_kv`` and the rotated ``k_pe`` exactly as HF does (same
 modules, HF's own RoPE function: V2 multiplies complex interleaved pairs, V3 uses rotate_half or its interleaved
 variant), hands ``(c_kv, k_pe)`` to the cache with HF's ``update`` protocol, and then attends with one of the four
-paths of :mod:`kvslim.attention.mla`. Nothing is patched at import time; :func:`unpatch` restores the class forward.
+paths of :mod:`kvslim.attention.mla` (a one-token decode step of the absorbed/elided paths goes through the MLA
+decode op where the backend is Triton: ``mla.kernel_decodes``). Nothing is patched at import time; :func:`unpatch`
+restores the class forward.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tenso
         impl = p.impl
         if p.prefill_threshold is not None and s >= p.prefill_threshold:
             impl = "compressed"  # long prefill: expanding once is cheaper than scoring H·S queries on dc+dr
-        out = mla.LATENT_PATHS[impl](q_nope, q_pe, c_kv, k_pe, w, attention_mask)
+        if impl in ("absorbed", "elided") and mla.kernel_decodes(q_nope, c_kv, attention_mask):
+            out = mla.attend_decode(q_nope, q_pe, c_kv, k_pe, w, attention_mask)  # the Triton decode op
+        else:
+            out = mla.LATENT_PATHS[impl](q_nope, q_pe, c_kv, k_pe, w, attention_mask)
     out = out.transpose(1, 2).reshape(b, s, -1)  # (B, S, H·dv)
     return module.o_proj(out), None

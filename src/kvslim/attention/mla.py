@@ -9,6 +9,9 @@ Stores (per token, per layer): decompressed ``h·(dk+dr+dv)`` values; latent ``d
   ``o = (softmax · c_kv) W_UV^T``: per-head K/V never exist;
 * :func:`attend_elided`     — absorbed, with the RoPE and non-RoPE score terms as two products added in place
   (no concatenation, no broadcast of ``k_pe`` to the heads);
+* :func:`attend_decode`     — the elided form for one query token through the op ``kernels.mla_decode`` (the Triton
+  kernels read the latent once per block of heads; ``q_nope W_UK`` before and ``W_UV`` after it stay torch GEMMs),
+  used for decode steps where :func:`kernel_decodes` says so (the Triton backend);
 * :func:`attend_reference`  — the obviously-correct formula (expand, concatenate, softmax) all others are tested
   against, in any dtype including float64.
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import mla_decode as kernel
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,37 @@ def attend_elided(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, 
     scores.baddbmm_(q_lat, c_kv.transpose(1, 2))  # + the latent term
     probs = _softmax(_masked(scores.view(b, h, s, t), mask), c_kv.dtype).view(b, h * s, t)
     return _latent_output(probs, c_kv, w, (b, h, s))
+
+
+# -- 5. one decode token through the op (Triton on a GPU) ----------------------------------------------------------
+def decode_mask(mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """HF's mask of a one-token step, ``(B|1, 1, S, ≥T)`` (bool or additive), as the op's ``(B|1, T)`` (None stays)."""
+    return None if mask is None else mask[:, 0, -1, :t]
+
+
+def kernel_decodes(q_nope: torch.Tensor, c_kv: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a step goes through :func:`attend_decode`: one query token, a mask shared by the heads covering the
+    T cached rows, and the Triton backend for the cache's device (``kernels.mla_decode.backend_for``)."""
+    if q_nope.shape[2] != 1:
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] < c_kv.shape[1]):
+        return False
+    return kernel.backend_for(c_kv.device) == "triton"
+
+
+def attend_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                  w: MLAWeights, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`attend_elided` for one query token (S = 1) through ``kernels.mla_decode.mla_decode``.
+
+    ``q̃ = q_nope W_UK`` (a batched GEMM in the absorbed weights' precision, fp32 into the op), then
+    ``u = softmax(s·(q̃ c_kvᵀ + q_pe k_peᵀ) + mask) · c_kv`` in the op, then ``o = u W_UV^T``. Returns (B, H, 1, dv)
+    in q's dtype.
+    """
+    t = c_kv.shape[1]
+    q_abs = torch.matmul(q_nope.to(w.w_uk.dtype), w.w_uk)[:, :, 0]  # (B,H,1,dk) @ (H,dk,dc) -> (B, H, dc)
+    u, _ = kernel.mla_decode(q_abs.float(), q_pe[:, :, 0], c_kv, k_pe, None, decode_mask(mask, t), w.scale)
+    o = torch.matmul(u.to(w.w_uv_t.dtype)[:, :, None], w.w_uv_t)  # (B,H,1,dc) @ (H,dc,dv) -> (B, H, 1, dv)
+    return o.to(q_nope.dtype)
 
 
 IMPLS = ("decompressed", "compressed", "absorbed", "elided")

@@ -11,7 +11,8 @@ Same contract as :func:`kvslim.kernels.mla_decode.reference`: for one query toke
   (the blocks of one split run side by side, so the repeats mostly hit L2). Online softmax in fp32; half caches
   multiply in their own dtype on tensor cores (query and weights rounded to it, as the torch path does), fp32
   caches in IEEE fp32 (Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as their uint16 bit patterns:
-  under ``TRITON_INTERPRET=1`` the rounded bf16 values are widened to fp32 first, the same exact products). Rows at or past ``lengths[b]`` are never loaded: NaN there cannot leak.
+  under ``TRITON_INTERPRET=1`` the rounded bf16 values are widened to fp32 first, the same exact products).
+  Rows at or past ``lengths[b]`` are never loaded: NaN there cannot leak.
 * ``_mla_stage2``: the log-sum-exp merge of the splits (not launched with one split: stage 1 writes the result).
 
 :func:`launch` (bottom) takes only tensors and sizes and picks the block sizes and the split count from shapes
