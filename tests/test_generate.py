@@ -154,7 +154,7 @@ def test_gqa_decode_uses_packed_queries_and_restore_puts_sdpa_back():
     assert model.config._attn_implementation == "sdpa"
     mha = tiny_model("llama", kv_heads=4)
     kvslim.apply(mha, "dense")
-    assert mha.config._attn_implementation == "sdpa"  # nothing to pack for MHA
+    assert mha.config._attn_implementation == "kvslim_sdpa"  # MHA too: the forced SDPA backends on CUDA
 
 
 def test_packed_gqa_attention_matches_hf_sdpa():

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import mla_decode as kernel
+from ..ops.sdpa import sdpa_context
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,13 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if mask is None:
         causal = s > 1 and s == t
         attn_mask = _causal_keep(s, t, q.device) if s > 1 and not causal else None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
+        with sdpa_context(q.device):  # forced backends on CUDA (ops/sdpa.py)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
     mask = mask[..., -s:, :t]
     if mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_context(q.device):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # -- 2. compressed cache, re-expanded every call ------------------------------------------------------------------
