@@ -100,7 +100,8 @@ def shared_cross_attention(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights,
 
 
 def _fused(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights, bias: torch.Tensor | None) -> bool:
-    """Whether the decode step goes through the C++ op: one query token, fp32 weights, a bias shared by heads."""
+    """Whether the decode step goes through a kernel (Triton on CUDA, the C++ op on CPU: :func:`kernel.choose`): one
+    query token, fp32 weights, a bias shared by heads."""
     if q.shape[2] != 1 or w.w_k.dtype != torch.float32 or q.dtype not in (torch.float32, torch.bfloat16,
                                                                           torch.float16):
         return False
@@ -108,8 +109,7 @@ def _fused(q: torch.Tensor, enc: torch.Tensor, w: CrossWeights, bias: torch.Tens
                              or bias.shape[3] != enc.shape[1]):
         return False
     grad = torch.is_grad_enabled() and (q.requires_grad or enc.requires_grad or w.w_k.requires_grad)
-    return (not grad and enc.device.type == "cpu" and enc.dtype in (torch.float32, torch.bfloat16)
-            and kernel.available())
+    return not grad and kernel.choose(q[:, :, 0], enc, None, None, (w.w_k, w.w_v, w.b_v), enc.shape[-1]) != "torch"
 
 
 def reference_cross_attention(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, b_k: torch.Tensor | None,

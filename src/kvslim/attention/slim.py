@@ -35,9 +35,9 @@ class SlimLayerWeights:
             has no bias and the rebuilt values need no constant.
         rope: whether keys carry RoPE (``k`` only); ``rope_storage`` is ``"raw"`` or ``"rotated"``.
         decode: ``"option2"`` (``u = softmax·C`` then ``u·W``) or ``"option1"`` (rebuild V, then attention).
-        kernel: decode ``"k"``/option 2 with one query token through the C++ op
-            (:mod:`kvslim.kernels.slim_decode`: CPU, fp32 or bf16 rows, RoPE raw or rotated) when it applies and
-            builds (``"auto"``; ``"c"`` is the same), or always through the torch path below (``"torch"``).
+        kernel: decode ``"k"``/option 2 with one query token through the op of :mod:`kvslim.kernels.slim_decode`
+            (Triton on CUDA; C++ on CPU, fp32 or bf16 rows; RoPE raw or rotated) when it applies and builds
+            (``"auto"``; ``"c"`` is the same), or always through the torch path below (``"torch"``).
     """
 
     technique: str
@@ -160,30 +160,31 @@ def _mask_rows(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def _fused_option2(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None) -> bool:
-    """Whether option 2 of a K-cache goes through the C++ op (one query token, mask shared by heads)."""
+    """Whether option 2 of a K-cache goes through a kernel (one query token, mask shared by heads): Triton on CUDA,
+    the C++ op on CPU (:func:`kvslim.kernels.slim_decode.choose`)."""
     if w.technique != "k" or w.decode != "option2" or w.kernel == "torch" or q.shape[2] != 1:
         return False
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
                              or mask.shape[3] != cache.shape[1]):
         return False
-    return kernel.available() and kernel.supported(q[:, :, 0], cache)
+    return kernel.choose(q[:, :, 0], cache) != "torch"  # Triton (CUDA), the C++ op (CPU), or neither
 
 
 def _fused_x(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None) -> bool:
     """Whether an X-cache decode step goes through ``kvslim::encdec_decode_mapped`` (the X rows play E's part:
     scores ``(q_i score_map_iᵀ) Xᵀ``, output ``(s_i X) value_map_i``): one query token, a mask shared by the heads,
-    fp32 maps, CPU, no autograd."""
-    if w.technique != "x" or w.kernel == "torch" or q.shape[2] != 1 or q.device.type != "cpu":
+    fp32 maps, a kernel for the device (:func:`kvslim.kernels.encdec_decode.choose`), no autograd."""
+    if w.technique != "x" or w.kernel == "torch" or q.shape[2] != 1:
         return False
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
                              or mask.shape[3] != cache.shape[1]):
         return False
     maps = (w.score_map, w.value_map)
-    if any(m is None or m.dtype != torch.float32 or m.device.type != "cpu" for m in maps):
+    if any(m is None or m.dtype != torch.float32 for m in maps):
         return False
     grad = torch.is_grad_enabled() and (q.requires_grad or cache.requires_grad or any(m.requires_grad for m in maps))
-    return (not grad and cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16)
-            and cache.shape[1] > 0 and rows_kernel.available())
+    return (not grad and cache.shape[1] > 0
+            and rows_kernel.choose(q[:, :, 0], cache, None, None, maps, width=cache.shape[-1]) != "torch")
 
 
 def option2_partials(q: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor | None, scaling: float,

@@ -4,8 +4,10 @@ For one query token per sequence and absorbed queries ``qt_j = q_j W_K,jᵀ`` (B
 over E (B, n, d), shared by all heads (and all decoder layers), ``u_j = softmax(scaling · qt_j Eᵀ + mask) E``
 (B, h, d) and ``lse_j`` (B, h); the caller applies ``W_V,j`` (and ``b_V,j``) to ``u_j``. Source:
 ``csrc/encdec_decode.cpp`` (+ ``shared_rows.h``, AVX-512 / AVX2 / scalar chosen at run time), built by
-:func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin; :func:`encdec_decode` dispatches to
-the op when it is built and the inputs are supported, else to the twin.
+:func:`kvslim.kernels.build.load_ops`; on CUDA (or under ``TRITON_INTERPRET=1``) the Triton kernels of
+``kernels/triton/encdec_decode.py``. :func:`reference` is their pure-torch twin; :func:`encdec_decode` dispatches
+through :func:`kvslim.kernels.backend.pick` (Triton on CUDA, the C++ op on CPU, ``KVSLIM_BACKEND`` overrides) and
+runs the twin for inputs the chosen kernel does not take.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 
 import torch
 
+from . import backend
 from .build import load_ops
 
 FAMILY = "encdec_decode"
@@ -82,16 +85,57 @@ def supported(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = N
     return not (torch.is_grad_enabled() and (qt.requires_grad or enc.requires_grad))
 
 
+def _triton():
+    """The Triton family module (imported on first use: importing this module never imports Triton)."""
+    from .triton import encdec_decode as te
+
+    return te
+
+
+def choose(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None,
+           lengths: torch.Tensor | None = None, maps: tuple = (), width: int | None = None) -> str:
+    """The implementation a call with these inputs runs: ``"triton"``, ``"cpp"`` or ``"torch"`` (the twin).
+
+    ``qt`` (B, h, ·) queries; ``maps`` the mapped op's weights (``w_k``, ``w_v``, ``b_v``; ``None`` entries skipped)
+    and ``width`` the absorbed queries' width when ``qt`` is not yet absorbed (the mapped op).
+
+    Raises:
+        ValueError: tensors on several devices, or a forced backend that cannot run here.
+    """
+    maps = tuple(z for z in maps if z is not None)
+    device = backend.same_device(FAMILY, qt, enc, mask, lengths, *maps)
+    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    grad_maps = torch.is_grad_enabled() and any(z.requires_grad for z in maps)
+    if which == "triton":
+        why = _triton().covers(qt, enc) or ("maps that require grad" if grad_maps else None)
+        if why is None:
+            return "triton"
+        backend.warn_fallback(f"{FAMILY} (triton)", why)
+    elif which == "cpp":
+        shaped = qt if width is None or qt.dim() != 3 else qt.new_empty(qt.shape[0], qt.shape[1], width)
+        if (supported(shaped, enc, mask) and all(z.dtype == torch.float32 for z in maps) and not grad_maps
+                and not (torch.is_grad_enabled() and qt.requires_grad)):
+            return "cpp"
+        if backend.forced() == "cpp":
+            backend.warn_fallback(f"{FAMILY} (cpp)", "E not fp32/bf16, maps not fp32, a mask not 2-D, or autograd")
+    return "torch"
+
+
 def encdec_decode(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None,
                   lengths: torch.Tensor | None = None, scaling: float = 1.0, splits: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(u, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+    """``(u, lse)`` of :func:`reference` through the implementation :func:`choose` picks (Triton, C++ or the twin).
 
-    ``splits`` forces the number of sequence splits per row of the batch (0: chosen from batch and threads).
+    ``splits`` forces the number of sequence splits per row of the batch (0: chosen from the batch and the
+    threads / SMs).
+
+    Raises:
+        ValueError: tensors on several devices, or a forced backend that cannot run here.
     """
-    if available() and supported(qt, enc, mask):
-        return torch.ops.kvslim.encdec_decode(qt.float(), enc, None if mask is None else mask.float(), lengths,
-                                              float(scaling), int(splits))
+    which = choose(qt, enc, mask, lengths)
+    if which != "torch":
+        call = _triton().op() if which == "triton" else torch.ops.kvslim.encdec_decode
+        return call(qt.float(), enc, None if mask is None else mask.float(), lengths, float(scaling), int(splits))
     return reference(qt, enc, mask, lengths, scaling)
 
 
@@ -121,15 +165,16 @@ def encdec_decode_mapped(q: torch.Tensor, enc: torch.Tensor, w_k: torch.Tensor, 
                          b_v: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                          lengths: torch.Tensor | None = None, scaling: float = 1.0, dk_last: bool = False,
                          splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-attention of one decoder layer in one op (absorbed query, one pass over E for all heads, ``W_V``,
-    ``b_V``): ``(out, lse)`` of :func:`reference_mapped` through the C++ op where it applies, else the twin.
-    Also serves slim's X-cache self-attention (rows X, ``dk_last`` maps)."""
-    maps = [z for z in (w_k, w_v, b_v) if z is not None]
-    ok = (available() and q.dim() == 3 and supported(q.new_empty(q.shape[0], q.shape[1], enc.shape[-1]), enc, mask)
-          and all(z.dtype == torch.float32 and z.device.type == "cpu" for z in maps)
-          and not (torch.is_grad_enabled() and (q.requires_grad or any(z.requires_grad for z in maps))))
-    if ok:
-        return torch.ops.kvslim.encdec_decode_mapped(q.float(), enc, w_k, w_v, b_v,
-                                                     None if mask is None else mask.float(), lengths,
-                                                     float(scaling), bool(dk_last), int(splits))
+    """Cross-attention of one decoder layer (absorbed query, one pass over E for all heads, ``W_V``, ``b_V``):
+    ``(out, lse)`` of :func:`reference_mapped` through the implementation :func:`choose` picks (the C++ op in one
+    call; Triton as its kernel between two batched matmuls in torch; else the twin). Also serves slim's X-cache
+    self-attention (rows X, ``dk_last`` maps)."""
+    which = choose(q, enc, mask, lengths, (w_k, w_v, b_v), width=enc.shape[-1])
+    mask = None if mask is None else mask.float()
+    if which == "triton":
+        return _triton().encdec_decode_mapped(q, enc, w_k, w_v, b_v, mask, lengths, float(scaling), bool(dk_last),
+                                              int(splits))
+    if which == "cpp":
+        return torch.ops.kvslim.encdec_decode_mapped(q.float(), enc, w_k, w_v, b_v, mask, lengths, float(scaling),
+                                                     bool(dk_last), int(splits))
     return reference_mapped(q, enc, w_k, w_v, b_v, mask, lengths, scaling, dk_last)

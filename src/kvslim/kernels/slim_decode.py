@@ -4,9 +4,11 @@ For one query token per sequence over a K-only cache C (B, n, c) — h·dk key c
 c − h·dk conditioning columns, fp32 or bf16 — the op computes, in one pass over C shared by all heads,
 ``u_j = softmax(scaling · q_j · rope(K_j)ᵀ + mask) · C`` (B, h, c) and ``lse_j`` (B, h); the caller applies
 ``W_KV,j`` once to ``u_j``. Source: ``csrc/slim_decode.cpp`` (+ ``shared_rows.h``, AVX-512 / AVX2 / scalar chosen
-at run time), built by :func:`kvslim.kernels.build.load_ops`. :func:`reference` is its pure-torch twin (float32,
-per-head, obviously correct); :func:`slim_decode` dispatches to the op when it is built and the inputs are
-supported, else to the twin. ``lse`` makes the result mergeable across shards (``merge``).
+at run time), built by :func:`kvslim.kernels.build.load_ops`; on CUDA (or under ``TRITON_INTERPRET=1``) the Triton
+kernels of ``kernels/triton/slim_decode.py``. :func:`reference` is their pure-torch twin (float32, per-head,
+obviously correct); :func:`slim_decode` dispatches through :func:`kvslim.kernels.backend.pick` (Triton on CUDA, the
+C++ op on CPU, ``KVSLIM_BACKEND`` overrides) and runs the twin for inputs the chosen kernel does not take.
+``lse`` makes the result mergeable across shards (``merge``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import torch
 
 from ..ops.rope import rotate, unrotate
+from . import backend
 from .build import load_ops
 
 FAMILY = "slim_decode"
@@ -103,21 +106,62 @@ def supported(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = No
     return not grad
 
 
+def _triton():
+    """The Triton family module (imported on first use: importing this module never imports Triton)."""
+    from .triton import slim_decode as ts
+
+    return ts
+
+
+def choose(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+           mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+           value_map: torch.Tensor | None = None) -> str:
+    """The implementation a call with these inputs runs: ``"triton"``, ``"cpp"`` or ``"torch"`` (the twin).
+
+    :func:`kvslim.kernels.backend.pick` chooses by device (``KVSLIM_BACKEND`` overrides); an input the chosen kernel
+    does not take runs the twin (with one warning per process where a backend was forced or is Triton).
+
+    Raises:
+        ValueError: tensors on several devices, or a forced backend that cannot run here.
+    """
+    device = backend.same_device(FAMILY, q, rows, cos, sin, mask, lengths, value_map)
+    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    if which == "triton":
+        why = _triton().covers(q, rows)
+        if why is None and value_map is not None and torch.is_grad_enabled() and value_map.requires_grad:
+            why = "a value map that requires grad"
+        if why is None:
+            return "triton"
+        backend.warn_fallback(f"{FAMILY} (triton)", why)
+    elif which == "cpp":
+        ok = supported(q, rows, cos, mask) and (value_map is None or (
+            value_map.dtype == torch.float32 and not (torch.is_grad_enabled() and value_map.requires_grad)))
+        if ok:
+            return "cpp"
+        if backend.forced() == "cpp":
+            backend.warn_fallback(f"{FAMILY} (cpp)", "rows not fp32/bf16, R > dk, a mask not 2-D, or autograd")
+    return "torch"
+
+
 def slim_decode(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None, scaling: float = 1.0,
                 rotated: bool = False, splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(u, lse)`` of :func:`reference` through the C++ op where it applies, else through the twin.
+    """``(u, lse)`` of :func:`reference` through the implementation :func:`choose` picks (Triton, C++ or the twin).
 
     Shapes as in :func:`reference`; ``q``, ``cos``, ``sin`` and ``mask`` are widened to fp32 here (small).
-    ``splits`` forces the number of sequence splits per row of the batch (0: chosen from batch and threads).
+    ``splits`` forces the number of sequence splits per row of the batch (0: chosen from the batch and the
+    threads / SMs).
+
+    Raises:
+        ValueError: ``cos`` without ``sin``, tensors on several devices, or a forced backend that cannot run here.
     """
     if cos is not None and sin is None or cos is None and sin is not None:
         raise ValueError("cos and sin come together")
-    if available() and supported(q, rows, cos, mask):
-        f32 = (None if z is None else z.float() for z in (cos, sin, mask))
-        cos, sin, mask = f32
-        return torch.ops.kvslim.slim_decode(q.float(), rows, cos, sin, mask, lengths, float(scaling), bool(rotated),
-                                            int(splits))
+    which = choose(q, rows, cos, sin, mask, lengths)
+    if which != "torch":
+        cos, sin, mask = (None if z is None else z.float() for z in (cos, sin, mask))
+        call = _triton().op() if which == "triton" else torch.ops.kvslim.slim_decode
+        return call(q.float(), rows, cos, sin, mask, lengths, float(scaling), bool(rotated), int(splits))
     return reference(q, rows, cos, sin, mask, lengths, scaling, rotated)
 
 
@@ -137,17 +181,21 @@ def slim_decode_mapped(q: torch.Tensor, rows: torch.Tensor, value_map: torch.Ten
                        sin: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                        lengths: torch.Tensor | None = None, scaling: float = 1.0, rotated: bool = False,
                        splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`slim_decode` with ``W_KV`` applied inside the op (one parallel region per layer and step):
-    ``(out (B, h, odk), lse (B, h))`` of :func:`reference_mapped`, through the op where it applies, else the twin.
+    """:func:`slim_decode` with ``W_KV`` applied too: ``(out (B, h, odk), lse (B, h))`` of :func:`reference_mapped`.
 
-    ``value_map`` (h, c, odk), fp32 (the layer's ``SlimLayerWeights.value_map``); other shapes as in
-    :func:`reference`. ``lse`` still merges shards exactly (the map is linear: ``merge`` works on ``out`` too).
+    The C++ op applies it inside (one parallel region per layer and step; ``value_map`` fp32 there), the Triton
+    path as one batched matmul after its kernel, the twin last. ``value_map`` (h, c, odk) (the layer's
+    ``SlimLayerWeights.value_map``); other shapes as in :func:`reference`. ``lse`` still merges shards exactly (the
+    map is linear: ``merge`` works on ``out`` too).
     """
     if cos is not None and sin is None or cos is None and sin is not None:
         raise ValueError("cos and sin come together")
-    if (available() and supported(q, rows, cos, mask) and value_map.dtype == torch.float32
-            and value_map.device.type == "cpu" and not (torch.is_grad_enabled() and value_map.requires_grad)):
+    which = choose(q, rows, cos, sin, mask, lengths, value_map)
+    if which != "torch":
         cos, sin, mask = (None if z is None else z.float() for z in (cos, sin, mask))
+        if which == "triton":
+            return _triton().slim_decode_mapped(q.float(), rows, value_map, cos, sin, mask, lengths, float(scaling),
+                                                bool(rotated), int(splits))
         return torch.ops.kvslim.slim_decode_mapped(q.float(), rows, value_map, cos, sin, mask, lengths,
                                                    float(scaling), bool(rotated), int(splits))
     return reference_mapped(q, rows, value_map, cos, sin, mask, lengths, scaling, rotated)
