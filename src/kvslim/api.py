@@ -6,11 +6,11 @@ import torch
 import transformers
 from packaging.version import Version
 
-from .adapters.generate import STATE, AppliedState, check_model_class
+from .adapters.generate import STATE, AppliedState, applied_plan, build_cache, check_model_class
 from .adapters.shape import shape_from_config
 from .caches import KVSlimCache
 from .methods import METHODS
-from .methods.base import parse_dtype
+from .methods.base import NotApplicable, parse_dtype
 from .plan import Plan
 
 #: the transformers releases kvslim accepts, [low, high), as pyproject pins them. The suite runs on 5.23 and 5.24
@@ -32,9 +32,40 @@ def check_transformers(version: str | None = None) -> None:
 
 
 def _method(method: str):
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     return METHODS[method]
+
+
+def check_model(model, *, generation: bool = True) -> None:
+    """``ValueError`` unless ``model`` is a ``transformers.PreTrainedModel`` (with a generation head when
+    ``generation``: ``apply`` patches the cache ``generate`` builds), saying what was passed instead."""
+    from transformers import PreTrainedModel
+
+    expected = ("a transformers PreTrainedModel with a generation head (e.g. LlamaForCausalLM)" if generation
+                else "a transformers PreTrainedModel (e.g. LlamaForCausalLM)")
+    if isinstance(model, str):
+        raise ValueError(f"model must be {expected}; got the string {model!r}: load the model first, e.g. "
+                         f"AutoModelForCausalLM.from_pretrained({model!r})")
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"model must be {expected}; got {_describe(model)}")
+    if generation and not model.can_generate():
+        raise ValueError(f"model must be {expected}; got {type(model).__name__}, a model without a generation head "
+                         "(pass the *ForCausalLM / *ForConditionalGeneration model that holds it)")
+
+
+def _describe(obj) -> str:
+    return "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _plan_model(m, model, **options) -> Plan:
+    """``m.plan_model``; a refusal for the model's shape names the methods that do apply."""
+    try:
+        return m.plan_model(model, **options)
+    except NotApplicable as e:
+        working = [name for name, other in METHODS.items() if other.supports(e.shape)]
+        raise ValueError(f"{e} (methods that apply to {e.shape.model_type}: {', '.join(working) or 'none'})"
+                         ) from None
 
 
 def apply(model: torch.nn.Module, method: str, **options) -> Plan:
@@ -47,8 +78,10 @@ def apply(model: torch.nn.Module, method: str, **options) -> Plan:
     exactly as it was.
     """
     check_transformers()
+    check_model(model, generation=False)
     m = _method(method)
-    plan = m.plan_model(model, **options)  # validates; changes nothing
+    plan = _plan_model(m, model, **options)  # validates; changes nothing
+    check_model(model)  # after the plan: an unsupported model_type is the better reason
     check_model_class(model)
     restore(model)
     m.prepare(model, plan)
@@ -66,40 +99,25 @@ def restore(model: torch.nn.Module) -> None:
 
 
 def get_plan(model: torch.nn.Module) -> Plan | None:
-    """The plan applied to ``model``, or ``None``."""
-    state = vars(model).get(STATE)
-    return state.plan if isinstance(state, AppliedState) else None
+    """The plan applied to ``model``, or ``None`` (also for an object that is not a model)."""
+    return applied_plan(model)
 
 
 def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimCache:
     """A ``transformers.Cache`` for the plan applied to ``model`` (a dense kvslim cache if none).
 
     Args:
-        model: a Hugging Face model, optionally prepared by :func:`apply`.
+        model: a Hugging Face model (a ``PreTrainedModel``), optionally prepared by :func:`apply`.
         max_length: total tokens (prompt + new) to preallocate for; ``None`` grows in chunks.
     """
-    if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                   or max_length <= 0):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-    plan = get_plan(model) or METHODS["dense"].plan_model(model)
-    if hasattr(plan, "make_cache"):  # plans with their own cache class (encoder-decoder slim attention)
-        return plan.make_cache(max_length)
-    cache = KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
-    if _fused_attention(model, plan):
-        cache.enable_fused_decode()
-    return cache
-
-
-def _fused_attention(model: torch.nn.Module, plan: Plan) -> bool:
-    """Whether ``model`` runs kvslim's attention (which reads int8/int4/int2 codes directly) and the method's op
-    is built."""
-    from .adapters.sdpa import NAME
-    from .kernels import quant_decode, quant_decode_lowbit
-
-    if getattr(model.config, "_attn_implementation", None) != NAME:
-        return False
-    if plan.method == "int2":
-        return quant_decode_lowbit.available()
-    return plan.method in ("int8", "int4") and quant_decode.available()
+    plan = get_plan(model)
+    if plan is None:
+        check_model(model, generation=False)
+        plan = _plan_model(METHODS["dense"], model)
+    return build_cache(model, plan, max_length)
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:

@@ -13,6 +13,11 @@ has none. HF's own arguments keep their meaning:
 
 Nothing is stored on the instance but the plan (no closure over the model), so ``copy.deepcopy`` and ``pickle``
 of an applied model keep working and the copy builds its caches from its own plan.
+
+This module holds what ``kvslim.apply`` leaves on a model (:class:`AppliedState`, read by :func:`applied_plan`)
+and the plan -> cache step (:func:`build_cache`): the hook needs both, and ``kvslim.api`` imports them from here
+(the hook never imports the public API: no import circle). The state and the hook share this module because
+unpickling a state must install the hook.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
+from ..caches import KVSlimCache
 from .compat import CACHE_KW
 
 STATE = "_kvslim_state"
@@ -42,6 +48,37 @@ class AppliedState:
 
     def __repr__(self) -> str:
         return f"AppliedState({self.plan.method} on {self.plan.model_type})"
+
+
+def applied_plan(model):
+    """The plan :func:`kvslim.apply` left on ``model`` (any object), or ``None``."""
+    state = getattr(model, "__dict__", {}).get(STATE)
+    return state.plan if isinstance(state, AppliedState) else None
+
+
+def build_cache(model, plan, max_length: int | None) -> KVSlimCache:
+    """A fresh cache for ``plan`` on ``model``: ``[lp.factory(max_length) for lp in plan.layers]``, or the plan's
+    own cache class (encoder-decoder slim attention); fused decode on when ``model`` runs kvslim's attention and
+    the method's op is built."""
+    if hasattr(plan, "make_cache"):
+        return plan.make_cache(max_length)
+    cache = KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
+    if _fused_attention(model, plan):
+        cache.enable_fused_decode()
+    return cache
+
+
+def _fused_attention(model, plan) -> bool:
+    """Whether ``model`` runs kvslim's attention (which reads int8/int4/int2 codes directly) and the method's op
+    is built."""
+    from ..kernels import quant_decode, quant_decode_lowbit  # loaded only when a cache is built
+    from .sdpa import NAME
+
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return False
+    if plan.method == "int2":
+        return quant_decode_lowbit.available()
+    return plan.method in ("int8", "int4") and quant_decode.available()
 
 
 def install() -> None:
@@ -76,9 +113,7 @@ def prepare_cache_for_generation(self, generation_config, model_kwargs: dict, ge
                       f"generate call uses that Hugging Face cache, not kvslim's {state.plan.method!r} cache",
                       stacklevel=3)
         return original(self, *args)
-    from ..api import make_cache  # the plan -> cache step lives with the public API
-
-    cache = make_cache(self, max_length=max_cache_length + 1)
+    cache = build_cache(self, state.plan, max_cache_length + 1)
     mask = model_kwargs.get("attention_mask")
     if not self.config.is_encoder_decoder and (mask is None or bool(mask.bool().all())):
         cache.declare_unpadded()  # no position will ever be masked: ring layers may read in slot order

@@ -20,6 +20,15 @@ def parse_dtype(dtype: str | torch.dtype, name: str = "dtype") -> torch.dtype:
     raise ValueError(f"{name} must be one of float32, float16, bfloat16, got {dtype!r}")
 
 
+class NotApplicable(ValueError):
+    """A method refuses a model's shape (``shape``): :func:`kvslim.apply` adds the methods that do apply (the
+    registry imports this module, so the list is made there)."""
+
+    def __init__(self, message: str, shape: ModelShape):
+        super().__init__(message)
+        self.shape = shape
+
+
 def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -48,17 +57,15 @@ class Method:
         raise NotImplementedError
 
     def check_model(self, model) -> ModelShape:
-        """The model's shape; ``ValueError`` saying why this method cannot serve it and which methods can."""
+        """The model's shape; :class:`NotApplicable` (a ``ValueError``) saying why this method cannot serve it."""
         shape = shape_from_config(model.config)
         reason = self.not_applicable(shape)
         if reason:
-            raise ValueError(f"method {self.name!r} does not apply to model_type {shape.model_type!r}: {reason} "
-                             f"(methods that apply: {', '.join(working_methods(shape)) or 'none'})")
+            raise NotApplicable(f"method {self.name!r} does not apply to model_type {shape.model_type!r}: {reason}",
+                                shape)
         if self.model_types and shape.model_type not in self.model_types:
-            raise ValueError(
-                f"method {self.name!r} does not support model_type {shape.model_type!r}; "
-                f"supported: {', '.join(self.model_types)} (methods that apply to {shape.model_type}: "
-                f"{', '.join(working_methods(shape)) or 'none'})")
+            raise NotApplicable(f"method {self.name!r} does not support model_type {shape.model_type!r}; "
+                                f"supported: {', '.join(self.model_types)}", shape)
         return shape
 
     def plan_model(self, model, **options) -> Plan:
@@ -71,9 +78,3 @@ class Method:
     def restore(self, model) -> None:
         """Undo :meth:`prepare`."""
 
-
-def working_methods(shape: ModelShape) -> list[str]:
-    """Names of the registered methods that support ``shape`` (what a refusal suggests instead)."""
-    from . import METHODS  # the registry imports this module
-
-    return [name for name, m in METHODS.items() if m.supports(shape)]
