@@ -191,9 +191,9 @@ def test_layer_update_refused_for_bad_values_writes_neither_store(make):
             out += [torch.tensor([getattr(store, "length", -1), getattr(getattr(store, "inner", None), "flushed", -1)])]
         return out
 
-    before = state()
-    k, v = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen)
-    v[0, 1, 0, 7] = float("nan")
+    before = state()  # two tokens: a decode step (one token) is checked on the device instead (test_sync_free.py)
+    k, v = torch.randn(1, 2, 2, 16, generator=gen), torch.randn(1, 2, 2, 16, generator=gen)
+    v[0, 1, 1, 7] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         layer.update(k, v)
     assert layer.get_seq_length() == 13

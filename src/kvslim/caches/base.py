@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .fused import fusable
-from .storage import StoreSpec, TensorStore, check_finite
+from .storage import StoreSpec, TensorStore, check_finite, raise_deferred
 from .stores import make_store
 
 
@@ -118,10 +118,21 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
                     spec.check_dim(x.shape[3])
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
+        if key_states.shape[2] == 1:  # a decode step: each quantized store checks its write on the device
+            return
+        self.raise_deferred()  # a host boundary: refuse a cache that an earlier decode step poisoned
         if self.spec.bits and self.value_spec().bits:
             # the key store checks its own write, and it is written first; the values are checked before it, so a
             # refused call writes neither (a key store whose window advanced would later re-read a flushed group)
             check_finite(value_states)
+
+    def raise_deferred(self) -> None:
+        """``ValueError`` when a decode step since the last check wrote inf/nan into a quantized store of this layer
+        (the device-side flags of :func:`~kvslim.caches.storage.check_finite`; one host read per store)."""
+        for store in self._stores():
+            while store is not None:
+                raise_deferred(store)
+                store = getattr(store, "inner", None)
 
     # -- HF protocol -----------------------------------------------------------------------------------------
     def _fused_step(self, key_states: torch.Tensor) -> bool:

@@ -32,6 +32,14 @@ class KVSlimCache(Cache):
             if hasattr(layer, "fused_decode"):
                 layer.fused_decode = True
 
+    def check_finite(self) -> None:
+        """``ValueError`` when a decode step since the last check wrote inf/nan into a quantized layer: decode steps
+        check their keys and values on the device, without a host synchronisation (docs/gpu.md); this reads the
+        flags (one host read per store). A multi-token update of a layer (a prefill) checks that layer too."""
+        for layer in self.layers:
+            if hasattr(layer, "raise_deferred"):
+                layer.raise_deferred()
+
     @property
     def nbytes(self) -> int:
         """Exact bytes of live cached data (keys, values, latents, scales) over all layers."""

@@ -71,9 +71,9 @@ class ChannelQuantizedStore(QuantizedStore):
             y += self.group_params(zero).float().unsqueeze(3)
         return self._from_stored_basis(y.flatten(2, 3), channel).to(self.dtype)
 
-    def write(self, start: int, x: torch.Tensor) -> None:
+    def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         self._check_span(start, x.shape[2])
-        super().write(start, x)
+        super().write(start, x, checked=checked)
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         self._check_span(start, end - start)
@@ -127,7 +127,7 @@ class ResidualStore(TensorStore):
         if start > self.length:
             raise ValueError(f"a residual store appends: start {start} is past its {self.length} tokens")
         if not checked:
-            check_finite(x)  # refused now, not when the token is flushed into codes later
+            check_finite(x, self)  # refused now (a decode step: on the device), not at the flush
         if start < self.length:
             self.epoch += 1
         if start < self.flushed:  # rewind into coded history: bring the partial group back to the window
@@ -167,8 +167,8 @@ class ResidualStore(TensorStore):
         return out
 
     def _inner_write(self, start: int, x: torch.Tensor) -> None:
-        """Encode tokens [start, start+S) (whole flush groups) into the coded store."""
-        self.inner.write(start, x)
+        """Encode tokens [start, start+S) (whole flush groups) into the coded store (checked on entry)."""
+        self.inner.write(start, x, checked=True)
 
     def _inner_read(self, start: int, end: int) -> torch.Tensor:
         """Decode coded tokens [start, end) (whole flush groups)."""
@@ -198,6 +198,7 @@ class ResidualStore(TensorStore):
     def reset(self) -> None:
         self.flushed = self.length = 0
         self.epoch += 1
+        self.nonfinite = None
         self.inner.reset()
 
     def nbytes(self, used_slots: int) -> int:
@@ -235,7 +236,7 @@ class RingResidualStore(ResidualStore):
     def _inner_write(self, start: int, x: torch.Tensor) -> None:
         skip = max(0, x.shape[2] - self.slots)  # a long write keeps only the last ``slots`` tokens (group aligned)
         for slot, off, n in self._runs(start + skip, start + x.shape[2]):
-            self.inner.write(slot, x[:, :, skip + off:skip + off + n])
+            self.inner.write(slot, x[:, :, skip + off:skip + off + n], checked=True)
 
     def _inner_read(self, start: int, end: int) -> torch.Tensor:
         if start < self.flushed - self.slots:

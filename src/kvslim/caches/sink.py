@@ -65,7 +65,7 @@ class SinkStore(TensorStore):
         crop). ``ValueError`` on inf/nan, nothing written."""
         if start > self.length:
             raise ValueError(f"a sink store appends: start {start} is past its {self.length} tokens")
-        check_finite(x)
+        check_finite(x, self)  # a decode step: on the device (storage.check_finite)
         if start < self.length:
             self.epoch += 1
         s, n = self.sink, start + x.shape[2]
@@ -106,6 +106,7 @@ class SinkStore(TensorStore):
     def reset(self) -> None:
         self.length = 0
         self.epoch += 1
+        self.nonfinite = None
         self.inner.reset()
 
     def nbytes(self, used_slots: int) -> int:

@@ -177,13 +177,26 @@ def _values_spec(spec: StoreSpec) -> StoreSpec:
                    rotation=None if rotation == "none" else rotation, value_rotation=None)
 
 
-def check_finite(x: torch.Tensor) -> None:
+def check_finite(x: torch.Tensor, owner: object | None = None) -> None:
     """``ValueError`` when ``x`` (the key or value states about to be quantized) holds ``inf`` or ``nan``.
 
     Grouped codes cannot represent a non-finite value: an ``inf`` would set its group's scale to the largest
     float and round every finite neighbour to 0, a ``nan`` would turn the whole group to ``nan``. Quantized stores
     refuse such a write instead (nothing is written); a plain store keeps them as the model made them.
+
+    A write of one token per sequence (a decode step) with an ``owner`` is not read back to the host (no device
+    synchronisation per step, docs/gpu.md): whether it held inf/nan is OR-ed into ``owner.nonfinite`` on the device
+    and :func:`raise_deferred` refuses by name at the next host boundary (a multi-token update of the layer,
+    ``KVSlimCache.check_finite``).
     """
+    if owner is not None and x.shape[-2] == 1:
+        bad = ~torch.isfinite(x).all()  # 0-dim bool on x's device
+        flag = getattr(owner, "nonfinite", None)
+        if flag is None or flag.device != bad.device:
+            owner.nonfinite = bad
+        else:
+            flag.logical_or_(bad)  # in place: a CUDA graph replays it
+        return
     if math.isfinite(x.sum(dtype=torch.float32).item()):  # inf/nan always reach the sum: one cheap op per write
         return
     if not bool(torch.isfinite(x).all()):  # the sum overflowed (or a value is not finite): look element-wise
@@ -193,6 +206,19 @@ def check_finite(x: torch.Tensor) -> None:
                          "cannot store inf/nan (it would silently zero or poison the rest of its group); nothing "
                          "was written. Fix the overflow in the model (e.g. run it in float32 or bfloat16) or use "
                          "an unquantized method (dense, window, slim, mla without bits)")
+
+
+def raise_deferred(owner: object) -> None:
+    """Raise the ``ValueError`` of :func:`check_finite` when a decode step since the last check wrote inf/nan into
+    ``owner`` (its ``nonfinite`` flag, read here: one host synchronisation at a host boundary). The flag stays set
+    (the codes of those tokens' groups are lost) until the owner is reset."""
+    flag = getattr(owner, "nonfinite", None)
+    if flag is not None and bool(flag):
+        raise ValueError("key/value states of an earlier decode step held a non-finite value (inf/nan): a quantized "
+                         "cache cannot store inf/nan, and decode steps are checked on the device, without stopping "
+                         "(docs/gpu.md), so those tokens' groups were written and are lost. Reset the cache; fix the "
+                         "overflow in the model (e.g. run it in float32 or bfloat16) or use an unquantized method "
+                         "(dense, window, slim, mla without bits)")
 
 
 class ScratchPool:
@@ -351,9 +377,10 @@ class QuantizedStore(TensorStore):
             y = dequantize(codes, scale, sp.bits, sp.group_size)
         return self._from_stored_basis(y, channel).to(self.dtype)
 
-    def write(self, start: int, x: torch.Tensor) -> None:
+    def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         """Quantize ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan (see
-        :func:`check_finite`), nothing written."""
+        :func:`check_finite`; a one-token write is checked on the device), nothing written. ``checked``: the caller
+        has already checked ``x`` (a residual window's flush)."""
         from ..kernels import quant_write as qw
 
         sp = self.spec  # decode steps of plain SPEC §1 stores: one C++ call, bit-identical (kernels/quant_write.py)
@@ -361,7 +388,8 @@ class QuantizedStore(TensorStore):
                 and qw.applies(x, self.data)):
             if qw.quant_write(x, self.channel, sp.bits, sp.group_size, start, self.data, self.scale):
                 return
-        check_finite(x)
+        if not checked:
+            check_finite(x, self)
         channel = self._channel_for(x)
         codes, scale, zero = self._encode(x, channel)
         end = start + x.shape[2]
@@ -395,6 +423,7 @@ class QuantizedStore(TensorStore):
 
     def reset(self) -> None:
         self.channel = None
+        self.nonfinite = None
 
     def nbytes(self, used_slots: int) -> int:
         fixed = 0 if self.channel is None or used_slots == 0 else self.channel.numel() * 4
