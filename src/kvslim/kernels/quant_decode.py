@@ -297,7 +297,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                          f"value codes' rotation), got {v_unrot.dtype} {tuple(v_unrot.shape)} on {v_unrot.device}")
     device = backend.same_device("quant_decode", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
                                  k_tail, v_tail, mask, v_unrot)
-    which = backend.pick(device, device.type == "cpu" and available())
+    which = _backend(str(device.type))
     if which == "triton":
         from .triton import quant_decode as tq  # imports Triton: only when a call takes this path
 
@@ -315,6 +315,12 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                                              vmode == "int8", v_unrot)
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
                      lengths, k_tail, v_tail, mask, scaling, mode, vmode, v_unrot)
+
+
+@torch._dynamo.assume_constant_result  # under torch.compile: decided once at trace time, not traced into
+def _backend(device_type: str) -> str:
+    """:func:`kvslim.kernels.backend.pick` for this family (a CUDA call never builds the C++ op)."""
+    return backend.pick(device_type, device_type == "cpu" and available())
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

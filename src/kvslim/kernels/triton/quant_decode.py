@@ -17,7 +17,8 @@ not take, whatever the call's ``scores``/``values`` say). Two kernels, split-K a
 
 :func:`launch` is the plain launcher (tensors and sizes in, ``(out, lse)`` out); :func:`op` registers it as
 ``torch.ops.kvslim.quant_decode_triton`` (a ``torch.library.custom_op`` with a fake impl, so
-``torch.compile(fullgraph=True)`` traces a call). Importing this module imports Triton.
+``torch.compile(fullgraph=True)`` traces a call; not ``triton_op``: its tracing into the kernels cannot run under
+the interpreter, so CI could not test it). Importing this module imports Triton and registers the op.
 """
 
 from __future__ import annotations
@@ -327,9 +328,10 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     return out, lse
 
 
-@functools.cache
-def op():
-    """``torch.ops.kvslim.quant_decode_triton``, registered on first use (a custom op with a fake impl)."""
+def _register() -> None:
+    """Define ``kvslim::quant_decode_triton`` (a custom op with a fake impl) unless it exists (a module reload)."""
+    if hasattr(torch.ops.kvslim, "quant_decode_triton"):
+        return
 
     @torch.library.custom_op("kvslim::quant_decode_triton", mutates_args=())
     def quant_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
@@ -347,4 +349,10 @@ def op():
         b, hk, g, d = q.shape
         return q.new_empty(b, hk, g, d, dtype=torch.float32), q.new_empty(b, hk, g, dtype=torch.float32)
 
+
+_register()  # at import (once per process): dynamo traces calls to op(), never a registration
+
+
+def op():
+    """``torch.ops.kvslim.quant_decode_triton`` (registered when this module is imported)."""
     return torch.ops.kvslim.quant_decode_triton

@@ -1,0 +1,253 @@
+"""The Triton int8/int4 decode kernels (kernels/triton/quant_decode.py) under Triton's interpreter, against the
+pure-torch twin (exact scores and values) and a float64 oracle over the dequantized codes; the dispatch; a tiny
+Llama generating through them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (tests/conftest.py sets it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+import kvslim  # noqa: E402
+from kvslim.caches.residual import ChannelQuantizedStore  # noqa: E402
+from kvslim.caches.storage import QuantizedStore, StoreSpec  # noqa: E402
+from kvslim.kernels import quant_decode as kernel  # noqa: E402
+from kvslim.ops.quant import quantize  # noqa: E402
+from kvslim.ops.quant_formats import quantize_asym  # noqa: E402
+
+tq = pytest.importorskip("kvslim.kernels.triton.quant_decode")
+F32 = torch.float32
+NAN = float("nan")
+
+
+def _codes(b, h, n, d, bits, gs, asym, sdt, gen):
+    x = torch.randn(b, h, n, d, generator=gen) * 2
+    if asym:
+        return quantize_asym(x, bits, gs, sdt)
+    c, s = quantize(x, bits, gs, sdt)
+    return c, s, None
+
+
+def _oracle(q, keys, values, n, lengths, kt, vt, mask, scaling):
+    """float64 softmax attention, sequence by sequence, over keys/values (B, Hk, ≥n, D) the codes stand for (only
+    the first lengths[b] slots), then the tail; mask columns: slot t, then n + j."""
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        ln = n if lengths is None else int(lengths[i])
+        k, v, cols = keys[i, :, :ln].double(), values[i, :, :ln].double(), torch.arange(ln)
+        if kt is not None:
+            k, v = torch.cat((k, kt[i].double()), 1), torch.cat((v, vt[i].double()), 1)
+            cols = torch.cat((cols, n + torch.arange(kt.shape[2])))
+        s = torch.einsum("hgd,htd->hgt", q[i].double(), k) * scaling
+        if mask is not None:
+            s = s + mask[min(i, mask.shape[0] - 1), cols].double()
+        outs.append(torch.softmax(s, -1).nan_to_num(0.0) @ v)
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _check(args, oracle, splits, what, v_unrot=None):
+    """Kernel (forced splits and the chosen count) == twin (exact paths) == float64 oracle; outputs finite."""
+    ref, ref_lse = kernel.reference(*args, scores="exact", values="exact", v_unrot=v_unrot)
+    assert_close(ref, oracle[0], F32, f"{what}: twin vs float64")
+    for s in (*splits, 0):
+        out, lse = tq.launch(*args, splits=s, v_unrot=v_unrot)
+        assert torch.isfinite(out).all(), f"{what}: non-finite output (splits={s})"
+        assert_close(out, ref, F32, f"{what}: kernel vs twin (splits={s})")
+        assert_close(out, oracle[0], F32, f"{what}: kernel vs float64 (splits={s})")
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(fin, torch.isfinite(lse)), f"{what}: -inf lse rows differ (splits={s})"
+        assert_close(lse[fin], ref_lse[fin], F32, f"{what}: lse (splits={s})")
+
+
+CASES = [  # (head dim, group size, GQA group, bits, asymmetric, scale dtype, forced splits)
+    (64, 32, 1, 8, False, torch.float32, (1, 3)),
+    (64, 64, 4, 4, True, torch.float16, (2,)),
+    (80, 16, 7, 4, True, torch.float32, (3,)),
+    (80, 40, 4, 8, True, torch.float16, (2,)),
+    (128, 32, 7, 4, False, torch.float16, (1,)),
+    (256, 64, 1, 4, True, torch.bfloat16, (2,)),
+    (256, 128, 4, 8, False, torch.float32, (3,)),
+]
+
+
+@pytest.mark.parametrize("d,gs,g,bits,asym,sdt,splits", CASES)
+def test_kernel_matches_twin_and_float64(d, gs, g, bits, asym, sdt, splits):
+    """Ragged lengths (one sequence with no coded token), an fp32 tail, a mask with -inf and finite entries (one
+    sequence's tail fully masked), scales/zeros NaN in every slot past a sequence's length and past n."""
+    gen = torch.Generator().manual_seed(d + gs + g + bits)
+    b, h, n = 3, 2, 37
+    kc, ks, kz = _codes(b, h, n + 5, d, bits, gs, asym, sdt, gen)
+    vc, vs, vz = _codes(b, h, n + 5, d, bits, gs, asym, sdt, gen)
+    keys = kernel.dequantize_codes(kc, ks, kz, bits, gs)  # before the poison
+    values = kernel.dequantize_codes(vc, vs, vz, bits, gs)
+    lengths = torch.tensor([n, 20, 0])
+    for t in (ks, vs) + ((kz, vz) if asym else ()):
+        for i, ln in enumerate(lengths.tolist()):
+            t[i, :, ln:] = NAN
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 3, d, generator=gen)
+    mask = torch.zeros(b, n + 3)
+    mask[0, 5] = mask[0, n + 1] = float("-inf")
+    mask[1, 7] = -2.5
+    mask[2, n:] = float("-inf")  # no coded token and a masked tail: nothing to attend
+    args = (q, kc, ks, kz, vc, vs, vz, bits, gs, 0, n, lengths, kt, vt, mask, d ** -0.5)
+    _check(args, _oracle(q, keys, values, n, lengths, kt, vt, mask, d ** -0.5), splits, f"d={d} g={g} int{bits}")
+
+
+@pytest.mark.parametrize("bits,asym,sdt,d,kcg,g", [(4, True, torch.float16, 64, 32, 4),
+                                                   (8, False, torch.float32, 128, 16, 7)])
+def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, kcg, g):
+    """Per-channel key parameters over token groups (ChannelQuantizedStore's layout), a length inside a group."""
+    torch.manual_seed(bits + d)
+    b, h, n = 2, 2, 3 * kcg
+    spec = StoreSpec(bits, 32, sdt, asymmetric=asym, channel_group=kcg, residual=kcg, flush=kcg)
+    ks = ChannelQuantizedStore(spec, b, h, 4 * kcg, d, F32, torch.device("cpu"))
+    vs = QuantizedStore(spec.for_values(), b, h, 4 * kcg, d, F32, torch.device("cpu"))
+    ks.write(0, torch.randn(b, h, n, d))
+    vs.write(0, torch.randn(b, h, n, d))
+    keys, values = ks.read(0, n), vs.read(0, n)
+    q = torch.randn(b, h, g, d)
+    lengths = torch.tensor([n - 3, kcg + 5])
+    args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 32, kcg, n, lengths, None, None, None,
+            0.1)
+    _check(args, _oracle(q, keys, values, n, lengths, None, None, None, 0.1), (2,), f"KIVI int{bits}")
+
+
+@pytest.mark.parametrize("bits,d,g", [(4, 64, 4), (8, 128, 1)])
+def test_rotated_values_with_a_tail(bits, d, g):
+    """Value codes hold v·R: the merged coded sum is taken back by v_unrot = Rᵀ, the tail is added in its own
+    basis (not rotated); without v_unrot the result is far off."""
+    gen = torch.Generator().manual_seed(bits + d + g)
+    b, h, n = 2, 2, 70
+    ks = QuantizedStore(StoreSpec(bits, 64, torch.float16, asymmetric=True), b, h, n, d, F32, torch.device("cpu"))
+    vs = QuantizedStore(StoreSpec(bits, 64, torch.float16, asymmetric=True, rotation="hadamard"), b, h, n, d, F32,
+                        torch.device("cpu"))
+    ks.write(0, torch.randn(b, h, n, d, generator=gen))
+    vs.write(0, torch.randn(b, h, n, d, generator=gen) * 2)
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 4, d, generator=gen), torch.randn(b, h, 4, d, generator=gen) * 3
+    lengths = torch.tensor([n, 33])
+    args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 64, 0, n, lengths, kt, vt, None, 0.125)
+    oracle = _oracle(q, ks.read(0, n), vs.read(0, n), n, lengths, kt, vt, None, 0.125)  # reads: original basis
+    _check(args, oracle, (1, 3), f"rotated int{bits}", v_unrot=vs.unrotation)
+    wrong, _ = tq.launch(*args, splits=2)
+    assert (wrong.double() - oracle[0]).abs().max().item() > 0.1
+
+
+def test_empty_coded_history_and_many_heads():
+    """n = 0 with a tail, lengths all 0 with a tail, nothing at all (zeros, lse -inf); 33 query heads per KV head
+    (two head blocks)."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, d = 2, 1, 64
+    kc, ks, kz = _codes(b, h, 8, d, 4, 32, True, F32, gen)
+    q = torch.randn(b, h, 3, d, generator=gen)
+    kt, vt = torch.randn(b, h, 2, d, generator=gen), torch.randn(b, h, 2, d, generator=gen)
+    for n, lengths in ((0, None), (8, torch.tensor([0, 0]))):
+        args = (q, kc, ks, kz, kc, ks, kz, 4, 32, 0, n, lengths, kt, vt, None, 0.125)
+        _check(args, _oracle(q, kt[:, :, :0], vt[:, :, :0], n, torch.zeros(2), kt, vt, None, 0.125), (2,),
+               f"empty (n={n})")
+    out, lse = tq.launch(q, kc, ks, kz, kc, ks, kz, 4, 32, 0, 0, None, None, None, None, 0.125)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    q33 = torch.randn(b, h, 33, d, generator=gen)
+    args = (q33, kc, ks, kz, kc, ks, kz, 4, 32, 0, 8, torch.tensor([8, 5]), kt, vt, None, 0.125)
+    oracle = _oracle(q33, kernel.dequantize_codes(kc, ks, kz, 4, 32), kernel.dequantize_codes(kc, ks, kz, 4, 32), 8,
+                     torch.tensor([8, 5]), kt, vt, None, 0.125)
+    _check(args, oracle, (), "33 heads per KV head")
+
+
+def test_dispatch_takes_the_kernel_and_refuses_bad_input(monkeypatch):
+    """KVSLIM_BACKEND=triton: quant_decode runs the kernel (counted) with exact scores whatever ``scores`` says;
+    2-bit codes are not its inputs (twin, one warning); a wrong mask shape is refused by name."""
+    monkeypatch.setenv("KVSLIM_BACKEND", "triton")
+    calls = []
+    launch = tq.launch
+    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    gen = torch.Generator().manual_seed(9)
+    kc, ks, kz = _codes(1, 2, 40, 64, 4, 32, True, F32, gen)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    args = (q, kc, ks, kz, kc, ks, kz, 4, 32, 0, 40)
+    out, lse = kernel.quant_decode(*args, scaling=0.125, scores="int8", values="int8")
+    ref, ref_lse = kernel.reference(*args, scaling=0.125, scores="exact", values="exact")
+    assert calls == [1]
+    assert_close(out, ref, F32, "dispatched kernel vs twin")
+    assert_close(lse, ref_lse, F32, "dispatched lse")
+    with pytest.raises(ValueError, match="mask must be"):
+        kernel.quant_decode(*args, mask=torch.zeros(1, 39))
+    assert tq.covers(q, kc, 2) is not None and tq.covers(torch.zeros(1, 1, 1, 512), kc, 4) is not None
+    monkeypatch.setattr(kernel.backend, "_warned", set())
+    with pytest.warns(UserWarning, match="Triton kernel does not take"):
+        kernel.quant_decode(torch.randn(1, 2, 1, 512), torch.zeros(1, 2, 4, 256, dtype=torch.uint8),
+                            torch.ones(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 256,
+                                                                                            dtype=torch.uint8),
+                            torch.ones(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), 4, 32, 0, 4)
+    monkeypatch.setenv("KVSLIM_BACKEND", "torch")
+    kernel.quant_decode(*args)
+    assert len(calls) == 2  # the bad mask reached the launcher (refused there); the torch backend never launches
+
+
+def test_torch_compile_traces_the_op(monkeypatch):
+    """The fake impl traces under torch.compile(fullgraph=True), called as the op and through the dispatch; the
+    compiled calls give the eager result."""
+    monkeypatch.setenv("KVSLIM_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(6)
+    kc, ks, _ = _codes(2, 2, 40, 64, 4, 32, False, F32, gen)
+    q = torch.randn(2, 2, 3, 64, generator=gen)
+
+    def f(q, kc, ks):
+        out, lse = tq.op()(q, kc, ks, None, kc, ks, None, 4, 32, 0, 40, None, None, None, None, 0.125, 0, None)
+        return out * 2, lse
+
+    def g(q, kc, ks):
+        return kernel.quant_decode(q, kc, ks, None, kc, ks, None, 4, 32, 0, 40, scaling=0.125)[0] + 1
+
+    got, want = torch.compile(f, backend="aot_eager", fullgraph=True)(q, kc, ks), f(q, kc, ks)
+    assert_close(got[0], want[0], F32, "compiled out")
+    assert_close(got[1], want[1], F32, "compiled lse")
+    assert_close(torch.compile(g, backend="aot_eager", fullgraph=True)(q, kc, ks), g(q, kc, ks), F32, "dispatch")
+
+
+FORMATS = [("int8", {}), ("int4", dict(residual=32, sink=4)),  # int4: KIVI keys, rotated values, sinks
+           ("int4", dict(asymmetric=False, key_channel_group=0, value_rotation="none", residual=32, sink=0))]
+
+
+@pytest.mark.parametrize("method,opts", FORMATS)
+def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
+    """A tiny Llama (GQA 4:1, head dim 64) with a padded batch: greedy tokens under KVSLIM_BACKEND=triton equal
+    KVSLIM_BACKEND=torch's (the twin, exact paths), every decode step took the fused path and launched the
+    kernel."""
+    from kvslim.adapters import sdpa
+
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")  # the twin's exact paths are the kernel's contract
+    monkeypatch.setenv("KVSLIM_QUANT_VALUES", "exact")
+    model = tiny_model("llama", kv_heads=1, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                       attn_implementation="sdpa")
+    ids = torch.randint(1, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    calls, taken = [], []
+    launch, decode = tq.launch, sdpa.quant.decode
+    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(sdpa.quant, "decode", lambda *a: taken.append(decode(*a)) or taken[-1])
+    kvslim.apply(model, method, **opts)
+    try:
+        runs = {}
+        for name in ("torch", "triton"):
+            monkeypatch.setenv("KVSLIM_BACKEND", name)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                     output_logits=True, return_dict_in_generate=True)
+            runs[name] = out
+    finally:
+        kvslim.restore(model)
+    steps = 4 * 2  # decode steps after the prompt × layers, per backend
+    assert len(taken) == 2 * steps and all(t is not None for t in taken), "a decode step left the fused path"
+    assert len(calls) == steps, f"the Triton kernel ran {len(calls)} times, expected {steps}"
+    assert torch.equal(runs["triton"].sequences, runs["torch"].sequences), f"{method} {opts}: greedy tokens differ"
+    for a, b in zip(runs["triton"].logits, runs["torch"].logits):
+        assert_close(a, b, F32, f"{method} {opts}: logits")
