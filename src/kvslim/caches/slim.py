@@ -31,6 +31,11 @@ class SlimLayer(AppendLayer):
             raise ValueError(f"width must be a positive int, got {width!r}")
         self.technique, self.width = technique, width
         self.offsets: torch.Tensor | None = None  # (B,) long: slot − position per sequence
+        #: whether any offset may be non-zero (host-side, read once when the offsets are set: no per-step sync)
+        self.shifted = False
+        #: (0-dim bool on the device) a decode step's position did not follow on (checked without a host read;
+        #: refused by name at the next multi-token write, docs/gpu.md)
+        self.position_jump: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"SlimLayer({self.technique}, width={self.width}, bits={self.spec.bits}, seen={self.cumulative_length})"
@@ -62,12 +67,32 @@ class SlimLayer(AppendLayer):
             offsets = (end - 1) - last
             if self.offsets is None or start == 0:
                 self.offsets = offsets
-            elif not torch.equal(offsets, self.offsets):
-                raise ValueError("slim attention with RoPE needs consecutive positions per sequence "
-                                 "(position = slot − constant); got a jump in position_ids")
+                self.shifted = bool(offsets.any())  # a prefill: one host read
+                self.position_jump = None
+            elif x.shape[2] == 1:  # a decode step: checked on the device, read at the next host boundary
+                jump = (offsets != self.offsets).any()
+                if self.position_jump is None:
+                    self.position_jump = jump
+                else:
+                    self.position_jump.logical_or_(jump)
+            elif not torch.equal(offsets, self.offsets) or self._jumped():
+                raise ValueError(self.JUMP)
         self._ensure_capacity(end)
         self.k_store.write(start, x)
         self.cumulative_length = end
+
+    JUMP = ("slim attention with RoPE needs consecutive positions per sequence (position = slot − constant); got a "
+            "jump in position_ids")
+
+    def _jumped(self) -> bool:
+        return self.position_jump is not None and bool(self.position_jump)
+
+    def raise_deferred(self) -> None:
+        """The checks decode steps made on the device, read (``KVSlimCache.check_finite``): inf/nan in a quantized
+        store, a jump in position_ids."""
+        super().raise_deferred()
+        if self._jumped():
+            raise ValueError(self.JUMP)
 
     def read(self) -> torch.Tensor:
         """All stored rows (B, n, width) in the model dtype (dequantized if quantized)."""
@@ -75,7 +100,7 @@ class SlimLayer(AppendLayer):
 
     def positions(self) -> torch.Tensor | None:
         """Positions (B, n) of the stored slots (clamped at 0 for left padding), or ``None`` if all start at 0."""
-        if self.offsets is None or not bool(self.offsets.any()):
+        if self.offsets is None or not self.shifted:
             return None
         slots = torch.arange(self.cumulative_length, device=self.offsets.device)
         return (slots[None, :] - self.offsets[:, None]).clamp_min(0)
@@ -87,4 +112,4 @@ class SlimLayer(AppendLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.offsets = None
+        self.offsets, self.shifted, self.position_jump = None, False, None
