@@ -189,7 +189,7 @@ def test_int2_llama_triton_backend_equals_the_twin(monkeypatch):
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     calls = []
@@ -201,10 +201,10 @@ def test_int2_llama_triton_backend_equals_the_twin(monkeypatch):
         for name in ("triton", "torch"):
             monkeypatch.setenv(backend.ENV, name)
             with torch.no_grad():
-                runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                runs.append(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                            output_logits=True, return_dict_in_generate=True))
             if name == "triton":
-                assert calls and max(calls) >= 64, f"the Triton launcher ran {len(calls)} times (n: {calls})"
+                assert calls and max(calls) >= 32, f"the Triton launcher ran {len(calls)} times (n: {calls})"
                 seen = len(calls)
         assert len(calls) == seen  # the torch backend never reaches it
     finally:
