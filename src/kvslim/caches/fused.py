@@ -67,13 +67,14 @@ class FusedKV:
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
+        device = self.k_tail.device  # every index below is built there: no host read, no device mix
         if self.columns is not None:
-            b = 1 if mask is None else mask.shape[0]
-            out = torch.full((b, self.columns.shape[0]), float("-inf"), dtype=torch.float32,
-                             device=self.k_tail.device)
-            live = self.columns >= 0
-            out[:, live] = 0.0 if mask is None else mask[:, self.columns[live]].float()
-            return out
+            cols = self.columns.to(device)  # (n + r,), −1: not attended (built on the device by the layer)
+            live = (cols >= 0)[None]  # (1, n + r)
+            if mask is None:
+                return torch.zeros(live.shape, dtype=torch.float32, device=device).masked_fill_(~live, float("-inf"))
+            picked = mask[:, cols.clamp_min(0)].float()  # (B|1, n + r): a gather, no boolean indexing
+            return torch.where(live, picked, float("-inf"))
         if self.ring is None and not self.lead:
             return mask
         if self.ring is None:  # append layer with full-precision sinks: tokens [0, lead) sit in the tail's front
@@ -83,11 +84,11 @@ class FusedKV:
             return torch.cat((mask[:, lead:lead + n], mask[:, :lead], mask[:, lead + n:]), dim=1).float()
         first, skip = self.ring
         n, b = self.n, 1 if mask is None else mask.shape[0]
-        out = torch.zeros(b, n + self.k_tail.shape[2], dtype=torch.float32, device=self.k_tail.device)
+        out = torch.zeros(b, n + self.k_tail.shape[2], dtype=torch.float32, device=device)
         out[:, skip] = float("-inf")
         if mask is not None:
             lead = self.lead
-            slots = (first + torch.arange(n - 1)) % n
+            slots = (first + torch.arange(n - 1, device=device)) % n
             out[:, n:n + lead] = mask[:, :lead].float()
             out[:, slots] = mask[:, lead:lead + n - 1].float()
             out[:, n + lead:] = mask[:, lead + n - 1:].float()

@@ -251,7 +251,7 @@ class RingResidualStore(ResidualStore):
 
     def slot_positions(self) -> torch.Tensor:
         """(slots,) int64: the position each ring slot holds (−1: never written)."""
-        j = torch.arange(self.slots)
+        j = torch.arange(self.slots, device=self.fp.device)  # on the device: used with its masks (fused.py)
         f = self.flushed
         pos = j + self.slots * torch.div(f - 1 - j, self.slots, rounding_mode="floor")
         return torch.where(j < f, pos, torch.full_like(pos, -1))

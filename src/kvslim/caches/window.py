@@ -250,7 +250,8 @@ class ResidualRingLayer(RingLayer):
         full-precision token (the visible positions c − min(c, W−1) … c in order), −1 where not visible."""
         st = self.k_store
         first = c - min(c, self.slots)
-        pos = torch.cat((st.slot_positions()[:st.coded_slots()], torch.arange(st.flushed, c + 1)))
+        pos = torch.cat((st.slot_positions()[:st.coded_slots()],
+                         torch.arange(st.flushed, c + 1, device=st.fp.device)))  # on the device (fused.py)
         return torch.where(pos >= first, pos - first, torch.full_like(pos, -1))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
