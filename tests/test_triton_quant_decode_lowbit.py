@@ -162,21 +162,35 @@ def test_dispatch_follows_the_backend(monkeypatch):
             kernel.quant_decode_lowbit(*args)
 
 
-def test_torch_compile_fullgraph_traces_the_op():
-    """The registered op (custom op + fake impl) traces under fullgraph=True and gives the launcher's result."""
+def test_torch_compile_fullgraph_traces_the_op(monkeypatch):
+    """The registered op (custom op + fake impl) and the dispatch that reaches it (KVSLIM_BACKEND=triton) trace under
+    fullgraph=True and give the launcher's result; the compiled dispatch runs the launcher."""
     gen = torch.Generator().manual_seed(6)
     codes = _to(_random_format(2, 2, 64, 64, 3, 2, 64, 64, torch.float16, gen))
     q = torch.randn(2, 2, 3, 64, generator=gen).to(DEVICE)
-    op = tq.op()
+    op = torch.ops.kvslim.quant_decode_lowbit_triton
 
     def f(q, kc, ks, kz, vc, vs, vz):
         out, lse = op(q, kc, ks, kz, vc, vs, vz, 3, 2, 64, 64, 64, None, None, None, None, 0.125)
         return out * 2, lse
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    got, want = compiled(q, *codes), f(q, *codes)
+    def dispatched(q, kc, ks, kz, vc, vs, vz):
+        out, lse = kernel.quant_decode_lowbit(q, kc, ks, kz, vc, vs, vz, 3, 2, 64, 64, 64, scaling=0.125)
+        return out * 2, lse
+
+    want = f(q, *codes)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, *codes)
     assert_close(got[0], want[0], F32, "compiled out")
     assert_close(got[1], want[1], F32, "compiled lse")
+    calls = []
+    launch = tq.launch
+    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setenv(backend.ENV, "triton")
+    torch._dynamo.reset()
+    got = torch.compile(dispatched, backend="aot_eager", fullgraph=True)(q, *codes)
+    assert calls, "the compiled dispatch did not run the Triton launcher"
+    assert_close(got[0], want[0], F32, "compiled dispatch out")
+    assert_close(got[1], want[1], F32, "compiled dispatch lse")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="attention/quant.py hands CPU queries to the op (a CPU model here)")

@@ -153,15 +153,18 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
         raise ValueError("k_zero and v_zero are required (the low-bit op reads asymmetric codes only)")
     device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
                                  v_tail, mask)
-    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    # the C++ op is looked for (built on first use) only where it could run: CPU tensors, no other backend forced
+    cpp = device.type == "cpu" and backend.forced() in (None, "cpp") and available()
+    which = backend.pick(device, cpp)
     if which == "triton":
         tq = _triton()
         why = tq.covers(q)
         if why is None:
             k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
-            return tq.op()(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, int(k_bits), int(v_bits),
-                           int(group_size), int(key_channel_group), int(n), lengths, k_tail, v_tail, mask,
-                           float(scaling), int(splits))
+            return torch.ops.kvslim.quant_decode_lowbit_triton(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                               v_zero, int(k_bits), int(v_bits), int(group_size),
+                                                               int(key_channel_group), int(n), lengths, k_tail,
+                                                               v_tail, mask, float(scaling), int(splits))
         backend.warn_fallback(f"{FAMILY} (triton)", why)
     elif which == "cpp":
         if supported(q, k_codes, group_size):

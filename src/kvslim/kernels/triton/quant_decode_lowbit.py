@@ -12,14 +12,12 @@ of each KV head, then an optional fp32 tail, with an additive mask (B|1, n + r).
 * ``_lowbit_stage2``: the log-sum-exp merge of the splits (skipped with one split: stage 1 writes the result).
 
 :func:`launch` (bottom) takes only tensors and sizes and picks the block sizes and the split count;
-:func:`op` registers it as ``torch.ops.kvslim.quant_decode_lowbit_triton`` (a ``torch.library.custom_op`` with a
-fake impl, so ``torch.compile(fullgraph=True)`` traces a call). Importing this module imports Triton; the dispatch
-(:mod:`kvslim.kernels.quant_decode_lowbit`) imports it only when the Triton backend is picked.
+it is registered as the op ``torch.ops.kvslim.quant_decode_lowbit_triton`` (a ``torch.library.custom_op`` with a
+fake impl, so ``torch.compile(fullgraph=True)`` traces a call) when this module is imported. Importing it imports
+Triton; the dispatch (:mod:`kvslim.kernels.quant_decode_lowbit`) imports it only when the Triton backend is picked.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -195,8 +193,8 @@ def _lowbit_stage2(PO, PL, OUT, LSE, G, splits, D: tl.constexpr, D_PAD: tl.const
 
 def covers(q: torch.Tensor) -> str | None:
     """Why the kernels do not take this query (``None`` when they do): head dim, autograd."""
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8:
+        return f"head dim {q.shape[-1]} (the kernels take multiples of 8 up to {MAX_HEAD_DIM})"
     if torch.is_grad_enabled() and q.requires_grad:
         return "a query that requires grad (the kernels have no backward)"
     return None
@@ -318,28 +316,24 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     return out, lse
 
 
-@functools.cache
-def op():
-    """``torch.ops.kvslim.quant_decode_lowbit_triton``, registered on first use (a custom op with a fake impl)."""
-
-    @torch.library.custom_op("kvslim::quant_decode_lowbit_triton", mutates_args=())
-    def quant_decode_lowbit_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
-                                   k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
-                                   v_zero: torch.Tensor, k_bits: int, v_bits: int, group_size: int,
-                                   key_channel_group: int, n: int, lengths: torch.Tensor | None,
-                                   k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
-                                   mask: torch.Tensor | None, scaling: float,
-                                   splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
-                      key_channel_group, n, lengths, k_tail, v_tail, mask, scaling, splits)
-
-    @quant_decode_lowbit_triton.register_fake
-    def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
-          lengths, k_tail, v_tail, mask, scaling, splits=0):
-        b, hk, g, d = q.shape
-        return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
-
-    return torch.ops.kvslim.quant_decode_lowbit_triton
+@torch.library.custom_op("kvslim::quant_decode_lowbit_triton", mutates_args=())
+def quant_decode_lowbit_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                               v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int,
+                               v_bits: int, group_size: int, key_channel_group: int, n: int,
+                               lengths: torch.Tensor | None, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
+                               mask: torch.Tensor | None, scaling: float,
+                               splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`launch` as the op ``torch.ops.kvslim.quant_decode_lowbit_triton`` (registered when this module is
+    first imported, which the dispatch does only when it picks Triton), opaque to torch.compile (fake impl below)."""
+    return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
+                  key_channel_group, n, lengths, k_tail, v_tail, mask, scaling, splits)
 
 
-__all__ = ["MAX_HEAD_DIM", "check", "choose_splits", "covers", "launch", "op"]
+@quant_decode_lowbit_triton.register_fake
+def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
+      lengths, k_tail, v_tail, mask, scaling, splits=0):
+    b, hk, g, d = q.shape
+    return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
+
+
+__all__ = ["MAX_HEAD_DIM", "check", "choose_splits", "covers", "launch", "quant_decode_lowbit_triton"]
