@@ -145,20 +145,25 @@ def test_padding_rows_never_read(monkeypatch):
 
 
 def test_compiles_fullgraph(monkeypatch, launches):
-    """``torch.compile(fullgraph=True)`` traces the registered op (fake impl): same result as eager."""
+    """``torch.compile(fullgraph=True)`` traces a decode step through the dispatch (``kernel_decodes``, the backend
+    choice) and the registered op (fake impl): the same result as eager, both through the launcher."""
     monkeypatch.setenv(backend.ENV, "triton")
-    lengths = torch.tensor([50, 33])
-    q_nope, q_pe, c_kv, k_pe, mask, w64 = _case(2, 4, 64, 64, lengths, F32, seed=9)
-    args = [x.to(DEVICE) for x in (_q_abs(q_nope, w64), q_pe[:, :, 0].float(), c_kv, k_pe, lengths, mask)]
-    op = kernel.op()
+    lengths = torch.tensor([64, 64])
+    q_nope, q_pe, c_kv, k_pe, _, w64 = _case(2, 4, 64, 64, lengths, F32, seed=9)
+    w = mla.absorb(w64.kv_b.float().to(DEVICE), 4, DK, DV, w64.scale)
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    args = [x.to(DEVICE) for x in (q_nope.float(), q_pe.float(), c_kv, k_pe, mask)]
 
-    def step(qa, qp, c, kp, n, m):
-        u, lse = op(qa, qp, c, kp, n, m, w64.scale, 0)
-        return u * 2, lse
+    def step(qn, qp, c, kp, m):
+        assert mla.kernel_decodes(qn, c, m)
+        return mla.attend_decode(qn, qp, c, kp, w, m) * 2
 
     eager = step(*args)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
-    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1]) and len(launches) == 2
+    assert torch.equal(eager, compiled) and len(launches) == 2
+    assert_close(eager.cpu() / 2, mla.attend_elided(*(a.cpu() for a in args[:4]), mla.absorb(w64.kv_b.float(), 4, DK,
+                 DV, w64.scale), mask), F32, "compiled step vs attend_elided")
 
 
 def test_dispatch_by_backend(monkeypatch, launches):

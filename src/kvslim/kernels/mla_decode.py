@@ -123,6 +123,14 @@ def op():
     return torch.ops.kvslim.mla_decode_triton
 
 
+@torch.compiler.assume_constant_result
+def _registered() -> bool:
+    """Registers the op (imports Triton) outside any graph: under ``torch.compile`` Dynamo runs this eagerly while
+    tracing and keeps the constant, so a compiled first call does not trace the registration itself."""
+    op()
+    return True
+
+
 def mla_decode(q_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                lengths: torch.Tensor | None = None, mask: torch.Tensor | None = None, scale: float = 1.0,
                splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +147,11 @@ def mla_decode(q_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe
     check(q_abs, q_pe, c_kv, k_pe, lengths, mask)
     device = backend.same_device("mla_decode", q_abs, q_pe, c_kv, k_pe, lengths, mask)
     if backend_for(device) == "triton":
-        why = _uncovered(q_abs, q_pe, c_kv, k_pe)
+        why = _registered() and _uncovered(q_abs, q_pe, c_kv, k_pe)
         if why is None:
             m = None if mask is None else additive(mask)
-            return op()(q_abs.float(), q_pe, c_kv, k_pe, lengths, m, float(scale), int(splits))
+            return torch.ops.kvslim.mla_decode_triton(q_abs.float(), q_pe, c_kv, k_pe, lengths, m, float(scale),
+                                                      int(splits))
         backend.warn_fallback(FAMILY, why)
     return reference(q_abs, q_pe, c_kv, k_pe, lengths, mask, scale)
 
