@@ -212,7 +212,8 @@ def test_torch_compile_traces_the_op(monkeypatch):
     assert_close(torch.compile(g, backend="aot_eager", fullgraph=True)(q, kc, ks), g(q, kc, ks), F32, "dispatch")
 
 
-FORMATS = [("int8", {}), ("int4", dict(residual=32, sink=4)),  # int4: KIVI keys, rotated values, sinks
+FORMATS = [("int8", {}), ("int8", dict(window=16)),  # a ring: its mask hides the re-coded slot
+           ("int4", dict(residual=32, sink=4)),  # KIVI keys, rotated values, sinks
            ("int4", dict(asymmetric=False, key_channel_group=0, value_rotation="none", residual=32, sink=0))]
 
 

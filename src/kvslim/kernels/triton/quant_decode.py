@@ -75,8 +75,8 @@ def _quant_stage1(
     KW: tl.constexpr, VGROUP: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
     NHB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1) // NHB
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 bytes
+    h = (tl.program_id(1) // NHB).to(tl.int64)
     hb = tl.program_id(1) % NHB
     split = tl.program_id(2)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -147,8 +147,8 @@ def _quant_stage2(
     D: tl.constexpr, HAS_TAIL: tl.constexpr, UNROT: tl.constexpr, NHB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1) // NHB
+    b = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) // NHB).to(tl.int64)
     hb = tl.program_id(1) % NHB
     if HAS_TAIL:
         slots = splits + 1
