@@ -36,6 +36,7 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.bench.decode import make_filled_cache, mha_100m, weight_bytes
 from kvslim.bench.roofline import measure_bandwidth
 from kvslim.kernels import slim_decode
@@ -106,7 +107,7 @@ def decode(model, cache, batch: int, steps: int) -> list[float]:
     for _ in range(steps):
         n = cache.get_seq_length()
         t0 = time.perf_counter()
-        out = model(tok, position_ids=torch.full((batch, 1), n), past_key_values=cache, use_cache=True,
+        out = model(tok, position_ids=torch.full((batch, 1), n), **{CACHE_KW: cache}, use_cache=True,
                     cache_position=torch.tensor([n]))
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)

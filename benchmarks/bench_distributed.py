@@ -45,13 +45,15 @@ def fill(cache, model, batch: int, context: int) -> None:
 @torch.inference_mode()
 def decode(model, cache, batch: int, context: int, steps: int, comm=None) -> tuple[list[float], list, list[int]]:
     """Seconds per step (warm-up dropped), chosen tokens per step, bytes sent per step."""
+    from kvslim.adapters.compat import CACHE_KW
+
     tok = torch.zeros(batch, 1, dtype=torch.long)
     times, tokens, sent = [], [], []
     for i in range(steps + 1):
         pos = torch.full((batch, 1), context + i, dtype=torch.long)
         before = (comm.sent_bytes, comm.seconds) if comm is not None else (0, 0.0)
         t0 = time.perf_counter()
-        out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(tok, position_ids=pos, **{CACHE_KW: cache}, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
         tokens.append(tok.flatten().tolist())

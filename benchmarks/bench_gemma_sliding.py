@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.evaluate import cache_nbytes, compare_caches, text_ids
 
 METHODS = ("int8", "int4")
@@ -48,7 +49,7 @@ def bytes_at(model, ids: torch.Tensor, types: list[str]) -> dict:
         else:
             plan = kvslim.apply(model, label)
             cache = kvslim.make_cache(model)
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, **{CACHE_KW: cache}, use_cache=True, logits_to_keep=1)
         per = layer_bytes(cache)
         rows[label] = {"total": cache_nbytes(cache),
                        **{t: sum(b for b, k in zip(per, types) if k == t) for t in sorted(set(types))}}

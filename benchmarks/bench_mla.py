@@ -15,6 +15,7 @@ once and scoring absorbed queries (which sets ``prefill_threshold``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import transformers  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache  # noqa: E402
 
 import kvslim  # noqa: E402
+from kvslim.adapters.compat import CACHE_KW  # noqa: E402
 from kvslim.attention import mla  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
@@ -128,7 +130,7 @@ def decode(model, cache, first: torch.Tensor, steps: int):
     x, toks = first, []
     with torch.no_grad():
         for _ in range(steps):
-            x = model(x, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            x = model(x, **{CACHE_KW: cache}, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             toks.append(int(x))
     return toks
 
@@ -147,12 +149,12 @@ def end_to_end() -> dict:
     with torch.no_grad():
         t = time.perf_counter()
         hf_cache = DynamicCache(config=model.config)
-        model(prompt, past_key_values=hf_cache, use_cache=True)
+        model(prompt, **{CACHE_KW: hf_cache}, use_cache=True)
         res["prefill_1k_s"]["hf"] = time.perf_counter() - t
         kvslim.apply(model, "mla")
         t = time.perf_counter()
         ours = kvslim.make_cache(model)
-        model(prompt, past_key_values=ours, use_cache=True)
+        model(prompt, **{CACHE_KW: ours}, use_cache=True)
         res["prefill_1k_s"]["kvslim"] = time.perf_counter() - t
     latents = [(layer.c_kv_store.read(0, 1024).clone(), layer.k_pe_store.read(0, 1024).clone())
                for layer in ours.layers]
@@ -216,7 +218,10 @@ def plot(rec: dict, path: Path) -> None:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=OUT, help="folder for bench_mla.json / .png (default benchmarks/results)")
+    out = p.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
     # one thread for both sides: on a shared 2-core machine two OpenMP threads spin-wait on each other for
     # whole scheduler quanta (100 ms floors on 1 ms ops); override with KVSLIM_BENCH_THREADS
     torch.set_num_threads(int(os.environ.get("KVSLIM_BENCH_THREADS", "1")))
@@ -233,9 +238,9 @@ def main() -> None:
            "model": {k: v for k, v in CFG.items() if k != "rope_parameters"}, "attention": att, "end_to_end": e2e,
            "wall_s": None}
     rec["wall_s"] = time.perf_counter() - t0
-    (OUT / "bench_mla.json").write_text(json.dumps(rec, indent=1, default=str))
-    plot(rec, OUT / "bench_mla.png")
-    print(f"wrote {OUT / 'bench_mla.json'} and .png in {rec['wall_s']:.0f} s")
+    (out / "bench_mla.json").write_text(json.dumps(rec, indent=1, default=str))
+    plot(rec, out / "bench_mla.png")
+    print(f"wrote {out / 'bench_mla.json'} and .png in {rec['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

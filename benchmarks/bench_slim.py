@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.bench.decode import mha_100m, weight_bytes
 from kvslim.bench.roofline import measure_bandwidth
 from kvslim.kernels import slim_decode as kernel
@@ -79,7 +80,7 @@ def decode(model, cache, batch: int, steps: int, cpu: list | None = None) -> lis
         n = cache.get_seq_length()
         pos = torch.full((batch, 1), n)
         c0, t0 = time.process_time(), time.perf_counter()
-        out = model(tok, position_ids=pos, past_key_values=cache, use_cache=True, cache_position=torch.tensor([n]))
+        out = model(tok, position_ids=pos, **{CACHE_KW: cache}, use_cache=True, cache_position=torch.tensor([n]))
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
         if cpu is not None:
@@ -95,7 +96,7 @@ def profile_step(model, cache, batch: int) -> dict:
     n = cache.get_seq_length()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(torch.zeros(batch, 1, dtype=torch.long), position_ids=torch.full((batch, 1), n),
-              past_key_values=cache, use_cache=True, cache_position=torch.tensor([n]))
+              **{CACHE_KW: cache}, use_cache=True, cache_position=torch.tensor([n]))
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
     return {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in ev}
 

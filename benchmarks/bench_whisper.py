@@ -32,6 +32,7 @@ import transformers
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.bench.decode import weight_bytes
 from kvslim.bench.roofline import measure_bandwidth
 from kvslim.caches.encdec import hf_cache_nbytes
@@ -60,16 +61,16 @@ def decode(model, enc: torch.Tensor, steps: int, cache, cpu: list | None = None
     per-step process CPU seconds (all threads)."""
     b = enc.shape[0]
     ids = torch.tensor([[1, 5, 6, 7]]).expand(b, 4)
-    o = model(encoder_outputs=(enc,), decoder_input_ids=ids, past_key_values=cache, use_cache=True)
-    cache, tok, times, toks = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True), [], []
+    o = model(encoder_outputs=(enc,), decoder_input_ids=ids, **{CACHE_KW: cache}, use_cache=True)
+    cache, tok, times, toks = getattr(o, CACHE_KW), o.logits[:, -1].argmax(-1, keepdim=True), [], []
     for _ in range(steps):
         c0, t0 = time.process_time(), time.perf_counter()
-        o = model(encoder_outputs=(enc,), decoder_input_ids=tok, past_key_values=cache, use_cache=True)
+        o = model(encoder_outputs=(enc,), decoder_input_ids=tok, **{CACHE_KW: cache}, use_cache=True)
         tok = o.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - t0)
         if cpu is not None:
             cpu.append(time.process_time() - c0)
-        cache = o.past_key_values
+        cache = getattr(o, CACHE_KW)
         toks.append(tok)
     return times, torch.cat(toks, 1), cache
 

@@ -6,13 +6,14 @@ reference; the plain bf16 cache (HF's) vs kvslim slim (the bf16 policy) and the 
 
 from __future__ import annotations
 
+import argparse
 import copy
-import sys
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.audio import read_wav, speech_clip
 from kvslim.models import load_whisper_base, load_whisper_tiny_en
 from kvslim.models.whisper_run import transcribe_tokens, whisper_inputs
@@ -28,8 +29,8 @@ def stepwise(model, cache, processor, audio, ids: torch.Tensor) -> torch.Tensor:
     enc = model.get_encoder()(whisper_inputs(processor, audio, model.dtype)["input_features"])
     out = []
     for t in range(ids.shape[1] - 1):
-        o = model(encoder_outputs=enc, decoder_input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        cache = o.past_key_values
+        o = model(encoder_outputs=enc, decoder_input_ids=ids[:, t:t + 1], **{CACHE_KW: cache}, use_cache=True)
+        cache = getattr(o, CACHE_KW)
         out.append(o.logits[0, -1].double())
     return torch.stack(out)
 
@@ -69,4 +70,6 @@ def main(name: str = "tiny.en") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="tiny.en", choices=("tiny.en", "base"), help="Whisper checkpoint")
+    main(ap.parse_args().model)
