@@ -162,3 +162,22 @@ def test_readme_quickstart_runs_quietly():
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Warning" not in run.stderr, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0, "the last line is cache.nbytes"
+
+
+def _scripts() -> list[Path]:
+    return sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def test_every_benchmark_script_is_cited_and_takes_help():
+    """A script nothing cites is dead weight (delete it); a cited one parses its arguments (``--help`` must not
+    start a run) and passes the cache under this transformers' keyword (adapters.compat.CACHE_KW)."""
+    scripts = _scripts()
+    assert scripts
+    cites = "\n".join(p.read_text() for p in [README, *(ROOT / "docs").glob("*.md"), *(ROOT / "tests").glob("*.py"),
+                                               *scripts])
+    for script in scripts:
+        text = script.read_text()
+        assert script.name in cites.replace(text, ""), \
+            f"{script.name}: nothing in the README, docs, tests or other scripts cites it"
+        assert "argparse" in text, f"{script.name}: no argument parser (--help would start the benchmark)"
+        assert not re.search(r"\bpast_key_values=", text), f"{script.name}: pass the cache as **{{CACHE_KW: cache}}"
