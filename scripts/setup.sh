@@ -15,4 +15,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # compile the C++ decode kernels once, into ~/.cache/kvslim (never inside a benchmark); a failure only
 # means the pure-torch twins are used, so it does not stop the set-up
-.venv/bin/python -m kvslim.kernels.build || echo "kvslim: kernels not built; pure-torch twins will be used"
+# (called as a function, not `python -m kvslim.kernels.build`: runpy would import the module twice and warn)
+.venv/bin/python -c "import sys; from kvslim.kernels.build import main; sys.exit(main())" || echo "kvslim: kernels not built; pure-torch twins will be used"

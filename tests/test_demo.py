@@ -35,11 +35,11 @@ def test_measure_keeps_a_methods_first_decode_step_out_of_its_speed(monkeypatch)
     decode speed must not contain it (11 timed steps of a tiny model take a few ms)."""
     import time
 
-    from kvslim.cli import demo
+    from kvslim import api
 
     model = tiny_model("mistral")
     first = {"pending": False}
-    applied = demo.api.apply
+    applied = api.apply
 
     def apply(*args, **kwargs):
         first["pending"] = True
@@ -51,7 +51,7 @@ def test_measure_keeps_a_methods_first_decode_step_out_of_its_speed(monkeypatch)
             first["pending"] = False
             time.sleep(0.3)
 
-    monkeypatch.setattr(demo.api, "apply", apply)
+    monkeypatch.setattr(api, "apply", apply)
     model.register_forward_pre_hook(slow_first_step, with_kwargs=True)
     ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
     text = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -1,11 +1,37 @@
-"""kvslim: smaller KV caches for Hugging Face transformers models, exact where the mathematics allows."""
+"""kvslim: smaller KV caches for Hugging Face transformers models, exact where the mathematics allows.
 
-from .api import apply, get_plan, make_cache, plan_config, restore
-from .caches import KVSlimCache
-from .methods import METHODS
-from .plan import LayerPlan, Plan
+The public names are imported on first use (PEP 562), so that ``import kvslim`` (and ``kvslim --help``) does not
+import torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+#: public name -> the module defining it
+_EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
+            "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
+
 __all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "get_plan", "make_cache",
            "plan_config", "restore"]
+
+if TYPE_CHECKING:
+    from .api import apply, get_plan, make_cache, plan_config, restore
+    from .caches import KVSlimCache
+    from .methods import METHODS
+    from .plan import LayerPlan, Plan
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvslim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

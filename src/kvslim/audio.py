@@ -6,6 +6,7 @@ resampled with ``scipy.signal.resample_poly``.
 
 from __future__ import annotations
 
+import warnings
 import wave
 from importlib import resources
 from pathlib import Path
@@ -15,29 +16,53 @@ import numpy as np
 SAMPLE_RATE = 16_000
 
 
-def read_wav(path: str | Path, rate: int = SAMPLE_RATE) -> np.ndarray:
+#: longest audio :func:`read_wav` reads unless told otherwise (samples are held in memory whole: 30 min at 16 kHz is
+#: 115 MB of float32, and HF's long-form decoding keeps the log-mel features of all of it)
+MAX_SECONDS = 30 * 60
+
+
+def read_wav(path: str | Path, rate: int = SAMPLE_RATE, max_seconds: float | None = MAX_SECONDS) -> np.ndarray:
     """Samples of a PCM WAV file as mono float32 in [-1, 1] at ``rate`` Hz.
 
     Args:
         path: the ``.wav`` file.
         rate: output sample rate.
+        max_seconds: refuse (from the header, before reading any sample) a longer file; ``None``: no limit.
 
     Returns:
         ``(n,)`` float32 array (channels averaged).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not a PCM WAV file this reader handles.
+        ValueError: not a PCM WAV file this reader handles, no samples, or longer than ``max_seconds``.
+
+    A file holding fewer frames than its header says (cut short) is read up to its last whole frame, with a
+    ``UserWarning`` naming it.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} does not exist or is not a file")
     try:
         with wave.open(str(path), "rb") as w:
-            width, channels, src_rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-            raw = w.readframes(w.getnframes())
+            width, channels, src_rate, frames = w.getsampwidth(), w.getnchannels(), w.getframerate(), w.getnframes()
+            if src_rate <= 0 or channels <= 0:
+                raise ValueError(f"path {str(path)!r}: header says {src_rate} Hz, {channels} channels")
+            if max_seconds is not None and frames / src_rate > max_seconds:
+                raise ValueError(f"path {str(path)!r} holds {frames / src_rate / 60:.1f} min of audio, more than "
+                                 f"the {max_seconds / 60:.1f} min limit (max_seconds={max_seconds}); cut it into "
+                                 "shorter files or raise the limit")
+            raw = w.readframes(frames)
     except (wave.Error, EOFError) as exc:
         raise ValueError(f"path {str(path)!r} is not a PCM WAV file: {exc}") from exc
+    frame_bytes = width * channels
+    got = len(raw) // frame_bytes
+    if got == 0:
+        raise ValueError(f"path {str(path)!r} holds no audio (0 frames)")
+    if got < frames:
+        warnings.warn(f"path {str(path)!r} is cut short: its header says {frames} frames "
+                      f"({frames / src_rate:.1f} s), the file holds {got} ({got / src_rate:.1f} s); reading those",
+                      UserWarning, stacklevel=2)
+    raw = raw[:got * frame_bytes]
     if width == 1:
         x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:

@@ -1,6 +1,6 @@
 """Quality and speed measurements shared by ``kvslim demo``, ``kvslim bench``, the benchmarks and the tests.
 
-* :func:`greedy_decode`, :func:`chunked_perplexity`: the demo's helpers.
+* :func:`greedy_decode`, :func:`chunked_perplexity`, :func:`chunked_eval`: the demo's helpers.
 * The quality protocol of docs/quantization.md, on real long text (:func:`text_ids`: Botchan, shipped):
   :func:`compare_caches` feeds one text through a reference cache (dense) and any number of candidate caches in
   lockstep and reports, over the same scored tokens, perplexity, mean KL divergence from the reference,
@@ -70,24 +70,44 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int, cache, attention_ma
 def chunked_perplexity(model, ids: torch.Tensor, make_cache, chunk: int = 32) -> float:
     """Perplexity of ``ids`` (1, T) fed in chunks through a fresh cache, so the cached (possibly quantized or
     windowed) history is what later chunks attend to."""
-    if not isinstance(chunk, int) or chunk < 1:
+    nll, count = 0.0, 0
+    for lp, targets in _chunk_log_probs(model, ids, make_cache, chunk):
+        nll -= lp.gather(-1, targets[:, None]).sum().item()
+        count += targets.numel()
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def chunked_eval(model, ids: torch.Tensor, make_cache, chunk: int = 32) -> tuple[float, torch.Tensor]:
+    """:func:`chunked_perplexity` and the logits it scored: ``(perplexity, logits (T - 1, V) float32)``, row ``t``
+    predicting token ``t + 1``; two caches fed the same ``ids`` compare logit by logit (teacher-forced). Holds all
+    T × V logits: for short texts (the demo's)."""
+    nll, rows = 0.0, []
+    for lp, targets in _chunk_log_probs(model, ids, make_cache, chunk, logits=rows):
+        nll -= lp.gather(-1, targets[:, None]).sum().item()
+    logits = torch.cat(rows)
+    return math.exp(nll / logits.shape[0]), logits
+
+
+def _chunk_log_probs(model, ids: torch.Tensor, make_cache, chunk: int, logits: list | None = None):
+    """Yield ``(log-probs (n, V), targets (n,))`` of ``ids`` (1, T) fed ``chunk`` tokens at a time through one fresh
+    cache: every position but the last predicts the next token (a chunk's first token from the previous chunk's
+    last position). With ``logits`` (a list), each scored row's fp32 logits are appended to it in order."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
         raise ValueError(f"ids must be (1, T) with T >= 2, got {tuple(ids.shape)}")
     cache = make_cache()
-    nll, count = 0.0, 0
     prev_last = None
     for start in range(0, ids.shape[1], chunk):
         piece = ids[:, start:start + chunk]
-        logits = model(piece, use_cache=True, **{CACHE_KW: cache}).logits.float()
-        if prev_last is not None:  # predict this chunk's first token from the previous chunk's last position
-            nll -= torch.log_softmax(prev_last, -1)[0, piece[0, 0]].item()
-            count += 1
-        lp = torch.log_softmax(logits[:, :-1], -1)
-        nll -= lp.gather(-1, piece[:, 1:, None]).sum().item()
-        count += piece.shape[1] - 1
-        prev_last = logits[:, -1]
-    return math.exp(nll / count)
+        out = model(piece, use_cache=True, **{CACHE_KW: cache}).logits[0].float()  # (n, V)
+        rows = out[:-1] if prev_last is None else torch.cat((prev_last, out[:-1]))
+        targets = piece[0, 1:] if prev_last is None else piece[0]
+        if logits is not None:
+            logits.append(rows)
+        yield torch.log_softmax(rows, -1), targets
+        prev_last = out[-1:]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -255,7 +255,9 @@ def compare_specs(model, ids: torch.Tensor, specs: dict[str, LayerSpecs], *, mod
                   block: int = 256) -> dict[str, Quality]:
     """:func:`kvslim.evaluate.compare_caches` for append-only and ring-buffer caches given by per-layer specs,
     each in one forward pass (see the module docstring); same protocol, same metrics, reference = the dense
-    model."""
+    model. ``block``: scored positions per logits batch (a positive int)."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
     total = check_protocol_ids(ids, min_tokens)
     if not specs:
         raise ValueError("specs must name at least one configuration")

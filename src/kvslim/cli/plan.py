@@ -9,13 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from ..adapters.shape import shape_from_config
-from ..api import plan_config
-from ..methods import METHODS
-from ..methods.base import parse_dtype
+# torch, transformers and rich are imported inside the functions: ``kvslim plan --help`` stays instant
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,18 +38,48 @@ def load_config(path: str | Path):
         data = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"--config: {p} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {p} holds a JSON {type(data).__name__}, expected an object with a "
+                         "'model_type' field")
     if "model_type" not in data:
         raise ValueError(f"--config: {p} has no 'model_type' field")
+    check_sizes(data, p)
     try:
         return AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"--config: transformers cannot read model_type {data['model_type']!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise several unrelated types
+        why = " ".join(str(exc).split())
+        raise ValueError(f"--config: transformers cannot read {p} (model_type {data['model_type']!r}): {why}"
+                         ) from None
+
+
+#: config fields that are counts or sizes (top level, or under ``text_config``)
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def check_sizes(data: dict, path: Path) -> None:
+    """``ValueError`` naming the file and field when a size field is not a positive int, or when the hidden size
+    is not a multiple of the head count (and no ``head_dim`` says otherwise)."""
+    for where, part in (("", data), ("text_config.", data.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        for field in SIZE_FIELDS:
+            v = part.get(field)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"--config: {path}: {where}{field} must be a positive int, got {v!r}")
+        hidden, heads = part.get("hidden_size"), part.get("num_attention_heads")
+        if hidden and heads and part.get("head_dim") is None and hidden % heads:
+            raise ValueError(f"--config: {path}: {where}hidden_size {hidden} is not a multiple of "
+                             f"{where}num_attention_heads {heads} (and no head_dim is given)")
 
 
 def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int,
                    ranks: int | None = None) -> list[dict]:
     """One record per registered method: bytes, ratio, or the reason it does not apply (with ``ranks``: also
     the per-rank cache and traffic of a sequence-parallel job, see :mod:`kvslim.distributed.plan`)."""
+    from ..adapters.shape import shape_from_config
+    from ..api import plan_config
+    from ..methods import METHODS
+
     shape = shape_from_config(config)
     records = []
     for name in METHODS:
@@ -85,6 +109,12 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..adapters.shape import shape_from_config
+    from ..methods.base import parse_dtype
+
     if args.context <= 0:
         raise ValueError(f"--context must be a positive int, got {args.context}")
     if args.batch <= 0:
@@ -92,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     ranks = getattr(args, "ranks", None)
     if ranks is not None and ranks <= 0:
         raise ValueError(f"--ranks must be a positive int, got {ranks}")
+    for flag, value in (("--group-size", args.group_size), ("--window", args.window)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be a positive int, got {value}")
     dtype = parse_dtype(args.dtype, "--dtype")
     config = load_config(args.config)
     records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks)

@@ -81,8 +81,21 @@ def read_ct2(path: str | Path) -> CT2File:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path {str(path)!r} does not exist or is not a file")
+    if path.stat().st_size == 0:  # mmap refuses an empty file with a message that names nothing
+        raise ValueError(f"path {str(path)!r} is empty, not a CTranslate2 model.bin")
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         return _parse(buf, str(path))
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; ``ValueError`` naming the file when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a valid JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
 
 
 def _parse(buf, where: str) -> CT2File:
@@ -369,9 +382,16 @@ def convert_whisper(model_dir: str | Path, out_dir: str | Path, *, bin_parts: li
         ct2 = read_ct2(parts[0])
     else:
         ct2 = _parse(b"".join(p.read_bytes() for p in parts), " + ".join(map(str, parts)))
-    tokenizer_json = fix_tokenizer_json(json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8")))
-    config, gen = whisper_configs(ct2, json.loads((model_dir / "config.json").read_text()), tokenizer_json)
-    state = {k: np.ascontiguousarray(v) for k, v in whisper_state_dict(ct2).items()}
+    tokenizer_json = read_json_object(model_dir / "tokenizer.json")
+    try:
+        tokenizer_json = fix_tokenizer_json(tokenizer_json)
+        config, gen = whisper_configs(ct2, read_json_object(model_dir / "config.json"), tokenizer_json)
+        state = {k: np.ascontiguousarray(v) for k, v in whisper_state_dict(ct2).items()}
+    except ValueError as exc:
+        raise ValueError(f"model_dir {str(model_dir)!r}: {exc}") from None
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a field missing or of the wrong type
+        raise ValueError(f"model_dir {str(model_dir)!r}: model.bin, config.json or tokenizer.json does not hold a "
+                         f"CTranslate2 Whisper checkpoint ({type(exc).__name__}: {exc})") from None
     with publish_dir(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)

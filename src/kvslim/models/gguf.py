@@ -134,9 +134,13 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
         with status(f"converting {parts[0].name}{' + more' if len(parts) > 1 else ''} to a Hugging Face folder "
                     "(transformers' GGUF loader, once)", long=True, gguf=True):
             _convert(parts, root, out, fix_tokenizer)
-    with status(f"loading {out.name}"):
-        model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
-        tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    try:
+        with status(f"loading {out.name}"):
+            model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
+            tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as exc:  # a damaged converted folder (safetensors, json, tokenizer)
+        raise ValueError(f"the converted folder {out} cannot be loaded ({type(exc).__name__}: {exc}); delete it "
+                         "and it is converted again") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -153,8 +157,12 @@ def _convert(parts: list[Path], root: Path, out: Path, fix_tokenizer=None) -> No
     if len(parts) > 1:
         _assemble(parts, gguf)
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as exc:  # noqa: BLE001 - transformers reports a damaged GGUF in many ways, some misleading
+            raise ValueError(f"{_named(parts)} is not a readable GGUF checkpoint (damaged or truncated?): {gguf_problem(gguf) or exc}"
+                             ) from None
         if fix_tokenizer is not None:
             tok = fix_tokenizer(tok)
         with publish_dir(out) as tmp:  # creates the cache's models/ folder (a fresh cache directory has none)
@@ -166,6 +174,23 @@ def _convert(parts: list[Path], root: Path, out: Path, fix_tokenizer=None) -> No
     finally:
         if len(parts) > 1:
             gguf.unlink(missing_ok=True)
+
+
+def _named(parts: list[Path]) -> str:
+    return str(parts[0]) if len(parts) == 1 else " + ".join(map(str, parts))
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why the ``gguf`` package cannot read ``path`` (header, metadata or tensor table), or ``None`` when it can.
+    Only called after a failure: on a whole 100 MB file it takes seconds (it reads the token tables)."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, struct.error …
+        text = " ".join(str(exc).split())
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return None
 
 
 def load_gemma3_270m(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None):
