@@ -37,21 +37,27 @@ def _method(method: str):
     return METHODS[method]
 
 
-def check_model(model, *, generation: bool = True) -> None:
-    """``ValueError`` unless ``model`` is a ``transformers.PreTrainedModel`` (with a generation head when
-    ``generation``: ``apply`` patches the cache ``generate`` builds), saying what was passed instead."""
+GENERATION_MODEL = "a transformers PreTrainedModel with a generation head (e.g. LlamaForCausalLM)"
+
+
+def check_model(model, expected: str = GENERATION_MODEL) -> None:
+    """``ValueError`` unless ``model`` is a ``transformers.PreTrainedModel``, saying what was passed instead
+    (``expected``: how the message names what the caller needs)."""
     from transformers import PreTrainedModel
 
-    expected = ("a transformers PreTrainedModel with a generation head (e.g. LlamaForCausalLM)" if generation
-                else "a transformers PreTrainedModel (e.g. LlamaForCausalLM)")
     if isinstance(model, str):
         raise ValueError(f"model must be {expected}; got the string {model!r}: load the model first, e.g. "
                          f"AutoModelForCausalLM.from_pretrained({model!r})")
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"model must be {expected}; got {_describe(model)}")
-    if generation and not model.can_generate():
-        raise ValueError(f"model must be {expected}; got {type(model).__name__}, a model without a generation head "
-                         "(pass the *ForCausalLM / *ForConditionalGeneration model that holds it)")
+
+
+def check_generation_head(model) -> None:
+    """``ValueError`` unless ``model`` (a ``PreTrainedModel``) can ``generate``: :func:`apply` plugs into the cache
+    ``generate`` builds; a base model (``LlamaModel``) is a common mistake for the ``LlamaForCausalLM`` holding it."""
+    if not model.can_generate():
+        raise ValueError(f"model must be {GENERATION_MODEL}; got {type(model).__name__}, a model without a "
+                         "generation head (pass the *ForCausalLM / *ForConditionalGeneration model that holds it)")
 
 
 def _describe(obj) -> str:
@@ -78,10 +84,10 @@ def apply(model: torch.nn.Module, method: str, **options) -> Plan:
     exactly as it was.
     """
     check_transformers()
-    check_model(model, generation=False)
+    check_model(model)
     m = _method(method)
     plan = _plan_model(m, model, **options)  # validates; changes nothing
-    check_model(model)  # after the plan: an unsupported model_type is the better reason
+    check_generation_head(model)  # after the plan: an unsupported model_type is the better reason
     check_model_class(model)
     restore(model)
     m.prepare(model, plan)
@@ -115,7 +121,7 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimC
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
     plan = get_plan(model)
     if plan is None:
-        check_model(model, generation=False)
+        check_model(model, "a transformers PreTrainedModel (e.g. LlamaForCausalLM)")
         plan = _plan_model(METHODS["dense"], model)
     return build_cache(model, plan, max_length)
 

@@ -7,9 +7,13 @@ import functools
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..kernels.backend import same_device
 from .fused import fusable
 from .storage import StoreSpec, TensorStore, check_finite, raise_deferred
 from .stores import make_store
+
+#: the dtypes a cache layer stores (integer key/value states are a caller's bug, never a cache format)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _index_select(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -96,8 +100,23 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         self.is_initialized = True
 
     def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """``ValueError`` naming the argument for anything this layer cannot store; runs before any write, so a
+        refused call changes nothing. Metadata only (shapes, dtypes, devices): no host synchronisation."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be a floating-point tensor (float32, float16, bfloat16 or float64), "
+                                 f"got {x.dtype}")
         if key_states.dim() != 4 or value_states.dim() != 4:
             raise ValueError("key_states/value_states must be (batch, heads, seq, head_dim) tensors")
+        if key_states.shape[2] == 0 or value_states.shape[2] == 0:
+            raise ValueError(f"key_states/value_states hold no tokens (seq = 0; shapes {tuple(key_states.shape)}, "
+                             f"{tuple(value_states.shape)}): an update must add at least one token")
+        device = same_device("key_states/value_states", key_states, value_states)
+        if self.is_initialized and device != self.device:
+            raise ValueError(f"key_states/value_states are on {device}, but this cache layer holds its tensors on "
+                             f"{self.device}: keep the model and its cache on one device")
         if key_states.shape[:3] != value_states.shape[:3]:
             raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
                              "must agree in batch, heads and seq")

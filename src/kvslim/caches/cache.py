@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .storage import ScratchPool
@@ -17,6 +18,14 @@ class KVSlimCache(Cache):
         for layer in layers:
             if hasattr(layer, "scratch_pool"):
                 layer.scratch_pool = pool
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF's ``Cache.update`` into layer ``layer_idx``; ``ValueError`` naming ``layer_idx`` and the range for an
+        index this cache has no layer for (a kvslim cache is built for one model's layers, it never grows)."""
+        n = len(self.layers)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+            raise ValueError(f"layer_idx must be an int in [0, {n}) (this cache holds {n} layers), got {layer_idx!r}")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def declare_unpadded(self) -> None:
         """Promise that no sequence in the batch has padding: ring-buffer layers may then hand the window to

@@ -22,8 +22,11 @@ class AppendLayer(KVStoreLayer):
 
     def __init__(self, spec: StoreSpec | None = None, *, chunk: int = 256, max_length: int | None = None):
         super().__init__(spec)
-        if chunk <= 0:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length <= 0):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.chunk, self.max_length = chunk, max_length
 
     def _initial_capacity(self, incoming: int) -> int:

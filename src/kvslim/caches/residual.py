@@ -105,6 +105,10 @@ class ResidualStore(TensorStore):
         self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset, restore): fused.py's key
         self.rotated_copy = None  # fused decode's (key, rotated tail, rows) (caches/fused.rotated_tail)
 
+    def __getstate__(self) -> dict:
+        # fused decode's rotated tail is keyed by ``id(fp)``, which means nothing in another process: rebuilt on use
+        return {**self.__dict__, "rotated_copy": None}
+
     # the coded store's tensors are the ones that grow with capacity
     @property
     def data(self) -> torch.Tensor:

@@ -36,6 +36,16 @@ class SinkStore(TensorStore):
         self.epoch = 0  # bumped by every change but an append (rewind, reorder, reset): fused.py's key
         self.rotated_copy = None  # fused decode's (key, rotated tail, rows) (caches/fused.rotated_tail)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "rotated_copy": None}  # fused decode's rotated tail is rebuilt on use
+
+    def __setstate__(self, state: dict) -> None:
+        """``pickle`` keeps no view relation between tensors: the inner window comes back as a separate copy of
+        ``fp``'s rows, which later writes would update apart from the ``fp`` a fused decode step reads (sinks and
+        window as one tail), so a continued ``generate`` read a stale window. Re-made a view of ``fp``."""
+        self.__dict__.update(state)
+        self.inner.fp = self.fp[:, :, self.sink:]
+
     @property
     def data(self) -> torch.Tensor:
         return self.inner.data

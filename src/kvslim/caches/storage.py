@@ -74,6 +74,8 @@ class StoreSpec:
         if self.value_rotation not in (None, "none", "hadamard"):
             raise ValueError(f"value_rotation must be None (= rotation), 'none' or 'hadamard', got "
                              f"{self.value_rotation!r}")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
+            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
         for name in ("channel_group", "residual", "flush", "sink"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "flush" else 0):
@@ -233,6 +235,9 @@ class ScratchPool:
     def __init__(self, chunk: int = 256):
         self.chunk = chunk
         self.buffers: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict:
+        return {"chunk": self.chunk, "buffers": {}}  # scratch holds nothing to keep: a copied cache makes its own
 
     def view(self, role: str, batch: int, heads: int, tokens: int, dim: int, device: torch.device) -> torch.Tensor:
         buf = self.buffers.get(role)

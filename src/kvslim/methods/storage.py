@@ -57,10 +57,10 @@ class StorageOptions:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
                                         or self.window <= 0):
             raise ValueError(f"window must be a positive int (tokens), got {self.window!r}")
-        if not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
-        if not isinstance(self.chunk, int) or self.chunk <= 0:
-            raise ValueError(f"chunk must be a positive int, got {self.chunk!r}")
+        for name in ("group_size", "chunk"):  # a bool is an int to Python, not a size
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not isinstance(self.smooth_keys, bool):
             raise ValueError(f"smooth_keys must be True or False, got {self.smooth_keys!r}")
         object.__setattr__(self, "scale_dtype", parse_dtype(self.scale_dtype, "scale_dtype"))
@@ -182,7 +182,7 @@ class StorageMethod(Method):
         for i, sliding in enumerate(shape.is_sliding):
             lossy = "lossy" if opts.bits else "exact"
             kind = "sliding" if sliding else "full"
-            if window is None and sliding and opts.bits and shape.sliding_window:  # the model's own window
+            if window is None and sliding and shape.sliding_window:  # the model's own window, as HF's cache
                 layers.append(_own_window_layer(i, self.name, spec, shape.sliding_window, per_token, fixed,
                                                 residual_row, dense_row, fmt, dtype))
                 continue
@@ -207,10 +207,10 @@ class StorageMethod(Method):
             notes.append("a ring buffer on layers the model runs with full attention drops old tokens: "
                          "outputs differ from the model once the context exceeds the window (measure with "
                          "`kvslim demo`)")
-        if window is None and opts.bits and shape.sliding_window and any(shape.is_sliding):
+        if window is None and shape.sliding_window and any(shape.is_sliding):
+            full = "; the full-attention layers keep every token" if not all(shape.is_sliding) else ""
             notes.append(f"the model's {sum(shape.is_sliding)} sliding-window layers keep its own window of "
-                         f"{shape.sliding_window} (the last {shape.sliding_window - 1} tokens, as HF's cache); "
-                         "the full-attention layers keep every token")
+                         f"{shape.sliding_window} (the last {shape.sliding_window - 1} tokens, as HF's cache){full}")
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), tuple(layers),
                     dense_row, options={k: v for k, v in options.items()}, notes=tuple(notes),
                     sliding_window=shape.sliding_window)
@@ -218,9 +218,10 @@ class StorageMethod(Method):
 
 def _own_window_layer(i: int, name: str, spec: StoreSpec, window: int, per_token: int, fixed: int,
                       residual_row: int, dense_row: int, fmt: str, dtype: torch.dtype) -> LayerPlan:
-    """A quantized method on a layer the model runs with a sliding window of ``window``: a ring of the last
+    """A storage method on a layer the model runs with a sliding window of ``window``: a ring of the last
     W − 1 tokens, as HF's own cache (so the layer attends exactly HF's tokens, each in the method's format).
 
+    * ``dense`` (a plain spec): a :class:`~kvslim.caches.window.RingLayer` of W − 1 rows, exact, HF's bytes;
     * no residual window (int8): a quantized :class:`~kvslim.caches.window.RingLayer` of W − 1 coded rows;
     * a residual window R < W − 1 (int4/int2 defaults): :class:`~kvslim.caches.window.ResidualRingLayer`, the R
       most recent tokens in the model dtype in front of a ring of whole coded token groups (attention sinks are
@@ -234,10 +235,10 @@ def _own_window_layer(i: int, name: str, spec: StoreSpec, window: int, per_token
         return LayerPlan(i, name, dense_row, window, "exact", attention="sliding",
                          note=f"{own} ≤ residual {spec.residual}: kept in {str(dtype).replace('torch.', '')}",
                          factory=ring_factory(StoreSpec(), window))
-    note = f"{own}; {fmt}"
+    note = f"{own}; {fmt}" if fmt else f"{own} (as HF's cache)"
     if not spec.residual:
-        return LayerPlan(i, name, per_token, window, "lossy", note=note, fixed_bytes=fixed, attention="sliding",
-                         factory=ring_factory(spec, window))
+        return LayerPlan(i, name, per_token, window, "lossy" if spec.bits else "exact", note=note, fixed_bytes=fixed,
+                         attention="sliding", factory=ring_factory(spec, window))
     return LayerPlan(i, name, per_token, window, "lossy", note=note, fixed_bytes=fixed, attention="sliding",
                      residual=spec.residual, flush=spec.flush, residual_bytes_per_token=residual_row,
                      ring_codes=residual_ring_slots(window, spec), factory=ring_factory(spec, window))
