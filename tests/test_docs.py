@@ -181,3 +181,19 @@ def test_every_benchmark_script_is_cited_and_takes_help():
             f"{script.name}: nothing in the README, docs, tests or other scripts cites it"
         assert "argparse" in text, f"{script.name}: no argument parser (--help would start the benchmark)"
         assert not re.search(r"\bpast_key_values=", text), f"{script.name}: pass the cache as **{{CACHE_KW: cache}}"
+
+
+def test_readme_memory_rows_equal_their_result_files():
+    import json
+
+    rows = {r[0]: r for r in _md_table(README.read_text(), "| model | cache | bytes |")}
+    gemma = json.loads((ROOT / "benchmarks/results/gemma_sliding_quant.json").read_text())["bytes"]
+    row = rows["Gemma-3-270M, 1,100 / 4,096 tokens"]
+    assert [int(x.replace(",", "")) for x in re.findall(r"[\d,]+\d", row[2])] == \
+        [gemma["1100"]["int8"]["total"], gemma["4096"]["int8"]["total"]]
+    assert _numbers(row[3]) == pytest.approx([gemma[n]["int8"]["x_hf_fp16"] for n in ("1100", "4096")], abs=0.005)
+    mla = json.loads((ROOT / "benchmarks/results/bench_mla.json").read_text())["end_to_end"]["decode"]["8192"]
+    got = [float(x) for x in re.findall(r"\+(\d+) MiB", rows["DeepSeek-V2-Lite shape, 8k tokens"][2])]
+    assert got == pytest.approx([mla["kvslim"]["peak_rss_increase_bytes"] / 2**20,
+                                 mla["hf"]["peak_rss_increase_bytes"] / 2**20], abs=0.5)
+    assert _numbers(rows["DeepSeek-V2-Lite shape, 8k tokens"][2])[-1] == pytest.approx(mla["speedup"], abs=0.05)
