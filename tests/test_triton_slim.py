@@ -144,11 +144,11 @@ def test_slim_kernel_matches_twin_and_float64(b, h, dk, extra, n, rot, rotated, 
 
 @pytest.mark.parametrize("rotated", [False, True])
 def test_slim_column_tiles_and_mapped(monkeypatch, rotated):
-    """u tiled over c by the grid (a small register budget: 4 column tiles, a head's keys across two of them), and
-    the mapped op (u · value_map per head) against the mapped twin."""
+    """u tiled over c by the grid (a small register budget: 4 column tiles, 8 when un-rotating; a head's keys across
+    two of them), and the mapped op (u · value_map per head) against the mapped twin."""
     monkeypatch.setattr(ts, "MAX_ACC", 16 * 64)  # h_pad 16 → BLOCK_C 64 over c = 3·80 + 8
     q, rows, cos, sin, mask, lengths = slim_case(2, 3, 80, 8, 40, 48, rotated, F32, 2, seed=7)
-    assert triton.cdiv(rows.shape[2], ts.tiles(3, rows.shape[2])[1]) == 4
+    assert triton.cdiv(rows.shape[2], ts.tiles(3, rows.shape[2], rotated)[1]) == (8 if rotated else 4)
     u, lse = ts.launch(q, rows, cos, sin, mask, lengths, 0.5, rotated, splits=3)
     u64, lse64 = slim_oracle(q, rows, cos, sin, mask, lengths, 0.5, rotated)
     u_twin, _ = slim_kernel.reference(q, rows, cos, sin, mask, lengths, 0.5, rotated)
@@ -338,3 +338,49 @@ def test_tiny_whisper_slim_generates_hf_tokens_through_triton(monkeypatch, launc
     assert launches["encdec"] >= steps  # cross-attention (and the X-cache's self-attention) through Triton
     if cache == "k":
         assert launches["slim"] >= steps
+
+
+# ---- compiled for a GPU without one ---------------------------------------------------------------------------
+
+AOT = r'''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvslim.kernels.triton import encdec_decode as te, slim_decode as ts
+
+def build(fn, names, types, const, warps):
+    sig = dict(zip(names, types), **{k: "constexpr" for k in const})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": 1})
+    assert k.asm.get("cubin"), fn
+
+slim = ["Q", "ROWS", "COS", "SIN", "MASK", "LENGTHS", "PO", "PL", "s_rb", "s_rn", "s_cb", "s_cn", "s_mb", "h", "dk",
+        "c", "n", "rot", "chunk", "scaling"]
+for rope, unrot, dt in ((True, False, "bf16"), (False, True, "fp32")):
+    build(ts._slim_stage1, slim, ["*fp32", "*" + dt] + ["*fp32"] * 3 + ["*i64"] + ["*fp32"] * 2 + ["i32"] * 11
+          + ["fp32"], dict(H_PAD=16, DK_PAD=128, BLOCK_N=16, BLOCK_C=256, ROPE_KEYS=rope, UNROTATE=unrot,
+                           HAS_MASK=True, HAS_LENGTHS=True, DOT=ts.DOT_PRECISION), 8)
+enc = ["QT", "ENC", "MASK", "LENGTHS", "PO", "PL", "s_eb", "s_en", "s_mb", "h", "d", "n", "chunk", "scaling"]
+build(te._encdec_stage1, enc, ["*fp32", "*fp16", "*fp32", "*i64", "*fp32", "*fp32"] + ["i32"] * 7 + ["fp32"],
+      dict(H_PAD=16, BLOCK_N=16, BLOCK_D=64, BLOCK_C=512, HAS_MASK=True, HAS_LENGTHS=True,
+           DOT=ts.DOT_PRECISION), 8)
+build(ts._merge_stage2, ["PO", "PL", "OUT", "LSE", "h", "c", "splits"], ["*fp32"] * 4 + ["i32"] * 3,
+      dict(H_PAD=16, BLOCK_C=256), 4)
+print("compiled", triton.__version__)
+'''
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter runs the kernels as Python; this compiles them to a cubin for sm_90 (Triton's bundled ptxas,
+    no GPU needed), so code only the compiler rejects (types, layouts, constexpr branches) fails here too."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
+    if "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas bundled with this Triton")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

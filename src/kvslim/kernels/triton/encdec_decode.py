@@ -8,8 +8,9 @@ or bf16). Flash-decoding in two kernels:
 * ``_encdec_stage1``: one program per (column tile of u, split of the frames, sequence). Per block of ``BLOCK_N``
   frames: the scores of every head as ``tl.dot`` over d in ``BLOCK_D`` slices (every head reads every column), an
   online softmax per head, then ``acc (h, BLOCK_C) += p · E[:, tile]`` in one ``tl.dot``. E is read once for all
-  heads; u is tiled over d by the grid past ``MAX_ACC`` (h_pad · BLOCK_C fp32 in registers): Whisper tiny…medium
-  run one tile, large (h 20 → 32 padded, d 1280) three, each recomputing its block's scores from L2. Frames at
+  heads; u is tiled over d by the grid past ``MAX_ACC`` (h_pad · BLOCK_C fp32 in registers): Whisper tiny and
+  base run one tile, small and medium two, large (h 20 → 32 padded, d 1280) five, each recomputing its block's
+  scores (E read again from L2: the tiles of one block are neighbours in the launch order). Frames at
   or past ``lengths[b]`` are never read (masked loads).
 * stage 2: the log-sum-exp merge of the splits, :func:`kvslim.kernels.triton.slim_decode.merge_splits`.
 
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .slim_decode import DEFAULT_SMS, MAX_ACC, choose_splits, merge_splits, tiles, unit_last
+from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, merge_splits, tiles, unit_last
 
 
 @triton.jit
@@ -36,7 +37,7 @@ def _encdec_stage1(
     s_eb, s_en, s_mb,
     h, d, n, chunk, scaling,
     H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_LENGTHS: tl.constexpr, DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -74,7 +75,7 @@ def _encdec_stage1(
             qt = tl.load(qt_base + heads[:, None] * d + dc[None, :], mask=head_ok[:, None] & d_ok[None, :],
                          other=0.0)  # (H_PAD, BLOCK_D)
             x = tl.load(rows_t + dc[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            s += tl.dot(qt, tl.trans(x), input_precision="ieee")
+            s += tl.dot(qt, tl.trans(x), input_precision=DOT)
         s = s * scaling
         if HAS_MASK:
             s = s + tl.load(MASK + b * s_mb + t, mask=t_ok, other=0.0)[None, :]
@@ -86,7 +87,7 @@ def _encdec_stage1(
         p = tl.exp(s - m_use[:, None])  # (H_PAD, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
         x = tl.load(rows_t + cols[None, :], mask=t_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, x, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, x, input_precision=DOT)
         m_i = m_new
 
     live = l_i > 0.0
@@ -159,7 +160,8 @@ def launch(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None, lengt
         qt, enc, dummy if mask is None else mask, dummy if lengths is None else lengths, part_o, part_l,
         enc.stride(0), enc.stride(1), s_mb, h, d, n, chunk, float(scaling),
         H_PAD=h_pad, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, HAS_MASK=mask is not None,
-        HAS_LENGTHS=lengths is not None, num_warps=warps)
+        HAS_LENGTHS=lengths is not None, DOT=DOT_PRECISION, num_warps=warps,
+        num_stages=1)  # pipelining the d loop doubles the registers (ptxas sm_90: 254 vs 122) for no extra reuse
     if s > 1:
         merge_splits(part_o, part_l, out, lse)
     return out, lse

@@ -12,7 +12,7 @@ conditioning columns; fp32, fp16 or bf16). Flash-decoding in two kernels:
   un-rotated in that tile on the fly). The rows are read once for all heads; the accumulator ``h_pad × BLOCK_C``
   fp32 lives in registers, so u is tiled over c by the grid (``MAX_ACC``): a program of tile t > 0 recomputes the
   scores of its block (h·dk key columns, read from L2 right after tile 0's program read them). Slim layers of
-  Whisper tiny…medium, the tiny Llama (h_pad × c ≤ 16384) run one tile: every row is read from DRAM once.
+  Whisper tiny and base, the tiny Llama (h_pad × c ≤ ``MAX_ACC``) run one tile: every row is read from DRAM once.
   Rows at or past ``lengths[b]`` are never read (masked loads): NaN there cannot leak.
 * ``_merge_stage2``: the log-sum-exp merge of the splits (skipped with one split: stage 1 writes the result).
   Shared with :mod:`kvslim.kernels.triton.encdec_decode`.
@@ -34,8 +34,11 @@ import triton.language as tl
 
 #: the largest head dim the kernel takes (a (BLOCK_N, dk) fp32 key tile and the RoPE tiles live in registers)
 MAX_HEAD_DIM = 256
-#: the register accumulator's budget, h_pad · BLOCK_C fp32 values (u is tiled over c by the grid past it)
-MAX_ACC = 16384
+#: the register accumulator's budget, h_pad · BLOCK_C fp32 values (u is tiled over c by the grid past it); 8192
+#: keeps both stage-1 kernels free of spills on sm_90 (ptxas, triton 3.9, 8 warps: slim 212 registers, encdec 122)
+MAX_ACC = 8192
+#: ``tl.dot`` precision: fp32 products as the twin computes them ("tf32x3" would use tensor cores, untested on GPU)
+DOT_PRECISION = "ieee"
 #: streaming multiprocessors assumed when the tensors are not on a GPU (interpreter runs): an H100 SXM
 DEFAULT_SMS = 132
 
@@ -46,7 +49,7 @@ def _slim_stage1(
     s_rb, s_rn, s_cb, s_cn, s_mb,
     h, dk, c, n, rot, chunk, scaling,
     H_PAD: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    ROPE_KEYS: tl.constexpr, UNROTATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    ROPE_KEYS: tl.constexpr, UNROTATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_LENGTHS: tl.constexpr, DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -126,7 +129,7 @@ def _slim_stage1(
             cc = tl.load(COS + b * s_cb + t[:, None] * s_cn + col_d[None, :], mask=ok_u, other=1.0)
             ss = tl.load(SIN + b * s_cb + t[:, None] * s_cn + col_d[None, :], mask=ok_u, other=0.0)
             x = x * cc + xp * ss * sign_unrot[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p, x, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, x, input_precision=DOT)
         m_i = m_new
 
     live = l_i > 0.0
@@ -139,7 +142,7 @@ def _slim_stage1(
 
 @triton.jit
 def _merge_stage2(PO, PL, OUT, LSE, h, c, splits, H_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
-    """LSE merge of ``splits`` partials (B, splits, h, c) + (B, splits, h) into (B, h, c) + (B, h)."""
+    # LSE merge of `splits` partials (B, splits, h, c) + (B, splits, h) into (B, h, c) + (B, h)
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     heads = tl.arange(0, H_PAD)
@@ -219,11 +222,13 @@ def choose_splits(tasks: int, n: int, block: int, sms: int, splits: int = 0) -> 
     return -(-n // chunk), chunk
 
 
-def tiles(h: int, c: int) -> tuple[int, int, int]:
-    """``(h_pad, block_c, num_warps)``: heads padded for ``tl.dot`` (≥ 16) and the u column tile within ``MAX_ACC``."""
+def tiles(h: int, c: int, unrotate: bool = False) -> tuple[int, int, int]:
+    """``(h_pad, block_c, num_warps)``: heads padded for ``tl.dot`` (≥ 16) and the u column tile within ``MAX_ACC``
+    (half of it where the tile is un-rotated: its partner columns and RoPE table take registers too; ptxas sm_90,
+    triton 3.6: 292 bytes of spills at h_pad 16, dk 128, BLOCK_C 512, none at 256)."""
     h_pad = max(16, triton.next_power_of_2(h))
-    block_c = max(16, min(triton.next_power_of_2(c), MAX_ACC // h_pad))
-    return h_pad, block_c, 4 if h_pad * block_c <= 4096 else 8
+    block_c = max(16, min(triton.next_power_of_2(c), MAX_ACC // h_pad // (2 if unrotate else 1)))
+    return h_pad, block_c, 4 if h_pad * block_c <= 2048 else 8
 
 
 def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -259,7 +264,7 @@ def launch(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: t
         cos, sin = unit_last(cos), unit_last(sin)
         if cos.stride() != sin.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
-    h_pad, block_c, warps = tiles(h, c)
+    h_pad, block_c, warps = tiles(h, c, cos is not None and bool(rotated))
     dk_pad = max(16, triton.next_power_of_2(dk))
     block_n = 16
     col_tiles = triton.cdiv(c, block_c)
@@ -282,7 +287,7 @@ def launch(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: t
         h, dk, c, n, 0 if cos is None else cos.shape[2], chunk, float(scaling),
         H_PAD=h_pad, DK_PAD=dk_pad, BLOCK_N=block_n, BLOCK_C=block_c, ROPE_KEYS=cos is not None and not rotated,
         UNROTATE=cos is not None and bool(rotated), HAS_MASK=mask is not None, HAS_LENGTHS=lengths is not None,
-        num_warps=warps)
+        DOT=DOT_PRECISION, num_warps=warps, num_stages=1)
     if s > 1:
         merge_splits(part_o, part_l, out, lse)
     return out, lse
