@@ -32,7 +32,9 @@ def test_planner_bytes_equal_measured_nbytes(tmp_path, capsys, kind):
         cache = kvslim.make_cache(model)
         model(ids, attention_mask=mask, past_key_values=cache)
         assert cache.nbytes == rec["cache_bytes"], method
-    assert records["dense"]["ratio"] == 1.0
+    dense = records["dense"]  # dense keeps what HF keeps: the model's own window on its sliding layers
+    assert dense["cache_bytes"] == dense["hf_bytes"]
+    assert dense["ratio"] == 1.0 if kind == "llama" else dense["ratio"] < 1.0
 
 
 def test_plan_lists_methods_that_do_not_apply_with_reason(tmp_path, capsys):

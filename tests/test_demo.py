@@ -24,7 +24,9 @@ def test_measure_compares_methods_against_dense():
     dense, int8, window = rows["dense"], rows["int8"], rows["window"]
     assert dense["ratio"] == 1.0 and dense["greedy_agreement"] == 1.0 and dense["max_abs_dlogit"] == 0.0
     assert dense["cache_bytes"] == dense["planned_bytes"] and int8["cache_bytes"] == int8["planned_bytes"]
-    assert 0 < int8["max_abs_dlogit"] < 0.1 and int8["ratio"] < 0.35
+    # dense keeps the model's window (the last 7 tokens per layer, as HF): int8's fixed per-sequence key-smoothing
+    # factors weigh in beside 7 coded rows
+    assert 0 < int8["max_abs_dlogit"] < 0.1 and int8["ratio"] < 0.4
     assert window["exactness"] == ["exact"] and window["max_abs_dlogit"] < 1e-4  # model's own window 8
     assert all(math.isfinite(r["perplexity"]) and r["decode_tokens_per_s"] > 0 for r in rows.values())
 

