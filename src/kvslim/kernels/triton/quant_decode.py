@@ -31,10 +31,8 @@ import triton.language as tl
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
-#: tokens per block of the inner loop
-BLOCK_N = 32
 #: fewest tokens a split gets when the split count is chosen (so the merge stays a small share of the work)
-MIN_SPLIT_TOKENS = 4 * BLOCK_N
+MIN_SPLIT_TOKENS = 128
 #: splits per (sequence, KV head) at most, when chosen
 MAX_SPLITS = 64
 
@@ -218,6 +216,13 @@ def choose_splits(batch: int, heads: int, n: int, sms: int = 132, splits: int = 
     return max(1, min(want, -(-n // MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
+def tile_config(block_d: int) -> tuple[int, int]:
+    """(tokens per inner step, warps) of stage 1 for a padded head dim. First choices from a static compile for
+    sm_90a (``ptxas -v``; no GPU run yet): at D ≥ 128, 32-token steps on 4 warps spill registers, 16 on 8 mostly
+    do not (docs/gpu.md)."""
+    return (32, 4) if block_d <= 64 else (16, 8)
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -309,10 +314,10 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     kz = k_zero if asym else k_scale
     vz = v_zero if asym else v_scale
     lens = lengths if lengths is not None else q
-    warps = 8 if block_d >= 256 else 4
+    block_n, warps = tile_config(block_d)
     consts = dict(D=d, BITS=int(bits), ASYM=asym, GROUP=int(group_size), KCG=kcg,
                   KW=(d // kcg if kcg else 1), VGROUP=int(group_size), HAS_LEN=lengths is not None,
-                  HAS_MASK=mask is not None, NHB=nhb, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+                  HAS_MASK=mask is not None, NHB=nhb, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
                   num_warps=warps)
     args = (q, k_codes, k_scale, kz, v_codes, v_scale, vz, kt, vt, m, lens, po, pl, n, r, g, per, slots,
             float(scaling), q.stride(0), q.stride(1), q.stride(2),
@@ -324,7 +329,8 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
         _quant_stage1[(b, hk * nhb, 1)](*args, TAIL=True, **consts)
     _quant_stage2[(b, hk * nhb)](po, pl, unrot, out, lse, g, s, out.stride(0), out.stride(1), out.stride(2),
                                  lse.stride(0), lse.stride(1), D=d, HAS_TAIL=has_tail, UNROT=v_unrot is not None,
-                                 NHB=nhb, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=16, num_warps=warps)
+                                 NHB=nhb, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=min(64, block_d),
+                                 num_warps=warps)
     return out, lse
 
 
