@@ -9,6 +9,7 @@ import torch
 from conftest import padded_batch, tiny_model
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.cli.main import main
 
 
@@ -30,7 +31,7 @@ def test_planner_bytes_equal_measured_nbytes(tmp_path, capsys, kind):
         opts = {"window": 8} if method == "window" else {"group_size": 8, "window": 8} if method != "dense" else {}
         kvslim.apply(model, method, **opts)
         cache = kvslim.make_cache(model)
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **{CACHE_KW: cache})
         assert cache.nbytes == rec["cache_bytes"], method
     dense = records["dense"]  # dense keeps what HF keeps: the model's own window on its sliding layers
     assert dense["cache_bytes"] == dense["hf_bytes"]

@@ -33,8 +33,8 @@ def test_measure_compares_methods_against_dense():
 
 def test_measure_keeps_a_methods_first_decode_step_out_of_its_speed(monkeypatch):
     """A method's first decode step may build its C++ ops (minutes on a fresh machine): the demo warms each method
-    up before it times it. Here the first single-token step after each ``apply`` sleeps 0.3 s; the reported
-    decode speed must not contain it (11 timed steps of a tiny model take a few ms)."""
+    up before it times it. Here the first single-token step after each ``apply`` sleeps 1 s; the reported
+    decode speed must not contain it (11 timed steps of a tiny model take a few ms; with the sleep ≤ 11 tokens/s)."""
     import time
 
     from kvslim import api
@@ -51,7 +51,7 @@ def test_measure_keeps_a_methods_first_decode_step_out_of_its_speed(monkeypatch)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if first["pending"] and ids is not None and ids.shape[1] == 1:
             first["pending"] = False
-            time.sleep(0.3)
+            time.sleep(1.0)
 
     monkeypatch.setattr(api, "apply", apply)
     model.register_forward_pre_hook(slow_first_step, with_kwargs=True)
@@ -60,5 +60,5 @@ def test_measure_keeps_a_methods_first_decode_step_out_of_its_speed(monkeypatch)
     runs = (("dense", "dense", {}), ("int8", "int8", {"group_size": 16}))
     rows = measure(model, type("Tok", (), {"decode": lambda self, ids, skip_special_tokens=True: ""})(), runs, ids,
                    text, 12)
-    for r in rows:  # with the sleep inside the timing: 11 steps / ≥ 0.3 s ≤ 37 tokens/s
-        assert r["decode_tokens_per_s"] > 60, (r["label"], r["decode_tokens_per_s"])
+    for r in rows:  # with the sleep inside the timing: 11 steps / ≥ 1 s ≤ 11 tokens/s
+        assert r["decode_tokens_per_s"] > 22, (r["label"], r["decode_tokens_per_s"])

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from kvslim import api
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches import KVSlimCache
 from kvslim.evaluate import (
     cache_nbytes,
@@ -100,7 +101,7 @@ def test_cache_nbytes_of_hf_caches_and_greedy_agreement(tiny_trained):
     model, ids = tiny_trained
     cache = DynamicCache()
     with torch.inference_mode():
-        model(ids[:, :50], past_key_values=cache, use_cache=True)
+        model(ids[:, :50], **{CACHE_KW: cache}, use_cache=True)
     cfg = model.config
     assert cache_nbytes(cache) == 50 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * 4
     g = greedy_agreement(model, ids[:, :64], 16, _kv(model, "dense"))

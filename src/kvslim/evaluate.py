@@ -205,8 +205,8 @@ def compare_caches(model, ids: torch.Tensor, caches: dict[str, Callable[[], obje
     after the other at every call) and compare the scored predictions with the reference's.
 
     Args:
-        model: a causal LM whose forward takes ``past_key_values`` (one model for all caches: storage-only
-            caches, or caches that need no attention change).
+        model: a causal LM whose forward takes a cache (``cache=``; ``past_key_values=`` before transformers
+            5.24); one model for all caches: storage-only caches, or caches that need no attention change.
         ids: (1, T) token ids of real text.
         caches: label -> a function building a fresh cache for that label.
         mode: ``"token"`` or ``"chunked"`` (see :func:`protocol_segments`).

@@ -18,7 +18,7 @@ LM_RUNS = {
                             ("int4 g64", "int4", {"group_size": 64}))),
 }
 WHISPER = {"whisper-tiny.en": "tiny.en", "whisper-base": "base"}
-MODEL_NAMES = ("smollm2", *LM_RUNS, *WHISPER)
+MODEL_NAMES = ("smollm2", "tiny-mha", *LM_RUNS, *WHISPER)
 
 
 def load_lm(name: str):
