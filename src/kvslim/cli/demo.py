@@ -199,7 +199,7 @@ def table(title: str, rows: list[dict]):
 
     t = Table(title=title)
     greedy = any("max_abs_dlogit_greedy" in r for r in rows)
-    cols = ("method", "cache bytes", "× first", "decode tok/s", "greedy agree", "max |Δlogit| (eval text)",
+    cols = ("method", "cache bytes", "× dense", "decode tok/s", "greedy agree", "max |Δlogit| (eval text)",
             *(("max |Δlogit| (greedy)",) if greedy else ()), "perplexity", "Δppl", "exactness", "note")
     for col in cols:
         t.add_column(col)
@@ -214,7 +214,8 @@ def table(title: str, rows: list[dict]):
 def caption(rows: list[dict], new_tokens: int) -> str:
     r = rows[0]
     return (f"cache bytes, tok/s, greedy agree: one greedy run of {new_tokens} new tokens ({r['context']} tokens "
-            f"cached), after a 2-token warm-up; greedy agree: tokens equal to the first row's; max |Δlogit|, "
+            f"cached), after a 2-token warm-up; × dense, greedy agree, Δlogit, Δppl: against the dense row of the same "
+            f"dtype; max |Δlogit|, "
             f"perplexity: the {r['eval_tokens']}-token eval text fed in 32-token chunks, teacher-forced")
 
 
