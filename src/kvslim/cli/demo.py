@@ -2,7 +2,7 @@
 
 ``kvslim demo [--model NAME] [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR] [--full]``
 (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository). The default run measures
-for about 75 s on two cores (54 s of CPU time); ``--full`` adds a second greedy pass per method, teacher-forced on
+for about a minute on two cores (46 s at load 2 on the development machine); ``--full`` adds a second greedy pass per method, teacher-forced on
 dense's continuation (the ``max |Δlogit| (greedy)`` column), as the demo did before it was made quick.
 """
 
