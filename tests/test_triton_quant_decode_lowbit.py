@@ -62,6 +62,8 @@ CASES = [  # (head dim, group size, GQA group, key bits, value bits, KIVI token 
     (64, 32, 4, 2, 2, 32, torch.float16, 1),  # 2-bit KIVI keys
     (128, 32, 7, 2, 3, 0, F32, 3),  # per-token keys, 3-bit values
     (64, 16, 1, 3, 3, 0, torch.float16, 3),
+    (64, 16, 3, 3, 2, 8, torch.float16, 1),  # KIVI groups of 8 < a block: key parameters per token
+    (80, 80, 1, 3, 2, 0, torch.float16, 3),  # a group size that is no power of two: parameters gathered
 ]
 
 
@@ -70,8 +72,9 @@ def test_kernel_matches_twin_and_float64(d, gs, g, kb, vb, kivi, sdt, mrows):
     """Ragged lengths (no multiple of a block or a token group; one empty history with a tail), NaN parameters past
     each length and past n, −inf masked coded and tail tokens, forced 1 / 2 / 3 splits: kernel == twin == float64."""
     gen = torch.Generator().manual_seed(d + 7 * g + kb + vb + kivi)
-    b, h, n, r = 3, 2, 300, 3
-    lengths = torch.tensor([n, 121, 0])
+    block = tq.block_size(d, kivi)
+    b, h, n, r = 3, 2, 4 * block + 44, 3  # 5 blocks: 3 splits of 2, 2, 1 blocks
+    lengths = torch.tensor([n, n // 2 + 7, 0])
     codes = _poisoned(b, h, n, d, kb, vb, gs, kivi, sdt, lengths, gen)
     q = torch.randn(b, h, g, d, generator=gen)
     kt, vt = torch.randn(b, h, r, d, generator=gen), torch.randn(b, h, r, d, generator=gen)
@@ -84,7 +87,6 @@ def test_kernel_matches_twin_and_float64(d, gs, g, kb, vb, kivi, sdt, mrows):
     ref, ref_lse = kernel.reference(*args)
     assert_close(ref.cpu(), oracle, F32, "twin vs float64")
     for splits in (1, 2, 3):
-        block = 64 if d <= 128 else 32
         assert tq.choose_splits(b * h, n, block, 132, splits)[0] == splits
         out, lse = tq.launch(*args, splits)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()

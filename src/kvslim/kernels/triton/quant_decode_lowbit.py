@@ -30,13 +30,52 @@ DEFAULT_SMS = 132
 
 
 @triton.jit
-def _unpack(row_ptr, byte, shift, bits: tl.constexpr, ok):
-    """Codes (BLOCK_N, D_PAD) at bit offsets ``byte·8 + shift`` of their rows: two bytes read where a code straddles."""
-    lo = tl.load(row_ptr + byte, mask=ok, other=0).to(tl.int32)
-    if bits == 3:
-        hi = tl.load(row_ptr + byte + 1, mask=ok & (shift > 5), other=0).to(tl.int32)
-        lo = lo | (hi << 8)
-    return (lo >> shift) & ((1 << bits) - 1)
+def _codes(rows, t_ok, BITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 codes (BLOCK_N, D_PAD) of the packed rows starting at ``rows`` (BLOCK_N,): whole bytes (2 bits) or 3-byte
+    words (3 bits) loaded as a tile, the codes shifted out in registers; 0 where not ``t_ok`` or past D."""
+    if BITS == 2:  # code 4i + j at bits [2j, 2j+2) of byte i
+        i = tl.arange(0, D_PAD // 4)
+        ok = t_ok[:, None] & (i < D // 4)[None, :]
+        word = tl.load(rows[:, None] + i[None, :], mask=ok, other=0).to(tl.int32)  # (BLOCK_N, D_PAD/4)
+        code = (word[:, :, None] >> (tl.arange(0, 4) * 2)[None, None, :]) & 3  # (BLOCK_N, D_PAD/4, 4)
+    else:  # code 8i + j at bits [3j, 3j+3) of the little-endian word of bytes 3i, 3i+1, 3i+2
+        i = tl.arange(0, D_PAD // 8)
+        ok = t_ok[:, None] & (i < D // 8)[None, :]
+        at = rows[:, None] + 3 * i[None, :]
+        word = tl.load(at, mask=ok, other=0).to(tl.int32)
+        word = word | (tl.load(at + 1, mask=ok, other=0).to(tl.int32) << 8)
+        word = word | (tl.load(at + 2, mask=ok, other=0).to(tl.int32) << 16)  # (BLOCK_N, D_PAD/8)
+        code = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7  # (BLOCK_N, D_PAD/8, 8)
+    return tl.reshape(code, (BLOCK_N, D_PAD)).to(tl.float32)
+
+
+@triton.jit
+def _per_token(rows, t_ok, cols, GS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               GS_POW2: tl.constexpr):
+    """fp32 per-token parameters (BLOCK_N, D_PAD) of rows ``rows`` (BLOCK_N,) holding one value per ``GS`` channels:
+    loaded as (BLOCK_N, D/GS) and broadcast over each group in registers (a power-of-two GS), else gathered."""
+    if GS_POW2:
+        j = tl.arange(0, D_PAD // GS)
+        x = tl.load(rows[:, None] + j[None, :], mask=t_ok[:, None] & (j < D // GS)[None, :], other=0.0)
+        x = tl.broadcast_to(x.to(tl.float32)[:, :, None], (BLOCK_N, D_PAD // GS, GS))
+        return tl.reshape(x, (BLOCK_N, D_PAD))
+    else:
+        ok = t_ok[:, None] & (cols < D)[None, :]
+        return tl.load(rows[:, None] + (cols // GS)[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
+    """One block of the online softmax: scores q·kᵀ + s_add ((G_PAD, BLOCK_N); −inf where not ``t_ok``)."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") + s_add  # (G_PAD, BLOCK_N)
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no inf − inf
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -48,7 +87,7 @@ def _lowbit_stage1(
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb,
     Hk, G, n, r, chunk, scaling,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, KIVI: tl.constexpr,
+    KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, GS_POW2: tl.constexpr, KIVI: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -67,19 +106,9 @@ def _lowbit_stage1(
     q = tl.load(Q + b64 * s_qb + h64 * s_qh + rows[:, None] * s_qg + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     q = q * scaling  # (G_PAD, D_PAD)
-
-    # where each channel's code sits in a packed row, and which parameter column it uses
-    k_byte = (cols * KB) // 8
-    k_shift = (cols * KB) % 8
-    v_byte = (cols * VB) // 8
-    v_shift = (cols * VB) % 8
-    if KIVI > 0:  # group i's D parameters over rows [i·g, (i+1)·g), D/g per row
+    if KIVI > 0:  # group i's D key parameters over rows [i·g, (i+1)·g), D/g per row: channel c at (c // P, c % P)
         k_prow = cols // (D // KIVI)
         k_pcol = cols % (D // KIVI)
-    else:
-        k_prow = cols * 0
-        k_pcol = cols // GS
-    v_pcol = cols // GS
 
     kc_base = KC + b64 * s_kcb + h64 * s_kch
     ks_base = KS + b64 * s_ksb + h64 * s_ksh
@@ -99,36 +128,32 @@ def _lowbit_stage1(
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
 
-    for t0 in range(start, end, BLOCK_N):
+    for t0 in range(start, end, BLOCK_N):  # blocks start at multiples of BLOCK_N
         t = t0 + toks
-        t_ok = t < end
-        ok = t_ok[:, None] & col_ok[None, :]  # (BLOCK_N, D_PAD)
-        code = _unpack(kc_base + t[:, None] * s_kct, k_byte[None, :], k_shift[None, :], KB, ok)
+        t_ok = t < end  # never a slot at or past lengths[b] or n
+        code = _codes(kc_base + t * s_kct, t_ok, KB, D, D_PAD, BLOCK_N)
         if KIVI > 0:
-            prow = (t // KIVI) * KIVI
-            prow = prow[:, None] + k_prow[None, :]
+            if KIVI % BLOCK_N == 0:  # the block lies in one token group: one parameter row of D, read once
+                at = (t0 // KIVI) * KIVI + k_prow
+                ks = tl.load(ks_base + at * s_kst + k_pcol, mask=col_ok, other=0.0).to(tl.float32)
+                kz = tl.load(kz_base + at * s_kzt + k_pcol, mask=col_ok, other=0.0).to(tl.float32)
+                k = code * ks[None, :] + kz[None, :]
+            else:
+                at = ((t // KIVI) * KIVI)[:, None] + k_prow[None, :]
+                ok = t_ok[:, None] & col_ok[None, :]
+                ks = tl.load(ks_base + at * s_kst + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+                kz = tl.load(kz_base + at * s_kzt + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
+                k = code * ks + kz
         else:
-            prow = t[:, None] + k_prow[None, :]
-        ks = tl.load(ks_base + prow * s_kst + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
-        kz = tl.load(kz_base + prow * s_kzt + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
-        k = code.to(tl.float32) * ks + kz  # (BLOCK_N, D_PAD)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (G_PAD, BLOCK_N)
+            k = (code * _per_token(ks_base + t * s_kst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
+                 + _per_token(kz_base + t * s_kzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # (BLOCK_N, D_PAD)
+        v = (_codes(vc_base + t * s_vct, t_ok, VB, D, D_PAD, BLOCK_N)
+             * _per_token(vs_base + t * s_vst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
+             + _per_token(vz_base + t * s_vzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # 0 on slots not read
+        s_add = tl.zeros((BLOCK_N,), tl.float32)
         if HAS_MASK:
-            s = s + tl.load(m_base + t, mask=t_ok, other=0.0)[None, :]
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-
-        code = _unpack(vc_base + t[:, None] * s_vct, v_byte[None, :], v_shift[None, :], VB, ok)
-        vs = tl.load(vs_base + t[:, None] * s_vst + v_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
-        vz = tl.load(vz_base + t[:, None] * s_vzt + v_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = code.to(tl.float32) * vs + vz  # (BLOCK_N, D_PAD), 0 on every slot not read
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+            s_add = tl.load(m_base + t, mask=t_ok, other=0.0)
+        m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
 
     if HAS_TAIL:
         tail_end = tl.where(split == splits - 1, r, 0)  # the last split attends the fp32 tail
@@ -139,18 +164,11 @@ def _lowbit_stage1(
             t_ok = t < tail_end
             ok = t_ok[:, None] & col_ok[None, :]
             k = tl.load(kt_base + t[:, None] * s_ktt + cols[None, :], mask=ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if HAS_MASK:
-                s = s + tl.load(m_base + n + t, mask=t_ok, other=0.0)[None, :]
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(s - m_use[:, None])
             v = tl.load(vt_base + t[:, None] * s_vtt + cols[None, :], mask=ok, other=0.0)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
+            s_add = tl.zeros((BLOCK_N,), tl.float32)
+            if HAS_MASK:
+                s_add = tl.load(m_base + n + t, mask=t_ok, other=0.0)
+            m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
 
     live = l_i > 0.0
     out = acc / tl.where(live, l_i, 1.0)[:, None]
@@ -264,6 +282,17 @@ def choose_splits(tasks: int, n: int, block: int, sms: int, splits: int = 0) -> 
     return -(-n // chunk), chunk
 
 
+def block_size(d: int, key_channel_group: int) -> int:
+    """Tokens per block: 64 / 32 / 16 for padded head dims ≤ 64 / 128 / 256 (sm_90, 8 warps, triton 3.9: 92 / 122 /
+    115 registers, no spills), then halved (not below 16) until a KIVI token group holds whole blocks, so that a
+    block's key parameters are one row read once."""
+    d_pad = max(16, triton.next_power_of_2(d))
+    block = 64 if d_pad <= 64 else 32 if d_pad <= 128 else 16
+    while key_channel_group and key_channel_group % block and block > 16:
+        block //= 2
+    return block
+
+
 def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -288,7 +317,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     r = 0 if kt is None else kt.shape[2]
     d_pad = max(16, triton.next_power_of_2(d))
     g_pad = max(16, triton.next_power_of_2(g))
-    block = 64 if d_pad <= 128 else 32
+    block = block_size(d, key_channel_group)
     sms = (torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda"
            else DEFAULT_SMS)
     s, chunk = choose_splits(b * hk, n, block, sms, splits)
@@ -309,8 +338,8 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
         *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3], *st_k, *st_v, s_mb,
         hk, g, n, r, chunk, float(scaling),
         D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
-        KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
-        HAS_MASK=mask is not None, num_warps=4)
+        GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
+        HAS_MASK=mask is not None, num_warps=8)
     if s > 1:
         _lowbit_stage2[(b * hk,)](part_o, part_l, out, lse, g, s, D=d, D_PAD=d_pad, G_PAD=g_pad, num_warps=4)
     return out, lse
@@ -336,4 +365,4 @@ def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, gro
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
 
-__all__ = ["MAX_HEAD_DIM", "check", "choose_splits", "covers", "launch", "quant_decode_lowbit_triton"]
+__all__ = ["MAX_HEAD_DIM", "block_size", "check", "choose_splits", "covers", "launch", "quant_decode_lowbit_triton"]
