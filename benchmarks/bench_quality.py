@@ -9,10 +9,19 @@ Suites:
     ablation  one component at a time (asymmetric codes, KIVI keys, residual window, Hadamard rotation pre/post
               RoPE, smoothing), int4 and int2, plus quanto 4/2 bits       (explore: --tokens 2048 --steps 256)
     final     the defaults (``apply(model, "int4")``, ``"int2"``), the old int4, int8, quanto 4/2 bits
+    heldout   int8 / int4 / int2 defaults and quanto 4/2 bits, for ``--texts`` (issue 29)
+    int2x     int2 candidates (apply options only; defaults unchanged), chosen on ``--texts dev``
 
     .venv/bin/python benchmarks/bench_quality.py --suite final                 # full protocol, token mode
     .venv/bin/python benchmarks/bench_quality.py --suite ablation --tokens 2048 --steps 256
     .venv/bin/python benchmarks/bench_quality.py --suite final --mode chunked  # prefill 512 + 64-token chunks
+    .venv/bin/python benchmarks/bench_quality.py --suite heldout --texts all --tokens 2049 --steps 512 --threads 1
+
+``--texts dev|heldout|all`` (token mode, call by call; ``kvslim.heldout``): the development text (Botchan) and/or
+the held-out texts (code, technical prose, dialogue), each scored step by step (``kvslim.stepwise``): Δppl with
+a 95 % paired-bootstrap interval over the scored steps (1,000 resamples, seed 0), KL, top-1, and bytes measured
+from the tensors after every scored step, full-precision window included, the same way for kvslim and quanto
+(at the end and averaged over the steps). Writes benchmarks/results/quality_{dev,heldout}_<date>[_model][tag].
 
 Needs ``pip install --no-deps optimum-quanto==0.2.7`` (the ``[bench]`` extra) for the quanto rows.
 Writes benchmarks/results/bench_quality_<suite>_<mode>.json and .md (and, for ``final``, a PNG of Δppl
@@ -22,6 +31,8 @@ against bits per element).
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
 import json
 import platform
 import subprocess
@@ -112,6 +123,18 @@ FINAL = [
     ("quanto 4-bit g64 r128, every layer", "quanto", dict(nbits=4, every_layer=True)),
     ("quanto 2-bit g64 r128, every layer", "quanto", dict(nbits=2, every_layer=True)),
 ]
+HELDOUT = [r for r in FINAL if r[0] in ("int8 g64 (default)", "int4 (default)", "int2 (default)",
+                                       "quanto 4-bit g64 r128", "quanto 2-bit g64 r128")]
+INT2_DEFAULT = dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, group_size=64, scale_dtype=F16,
+                    value_rotation="hadamard")  # explicit, so a candidate changes one thing
+INT2X = [
+    ("int2 (default)", "int2", {}),
+    ("int2 K3 V2 g64 +vhad r124 +sink4", "int2", {**INT2_DEFAULT, "residual": 124, "sink": 4}),
+    ("int2 K3 V2 g32 +vhad r128 (3.25 bits)", "int2", {**INT2_DEFAULT, "group_size": 32}),
+    ("int2 K4 V2 g64 +vhad r128 (3.5 bits)", "int2", {**INT2_DEFAULT, "key_bits": 4}),
+    ("int2 K3 kivi32 V2 g64 +vhad r128", "int2", {**INT2_DEFAULT, "key_channel_group": 32}),
+]
+SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X}
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),
@@ -228,7 +251,7 @@ def git_commit() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("ablation", "final"), default="final")
+    p.add_argument("--suite", choices=sorted(SUITES), default="final")
     p.add_argument("--mode", choices=("token", "chunked"), default="token")
     p.add_argument("--tokens", type=int, default=4096, help="text tokens fed (protocol: >= 4096)")
     p.add_argument("--steps", type=int, default=1024, help="token mode: single-token steps scored (>= 1024)")
@@ -246,7 +269,13 @@ def main() -> None:
     p.add_argument("--fused-decode", action="store_true",
                    help="kvslim int8/int4/int2 rows decode through the fused kernels (kernels/quant_decode*.py; "
                         "their score path follows KVSLIM_QUANT_SCORES) instead of the layers' dequantized reads")
+    p.add_argument("--texts", choices=("dev", "heldout", "all"), default=None,
+                   help="score these texts step by step (token mode, call by call): Δppl with a paired-bootstrap "
+                        "95 %% interval, KL, top-1, bytes at the end and averaged over the steps (kvslim.heldout)")
+    p.add_argument("--resamples", type=int, default=1000, help="--texts: bootstrap resamples (seed 0)")
     args = p.parse_args()
+    if args.texts and (args.mode != "token" or args.engine != "calls" or args.merge):
+        p.error("--texts runs the token mode call by call (--mode token --engine calls), not with --merge")
     global FUSED_DECODE
     FUSED_DECODE = args.fused_decode
     if args.merge:
@@ -259,16 +288,22 @@ def main() -> None:
     loader, model_label = MODELS[args.model]
     model, tok = getattr(kvslim.models, loader)(torch.float32)
     api.apply(model, "dense")  # the storage methods' attention (packed GQA SDPA); caches differ per row
-    ids = text_ids(tok, args.tokens)
-    rows = ABLATION if args.suite == "ablation" else FINAL
+    rows = SUITES[args.suite]
     if args.only:
         keys = args.only.split(",")  # a key ending in "$" must match a whole label
         rows = [r for r in rows if any(r[0] == k[:-1] if k.endswith("$") else k in r[0] for k in keys)]
     if args.engine == "one-pass":
         rows = [r for r in rows if r[1] != "quanto" and not r[2].get("prerope")]
+    if any(r[1] == "quanto" for r in rows) and importlib.util.find_spec("optimum.quanto") is None:
+        print("optimum-quanto is not installed: quanto rows left out (pip install --no-deps optimum-quanto==0.2.7)")
+        rows = [r for r in rows if r[1] != "quanto"]
     makers, facts = {}, {}
     for label, method, opts in rows:
         makers[label], facts[label] = cache_maker(model, method, opts, args.tokens + args.greedy + 8)
+    if args.texts:
+        per_text(args, model, tok, model_label, makers, facts)
+        return
+    ids = text_ids(tok, args.tokens)
     t0 = _STATE["t_start"] = time.time()  # the run's start: ``seconds`` in the JSON counts from here
     if args.engine == "one-pass":
         out = one_pass_rows(model, ids, rows, facts, args)
@@ -293,6 +328,82 @@ def main() -> None:
         out.append(rec)
         print(_row(rec), flush=True)
     finish(args, model, model_label, out, t0)
+
+
+def per_text(args, model, tok, model_label, makers, facts) -> None:
+    """``--texts``: every row on every text of the set, step by step; the record is rewritten after each text."""
+    from kvslim import heldout
+    from kvslim.stepwise import compare_steps
+
+    t0 = time.time()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    model_tag = "" if args.model == "smollm2" else f"_{args.model}"
+    stem = RESULTS / f"quality_{'dev' if args.texts == 'dev' else 'heldout'}_{date}{model_tag}{args.tag}"
+    record = {"texts_set": args.texts, "suite": args.suite, "mode": "token", "engine": "calls (stepwise)",
+              "tokens": args.tokens, "steps": args.steps, "prefill": args.tokens - args.steps - 1,
+              "resamples": args.resamples, "bootstrap_seed": 0, "threads": args.threads,
+              "command": "python " + " ".join(sys.argv), "model": model_label,
+              "hf_dense_bytes_per_token": hf_dense_bytes_per_token(model, args.tokens),
+              "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+              "commit": git_commit(), "date": date, "texts": [], "partial": True}
+    for name in heldout.SETS[args.texts]:
+        ids = heldout.text_ids(tok, name, args.tokens)
+        built: dict[str, object] = {}
+        print(f"{name}: {len(makers)} rows, {args.tokens} tokens, {args.steps} steps", flush=True)
+        res = compare_steps(model, ids, {k: _keep(built, k, v) for k, v in makers.items()}, steps=args.steps,
+                            progress=True)
+        rows = []
+        for label, q in res.items():
+            bits, window = measured_bits(built[label], int(q.held[-1]), model.config)
+            rows.append({**q.to_dict(args.resamples), "bits_per_element": bits, "window_bytes": window,
+                         **facts[label]})
+            print(_text_row(rows[-1]), flush=True)
+        record["texts"].append({**heldout.describe(name), "ref_ppl": rows[0]["ref_ppl"], "rows": rows})
+        record["seconds"] = time.time() - t0
+        RESULTS.mkdir(exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+        stem.with_suffix(".md").write_text(text_markdown(record))
+    record["partial"] = False
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    stem.with_suffix(".md").write_text(text_markdown(record))
+    print(text_markdown(record))
+
+
+def _keep(built: dict, label: str, make):
+    """``make`` that also remembers the cache it built in ``built[label]`` (measured after the run)."""
+    def f():
+        built[label] = make()
+        return built[label]
+    return f
+
+
+def _text_row(r: dict) -> str:
+    lo, hi = r["delta_ppl_ci95"]
+    return (f"{r['label']:40s} Δppl {100 * r['delta_ppl']:+6.2f} % [{100 * lo:+.2f}, {100 * hi:+.2f}]  "
+            f"KL {r['kl']:.4f}  top1 {100 * r['top1']:.1f} %  {r['bytes_per_token_avg']:.0f} B/token avg  "
+            f"{r['bytes_per_token_end']:.0f} end")
+
+
+def text_markdown(rec: dict) -> str:
+    """One table per text: Δppl with its paired-bootstrap 95 % interval, KL, top-1, measured bytes."""
+    out = [f"{rec['model']}; token protocol: prefill {rec['prefill']}, {rec['steps']} single-token steps scored, "
+           f"HF DynamicCache as reference; Δppl 95 % interval: paired bootstrap over the steps ({rec['resamples']} "
+           f"resamples, seed {rec['bootstrap_seed']}); bytes measured from the tensors after every scored step, "
+           f"full-precision window included (kvslim and quanto alike); HF DynamicCache "
+           f"{rec['hf_dense_bytes_per_token']:.0f} B/token; commit {rec['commit']}, {rec['date']}"
+           + (" (partial: texts so far)" if rec.get("partial") else ""), ""]
+    for t in rec["texts"]:
+        out += [f"### {t['name']} ({t['kind']}, {t['role']}; {t['package']} {t['installed']}, {t['path']}); "
+                f"dense perplexity {t['ref_ppl']:.3f}", "",
+                "| cache | Δ perplexity [95 % CI] | mean KL | top-1 | bytes/token avg | bytes/token end "
+                "| bits/element (codes+scales) |", "|---|---|---|---|---|---|---|"]
+        for r in t["rows"]:
+            lo, hi = r["delta_ppl_ci95"]
+            out.append(f"| {r['label']} | {100 * r['delta_ppl']:+.2f} % [{100 * lo:+.2f}, {100 * hi:+.2f}] | "
+                       f"{r['kl']:.4f} | {100 * r['top1']:.1f} % | {r['bytes_per_token_avg']:.0f} | "
+                       f"{r['bytes_per_token_end']:.0f} | {r['bits_per_element']:.2f} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def merge(args) -> None:
