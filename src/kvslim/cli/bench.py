@@ -3,6 +3,11 @@
 ``kvslim bench [--models mha-100m,smollm2] [--contexts 1024,4096,8192] [--batches 1,8] [--methods ...]``
 At each (model, batch, context) point the methods take turns (``--rounds`` × ``--steps`` steps each, interleaved),
 so ratios between methods come from the same stretch of machine time. Writes ``bench_decode.json``, ``bench_decode.png`` and ``bench_decode.md`` under ``--out``.
+
+``kvslim bench --device cuda`` runs the GPU table of issue 26 instead (:mod:`kvslim.bench.cuda`: HF static eager and
+compiled, HF dynamic, HF quanto 4-bit, every kvslim method eager and compiled, at the three shapes of the issue;
+capacity of the Llama-3-8B shape at 32k): ``bench_gpu.json`` / ``.png`` / ``.md``. ``--quick`` runs that table on
+tiny shapes, on any ``--device`` (a CPU test runs it end to end).
 """
 
 from __future__ import annotations
@@ -51,7 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", default="benchmarks/results", help="output folder")
-    p.add_argument("--name", default="bench_decode", help="base name of the output files")
+    p.add_argument("--name", default=None, help="base name of the output files (bench_decode; the GPU table: "
+                   "bench_gpu, --quick: bench_gpu_quick)")
+    p.add_argument("--quick", action="store_true", help="the GPU table on tiny shapes (runs on --device cpu too)")
+    p.add_argument("--compile", default=None, choices=("reduce-overhead", "default", "eager-backend", "none"),
+                   help="GPU table: how compiled kinds are compiled (reduce-overhead: CUDA graphs, the default on "
+                        "CUDA; eager-backend: dynamo tracing only, the default of --quick on CPU; none)")
+    p.add_argument("--no-capacity", action="store_true", help="GPU table: skip the capacity search")
+    p.add_argument("--kinds", default=None, help="GPU table: comma-separated kinds (default all: "
+                   "hf-static,hf-dynamic,hf-quanto4,kvslim-<method>)")
 
 
 def load_model(name: str, dtype: torch.dtype, device: str):
@@ -63,6 +76,10 @@ def load_model(name: str, dtype: torch.dtype, device: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda") or args.quick:
+        return run_gpu_table(args)
+    if args.name is None:
+        args.name = "bench_decode"
     models = _names(args.models, MODELS, "--models")
     contexts, batches = _ints(args.contexts, "--contexts"), _ints(args.batches, "--batches")
     kinds = _names(args.methods, ALL_KINDS, "--methods")
@@ -105,5 +122,40 @@ def run(args: argparse.Namespace) -> int:
     plot(records, out / f"{args.name}.png", bandwidth["roofline_gbps"])
     table = markdown_table(records)
     (out / f"{args.name}.md").write_text(table + "\n")
+    console.print(table)
+    return 0
+
+
+def gpu_settings(args: argparse.Namespace):
+    """The :class:`kvslim.bench.cuda.Settings` the flags ask for (``ValueError`` naming a bad flag)."""
+    from ..bench import cuda
+
+    compile_mode = args.compile or ("reduce-overhead" if args.device.startswith("cuda") else "eager-backend")
+    kinds = tuple(cuda.Settings().kinds if args.kinds is None else _names(args.kinds, cuda.Settings().kinds,
+                                                                            "--kinds"))
+    if args.steps <= 0 or args.rounds <= 0:
+        raise ValueError(f"--steps and --rounds must be positive ints, got {args.steps}, {args.rounds}")
+    return cuda.Settings(device=args.device, quick=args.quick, steps=args.steps, rounds=args.rounds,
+                         compile_mode=None if compile_mode == "none" else compile_mode,
+                         capacity=not args.no_capacity, kinds=kinds,
+                         **({"max_batch": 16, "cpu_budget": 256 << 10} if args.quick else {}))
+
+
+def run_gpu_table(args: argparse.Namespace) -> int:
+    """``kvslim bench --device cuda`` / ``--quick``: the table of :mod:`kvslim.bench.cuda`, JSON + PNG + Markdown."""
+    from ..bench import cuda
+
+    settings = gpu_settings(args)
+    console = Console()
+    doc = cuda.run(settings, progress=console.print)
+    name = args.name or ("bench_gpu_quick" if args.quick else "bench_gpu")
+    out = Path(args.out)
+    write_json(out / f"{name}.json", doc.pop("records"), doc.pop("bandwidth"), extra=doc)
+    import json
+
+    full = json.loads((out / f"{name}.json").read_text())
+    cuda.plot(full, out / f"{name}.png")
+    table = cuda.markdown(full)
+    (out / f"{name}.md").write_text(table + "\n")
     console.print(table)
     return 0
