@@ -40,8 +40,9 @@ def reference(x: torch.Tensor, channel: torch.Tensor | None, bits: int, group_si
 
 def applies(x: torch.Tensor, codes: torch.Tensor) -> bool:
     """Whether the op takes these tensors: fp32 CPU rows, no autograd, not under ``torch.compile`` tracing."""
-    return (available() and x.device.type == "cpu" and codes.device.type == "cpu" and x.dtype == torch.float32
-            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling())
+    # tracing first: dynamo cannot trace the build's file checks behind available() (a graph break)
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and codes.device.type == "cpu"
+            and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad) and available())
 
 
 def quant_write(x: torch.Tensor, channel: torch.Tensor | None, bits: int, group_size: int, start: int,

@@ -1,0 +1,62 @@
+"""Decode steps under ``torch.compile(fullgraph=True)`` with a preallocated cache (issue 26, point 5): tokens equal
+to eager. On CPU dynamo traces with ``backend="eager"`` (no code generation: what 2 cores afford); on CUDA the
+steps run under ``mode="reduce-overhead"`` (CUDA graphs). A graph break fails ``fullgraph=True`` by name."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import kvslim
+from kvslim.adapters.compat import CACHE_KW
+
+STEPS = 4
+CASES = {"dense": {}, "int8": {}, "int4": {"residual": 8, "flush": 4, "key_channel_group": 4, "sink": 2}}
+
+
+def _tokens(model, step, device):
+    cache = kvslim.make_cache(model, max_length=64)
+    ids = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    out = []
+    with torch.no_grad():
+        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
+        for i in range(STEPS):
+            pos = torch.full((2, 1), 24 + i, dtype=torch.long, device=device)
+            tok = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True,
+                       **{CACHE_KW: cache}).logits[:, -1:].argmax(-1).clone()
+            out.append(tok)
+    return torch.cat(out, dim=1)
+
+
+def _model(method, device="cpu", dtype=torch.float32):
+    model = tiny_model("llama", dtype=dtype).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kvslim.apply(model, method, **CASES[method])
+    return model
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("method", list(CASES))
+def test_fullgraph_decode_steps_give_eager_tokens(method):
+    torch._dynamo.reset()
+    model = _model(method)
+    eager = _tokens(model, model, "cpu")
+    compiled = _tokens(model, torch.compile(model, backend="eager", fullgraph=True), "cpu")
+    torch._dynamo.reset()
+    assert torch.equal(eager, compiled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (the CPU test above "
+                    "traces the same steps with fullgraph=True)")
+@pytest.mark.parametrize("method", list(CASES))
+def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
+    torch._dynamo.reset()
+    model = _model(method, "cuda", torch.bfloat16)
+    eager = _tokens(model, model, "cuda")
+    compiled = _tokens(model, torch.compile(model, mode="reduce-overhead", fullgraph=True), "cuda")
+    torch._dynamo.reset()
+    assert torch.equal(eager, compiled)
