@@ -14,7 +14,10 @@ import kvslim
 from kvslim.adapters.compat import CACHE_KW
 
 STEPS = 4
-CASES = {"dense": {}, "int8": {}, "int4": {"residual": 8, "flush": 4, "key_channel_group": 4, "sink": 2}}
+CASES = {"dense": {}, "int8": {}, "int4": {"residual": 8, "flush": 4, "key_channel_group": 4, "sink": 2},
+         "int2": {"residual": 8, "flush": 4, "key_channel_group": 4}, "slim": {}}
+#: slim needs MHA (every query head its own KV head)
+KV_HEADS = {"slim": 4}
 
 
 def _tokens(model, step, device):
@@ -32,7 +35,7 @@ def _tokens(model, step, device):
 
 
 def _model(method, device="cpu", dtype=torch.float32):
-    model = tiny_model("llama", dtype=dtype).to(device)
+    model = tiny_model("llama", kv_heads=KV_HEADS.get(method, 2), dtype=dtype).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, method, **CASES[method])

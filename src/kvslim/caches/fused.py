@@ -148,7 +148,8 @@ def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor
         buf, done = torch.empty(store.fp.shape, dtype=torch.float32, device=store.fp.device), 0
     else:
         buf, done = saved[1], saved[2]
-    if r == done + 1 and tail.dtype == torch.float32:  # a decode step's one row: one 2-D product into place
+    # a decode step's one row: one 2-D product into place (eagerly; dynamo refuses a strided out=)
+    if r == done + 1 and tail.dtype == torch.float32 and not torch.compiler.is_compiling():
         torch.mm(tail[:, :, done:r].reshape(-1, rot.shape[0]), rot, out=buf[:, :, done:r].view(-1, rot.shape[1]))
     elif r > done:
         buf[:, :, done:r] = tail[:, :, done:r].float() @ rot

@@ -92,6 +92,12 @@ def _triton():
     return te
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: decided once at trace time, not traced into
+def _backend(device_type: str) -> str:
+    """:func:`kvslim.kernels.backend.pick` for this family (a CUDA call never builds the C++ op)."""
+    return backend.pick(device_type, device_type == "cpu" and available())
+
+
 def choose(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None,
            lengths: torch.Tensor | None = None, maps: tuple = (), width: int | None = None) -> str:
     """The implementation a call with these inputs runs: ``"triton"``, ``"cpp"`` or ``"torch"`` (the twin).
@@ -104,7 +110,7 @@ def choose(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None = None
     """
     maps = tuple(z for z in maps if z is not None)
     device = backend.same_device(FAMILY, qt, enc, mask, lengths, *maps)
-    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    which = _backend(device.type)
     grad_maps = torch.is_grad_enabled() and any(z.requires_grad for z in maps)
     if which == "triton":
         why = _triton().covers(qt, enc) or ("maps that require grad" if grad_maps else None)

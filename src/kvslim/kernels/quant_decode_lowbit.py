@@ -128,6 +128,14 @@ def _triton():
     return tq
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: decided once at trace time, not traced into
+def _backend(device_type: str) -> str:
+    """:func:`kvslim.kernels.backend.pick` for this family; the C++ op is looked for (built on first use) only where
+    it could run: CPU tensors, no other backend forced."""
+    cpp = device_type == "cpu" and backend.forced() in (None, "cpp") and available()
+    return backend.pick(device_type, cpp)
+
+
 def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                         v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
                         group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
@@ -153,9 +161,7 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
         raise ValueError("k_zero and v_zero are required (the low-bit op reads asymmetric codes only)")
     device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
                                  v_tail, mask)
-    # the C++ op is looked for (built on first use) only where it could run: CPU tensors, no other backend forced
-    cpp = device.type == "cpu" and backend.forced() in (None, "cpp") and available()
-    which = backend.pick(device, cpp)
+    which = _backend(device.type)
     if which == "triton":
         tq = _triton()
         why = tq.covers(q)

@@ -113,6 +113,12 @@ def _triton():
     return ts
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: decided once at trace time, not traced into
+def _backend(device_type: str) -> str:
+    """:func:`kvslim.kernels.backend.pick` for this family (a CUDA call never builds the C++ op)."""
+    return backend.pick(device_type, device_type == "cpu" and available())
+
+
 def choose(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
            mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
            value_map: torch.Tensor | None = None) -> str:
@@ -125,7 +131,7 @@ def choose(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None = None,
         ValueError: tensors on several devices, or a forced backend that cannot run here.
     """
     device = backend.same_device(FAMILY, q, rows, cos, sin, mask, lengths, value_map)
-    which = backend.pick(device, device.type == "cpu" and available())  # a CUDA call never builds the C++ op
+    which = _backend(device.type)
     if which == "triton":
         why = _triton().covers(q, rows)
         if why is None and value_map is not None and torch.is_grad_enabled() and value_map.requires_grad:
