@@ -15,7 +15,7 @@ from kvslim.adapters.compat import CACHE_KW
 
 STEPS = 4
 CASES = {"dense": {}, "int8": {}, "int4": {"residual": 8, "flush": 4, "key_channel_group": 4, "sink": 2},
-         "int2": {"residual": 8, "flush": 4, "key_channel_group": 4}, "slim": {}}
+         "int2": {"residual": 8, "flush": 4, "key_channel_group": 4}, "slim": {}, "mla": {"impl": "elided"}}
 #: slim needs MHA (every query head its own KV head)
 KV_HEADS = {"slim": 4}
 
@@ -35,7 +35,12 @@ def _tokens(model, step, device):
 
 
 def _model(method, device="cpu", dtype=torch.float32):
-    model = tiny_model("llama", kv_heads=KV_HEADS.get(method, 2), dtype=dtype).to(device)
+    if method == "mla":
+        from test_mla_model import deepseek
+
+        model = deepseek("v3", dtype=dtype).to(device)
+    else:
+        model = tiny_model("llama", kv_heads=KV_HEADS.get(method, 2), dtype=dtype).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, method, **CASES[method])

@@ -71,6 +71,9 @@ def weights(module) -> mla.MLAWeights:
     """The layer's absorbed weights, computed from ``kv_b_proj`` once (again if that weight changes)."""
     p: MLAPatch = getattr(module, _STATE)
     w = module.kv_b_proj.weight
+    if torch.compiler.is_compiling():  # no data_ptr/_version in a graph: split in the graph, fresh every step
+        return mla.absorb(w, module.num_heads, module.qk_nope_head_dim, module.v_head_dim, module.scaling,
+                          p.absorb_dtype)
     key = (w.data_ptr(), w.dtype, w.device, w._version)
     if p.key != key:
         p.weights = mla.absorb(w, module.num_heads, module.qk_nope_head_dim, module.v_head_dim, module.scaling,
