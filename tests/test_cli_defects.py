@@ -32,7 +32,7 @@ def _python(code: str) -> str:
 
 # -- 3. help without torch ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["transcribe", "--help"], ["demo", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["transcribe", "--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_help_imports_neither_torch_nor_transformers(argv):
     out = _python("import contextlib, io, sys\nfrom kvslim.cli.main import main\n"
                   f"with contextlib.redirect_stdout(io.StringIO()) as f, contextlib.suppress(SystemExit): main({argv!r})\n"

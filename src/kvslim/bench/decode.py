@@ -23,14 +23,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 from .. import api
 from ..adapters.compat import CACHE_KW
 from ..adapters.shape import shape_from_config
-
-#: cache kinds: HF baselines and kvslim methods (name -> kvslim.apply arguments; each method's defaults, i.e.
-#: what ``apply(model, "int4")`` gives a user)
-#: ``kvslim-slim`` is slim attention option 2 (K-only cache, V rebuilt after the softmax-weighted sum; MHA only).
-KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {}),
-                "kvslim-int2": ("int2", {}), "kvslim-slim": ("slim", {"cache": "k", "rank": 0})}
-HF_KINDS = ("hf-dynamic", "hf-static")
-ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
+from .kinds import ALL_KINDS, KVSLIM_KINDS
 
 
 def mha_100m(dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausalLM:

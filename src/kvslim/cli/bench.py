@@ -15,14 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from rich.console import Console
-from rich.progress import Progress
-
-from ..bench.decode import ALL_KINDS, measure_group, mha_100m
-from ..bench.report import markdown_table, plot, write_json
-from ..bench.roofline import measure_bandwidth
-from ..methods.base import parse_dtype
+from ..bench.kinds import ALL_KINDS
 
 MODELS = ("mha-100m", "smollm2")
 
@@ -67,15 +60,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "hf-static,hf-dynamic,hf-quanto4,kvslim-<method>)")
 
 
-def load_model(name: str, dtype: torch.dtype, device: str):
+def load_model(name: str, dtype, device: str):
+    from ..bench.decode import mha_100m
+    from ..models import load_smollm2
+
     if name == "mha-100m":
         return mha_100m(dtype).to(device)
-    from ..models import load_smollm2
 
     return load_smollm2(dtype)[0].to(device)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ..bench.decode import measure_group
+    from ..bench.report import markdown_table, plot, write_json
+    from ..bench.roofline import measure_bandwidth
+    from ..methods.base import parse_dtype
+
     if args.device.startswith("cuda") or args.quick:
         return run_gpu_table(args)
     if args.name is None:
@@ -143,7 +147,10 @@ def gpu_settings(args: argparse.Namespace):
 
 def run_gpu_table(args: argparse.Namespace) -> int:
     """``kvslim bench --device cuda`` / ``--quick``: the table of :mod:`kvslim.bench.cuda`, JSON + PNG + Markdown."""
+    from rich.console import Console
+
     from ..bench import cuda
+    from ..bench.report import write_json
 
     settings = gpu_settings(args)
     console = Console()
