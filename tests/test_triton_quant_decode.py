@@ -252,3 +252,50 @@ def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
     assert torch.equal(runs["triton"].sequences, runs["torch"].sequences), f"{method} {opts}: greedy tokens differ"
     for a, b in zip(runs["triton"].logits, runs["torch"].logits):
         assert_close(a, b, F32, f"{method} {opts}: logits")
+
+
+AOT = r'''
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvslim.kernels.triton import quant_decode as tq
+
+def build(fn, types, const, warps):
+    sig = {name: name in const and "constexpr" or types.get(name, "i32") for name in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    assert k.asm.get("cubin"), fn
+
+# int8 symmetric per token, int4 asymmetric KIVI (fp16 params), int4 asymmetric per token at D = 80 (bf16 params)
+for d, bits, asym, gs, kcg, sdt, tail in ((128, 8, False, 64, 0, "fp32", False), (128, 4, True, 64, 32, "fp16", True),
+                                           (80, 4, True, 16, 0, "bf16", True)):
+    codes = "*u8" if asym or bits == 4 else "*i8"
+    types = dict(Q="*fp32", KC=codes, VC=codes, KS="*" + sdt, KZ="*" + sdt, VS="*" + sdt, VZ="*" + sdt, KT="*fp32",
+                 VT="*fp32", MASK="*fp32", LENGTHS="*i64", PO="*fp32", PL="*fp32", scaling="fp32")
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n, warps = tq.tile_config(block_d)
+    const = dict(D=d, BITS=bits, ASYM=asym, GROUP=gs, KCG=kcg, KW=d // kcg if kcg else 1, VGROUP=gs, HAS_LEN=True,
+                 HAS_MASK=True, TAIL=tail, NHB=1, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d)
+    build(tq._quant_stage1, types, const, warps)
+    for unrot in (False, True):
+        build(tq._quant_stage2, dict(PO="*fp32", PL="*fp32", M="*fp32", OUT="*fp32", LSE="*fp32"),
+              dict(D=d, HAS_TAIL=tail, UNROT=unrot, NHB=1, BLOCK_H=16, BLOCK_D=block_d, BLOCK_K=min(64, block_d)),
+              warps)
+print("compiled", triton.__version__)
+'''
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter runs the kernels as Python; this compiles them to a cubin for sm_90 (Triton's bundled ptxas,
+    no GPU needed), so code that only the compiler rejects fails here too."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
+    if "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas bundled with this Triton")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
