@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from tolerances import assert_close  # noqa: E402
+from triton_aot import compile_for_sm90  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.caches.residual import ChannelQuantizedStore  # noqa: E402
@@ -255,18 +256,7 @@ def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
 
 
 AOT = r'''
-import os
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kvslim.kernels.triton import quant_decode as tq
-
-def build(fn, types, const, warps):
-    sig = {name: name in const and "constexpr" or types.get(name, "i32") for name in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
-    assert k.asm.get("cubin"), fn
 
 # int8 symmetric per token, int4 asymmetric KIVI (fp16 params), int4 asymmetric per token at D = 80 (bf16 params)
 for d, bits, asym, gs, kcg, sdt, tail in ((128, 8, False, 64, 0, "fp32", False), (128, 4, True, 64, 32, "fp16", True),
@@ -283,19 +273,10 @@ for d, bits, asym, gs, kcg, sdt, tail in ((128, 8, False, 64, 0, "fp32", False),
         build(tq._quant_stage2, dict(PO="*fp32", PL="*fp32", M="*fp32", OUT="*fp32", LSE="*fp32"),
               dict(D=d, HAS_TAIL=tail, UNROT=unrot, NHB=1, BLOCK_H=16, BLOCK_D=block_d, BLOCK_K=min(64, block_d)),
               warps)
-print("compiled", triton.__version__)
 '''
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a cubin for sm_90 (Triton's bundled ptxas,
     no GPU needed), so code that only the compiler rejects fails here too."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
-    if "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("no ptxas bundled with this Triton")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    compile_for_sm90(AOT)

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import padded_batch, tiny_model  # noqa: E402
 from tolerances import RATIO_FACTOR, RATIO_FLOOR, assert_rel_close, max_err  # noqa: E402
+from triton_aot import compile_for_sm90  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.kernels import backend  # noqa: E402
@@ -343,44 +344,23 @@ def test_tiny_whisper_slim_generates_hf_tokens_through_triton(monkeypatch, launc
 # ---- compiled for a GPU without one ---------------------------------------------------------------------------
 
 AOT = r'''
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvslim.kernels.triton import encdec_decode as te, slim_decode as ts
-
-def build(fn, names, types, const, warps):
-    sig = dict(zip(names, types), **{k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": 1})
-    assert k.asm.get("cubin"), fn
+from kvslim.kernels.triton import encdec_decode as te, merge as tm, slim_decode as ts
 
 slim = ["Q", "ROWS", "COS", "SIN", "MASK", "LENGTHS", "PO", "PL", "s_rb", "s_rn", "s_cb", "s_cn", "s_mb", "h", "dk",
         "c", "n", "rot", "chunk", "scaling"]
 for rope, unrot, dt in ((True, False, "bf16"), (False, True, "fp32")):
-    build(ts._slim_stage1, slim, ["*fp32", "*" + dt] + ["*fp32"] * 3 + ["*i64"] + ["*fp32"] * 2 + ["i32"] * 11
-          + ["fp32"], dict(H_PAD=16, DK_PAD=128, BLOCK_N=16, BLOCK_C=256, ROPE_KEYS=rope, UNROTATE=unrot,
-                           HAS_MASK=True, HAS_LENGTHS=True, DOT=ts.DOT_PRECISION), 8)
+    types = ["*fp32", "*" + dt] + ["*fp32"] * 3 + ["*i64"] + ["*fp32"] * 2 + ["i32"] * 11 + ["fp32"]
+    build(ts._slim_stage1, dict(zip(slim, types)), dict(H_PAD=16, DK_PAD=128, BLOCK_N=16, BLOCK_C=256,
+          ROPE_KEYS=rope, UNROTATE=unrot, HAS_MASK=True, HAS_LENGTHS=True, DOT=ts.DOT_PRECISION), 8, 1)
 enc = ["QT", "ENC", "MASK", "LENGTHS", "PO", "PL", "s_eb", "s_en", "s_mb", "h", "d", "n", "chunk", "scaling"]
-build(te._encdec_stage1, enc, ["*fp32", "*fp16", "*fp32", "*i64", "*fp32", "*fp32"] + ["i32"] * 7 + ["fp32"],
-      dict(H_PAD=16, BLOCK_N=16, BLOCK_D=64, BLOCK_C=512, HAS_MASK=True, HAS_LENGTHS=True,
-           DOT=ts.DOT_PRECISION), 8)
-build(ts._merge_stage2, ["PO", "PL", "OUT", "LSE", "h", "c", "splits"], ["*fp32"] * 4 + ["i32"] * 3,
-      dict(H_PAD=16, BLOCK_C=256), 4)
-print("compiled", triton.__version__)
+types = ["*fp32", "*fp16", "*fp32", "*i64", "*fp32", "*fp32"] + ["i32"] * 7 + ["fp32"]
+build(te._encdec_stage1, dict(zip(enc, types)), dict(H_PAD=16, BLOCK_N=16, BLOCK_D=64, BLOCK_C=512, HAS_MASK=True,
+      HAS_LENGTHS=True, DOT=ts.DOT_PRECISION), 8, 1)
+build(tm._merge_stage2, dict(PO="*fp32", PL="*fp32", OUT="*fp32", LSE="*fp32"), dict(H_PAD=16, BLOCK_C=256), 4, 1)
 '''
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a cubin for sm_90 (Triton's bundled ptxas,
     no GPU needed), so code only the compiler rejects (types, layouts, constexpr branches) fails here too."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True, timeout=300)
-    if "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("no ptxas bundled with this Triton")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    compile_for_sm90(AOT)

@@ -12,7 +12,7 @@ or bf16). Flash-decoding in two kernels:
   base run one tile, small and medium two, large (h 20 → 32 padded, d 1280) five, each recomputing its block's
   scores (E read again from L2: the tiles of one block are neighbours in the launch order). Frames at
   or past ``lengths[b]`` are never read (masked loads).
-* stage 2: the log-sum-exp merge of the splits, :func:`kvslim.kernels.triton.slim_decode.merge_splits`.
+* stage 2: the log-sum-exp merge of the splits, :func:`kvslim.kernels.triton.merge.merge_splits`.
 
 :func:`launch` (bottom) takes only tensors and sizes; :func:`op` registers it as
 ``torch.ops.kvslim.encdec_decode_triton`` (a ``torch.library.custom_op`` with a fake impl). ``encdec_decode_mapped``
@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, merge_splits, tiles, unit_last
+from .merge import merge_splits
+from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, tiles, unit_last
 
 
 @triton.jit

@@ -9,7 +9,8 @@ of each KV head, then an optional fp32 tail, with an additive mask (B|1, n + r).
   (``c·s + z``; 3 bits: code ``8i + j`` at bits ``[3j, 3j+3)`` of 3 bytes, read as two bytes around its bit
   offset; 2 bits: 4 codes per byte, low bits first); online softmax; the last split also attends the tail. Slots at
   or past ``lengths[b]`` (or ``n``) are never read: their loads are masked, so NaN there cannot leak.
-* ``_lowbit_stage2``: the log-sum-exp merge of the splits (skipped with one split: stage 1 writes the result).
+* stage 2, :func:`kvslim.kernels.triton.merge.merge_splits`: the log-sum-exp merge of the splits (skipped with one
+  split: stage 1 writes the result).
 
 :func:`launch` (bottom) takes only tensors and sizes and picks the block sizes and the split count;
 it is registered as the op ``torch.ops.kvslim.quant_decode_lowbit_triton`` (a ``torch.library.custom_op`` with a
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .merge import merge_splits
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -178,34 +181,6 @@ def _lowbit_stage1(
     tl.store(PL + part + rows, lse, mask=row_ok)
 
 
-@triton.jit
-def _lowbit_stage2(PO, PL, OUT, LSE, G, splits, D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, G_PAD)
-    cols = tl.arange(0, D_PAD)
-    row_ok = rows < G
-    ok = row_ok[:, None] & (cols < D)[None, :]
-    m = tl.full((G_PAD,), float("-inf"), tl.float32)
-    w_sum = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
-    for s in range(0, splits):
-        part = (bh * splits + s) * G
-        lse = tl.load(PL + part + rows, mask=row_ok, other=float("-inf"))
-        o = tl.load(PO + (part + rows[:, None]) * D + cols[None, :], mask=ok, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        w = tl.exp(lse - m_use)
-        w_sum = w_sum * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m = m_new
-    live = w_sum > 0.0
-    out = acc / tl.where(live, w_sum, 1.0)[:, None]
-    lse = tl.where(live, m + tl.log(tl.where(live, w_sum, 1.0)), float("-inf"))
-    tl.store(OUT + (bh * G + rows[:, None]) * D + cols[None, :], out, mask=ok)
-    tl.store(LSE + bh * G + rows, lse, mask=row_ok)
-
-
 # ---- launcher ------------------------------------------------------------------------------------------------
 
 
@@ -341,7 +316,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
         GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
         HAS_MASK=mask is not None, num_warps=8)
     if s > 1:
-        _lowbit_stage2[(b * hk,)](part_o, part_l, out, lse, g, s, D=d, D_PAD=d_pad, G_PAD=g_pad, num_warps=4)
+        merge_splits(part_o, part_l, out.view(b * hk, g, d), lse.view(b * hk, g))
     return out, lse
 
 

@@ -14,7 +14,8 @@ conditioning columns; fp32, fp16 or bf16). Flash-decoding in two kernels:
   scores of its block (h·dk key columns, read from L2 right after tile 0's program read them). Slim layers of
   Whisper tiny and base, the tiny Llama (h_pad × c ≤ ``MAX_ACC``) run one tile: every row is read from DRAM once.
   Rows at or past ``lengths[b]`` are never read (masked loads): NaN there cannot leak.
-* ``_merge_stage2``: the log-sum-exp merge of the splits (skipped with one split: stage 1 writes the result).
+* stage 2, :func:`kvslim.kernels.triton.merge.merge_splits`: the log-sum-exp merge of the splits (skipped with one
+  split: stage 1 writes the result).
   Shared with :mod:`kvslim.kernels.triton.encdec_decode`.
 
 :func:`launch` (bottom) takes only tensors and sizes and picks the block sizes and the split count;
@@ -31,6 +32,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from .merge import merge_splits
 
 #: the largest head dim the kernel takes (a (BLOCK_N, dk) fp32 key tile and the RoPE tiles live in registers)
 MAX_HEAD_DIM = 256
@@ -140,36 +143,6 @@ def _slim_stage1(
     tl.store(PL + part + heads, lse, mask=heads < tl.where(tile == 0, h, 0))  # written once, by tile 0
 
 
-@triton.jit
-def _merge_stage2(PO, PL, OUT, LSE, h, c, splits, H_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
-    # LSE merge of `splits` partials (B, splits, h, c) + (B, splits, h) into (B, h, c) + (B, h)
-    tile = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    heads = tl.arange(0, H_PAD)
-    cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
-    head_ok = heads < h
-    ok = head_ok[:, None] & (cols < c)[None, :]
-    m = tl.full((H_PAD,), float("-inf"), tl.float32)
-    w_sum = tl.zeros((H_PAD,), tl.float32)
-    acc = tl.zeros((H_PAD, BLOCK_C), tl.float32)
-    for s in range(0, splits):
-        part = (b * splits + s) * h
-        lse = tl.load(PL + part + heads, mask=head_ok, other=float("-inf"))
-        o = tl.load(PO + (part + heads[:, None]) * c + cols[None, :], mask=ok, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        w = tl.exp(lse - m_use)
-        w_sum = w_sum * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m = m_new
-    live = w_sum > 0.0
-    out = acc / tl.where(live, w_sum, 1.0)[:, None]
-    lse = tl.where(live, m + tl.log(tl.where(live, w_sum, 1.0)), float("-inf"))
-    tl.store(OUT + (b * h + heads[:, None]) * c + cols[None, :], out, mask=ok)
-    tl.store(LSE + b * h + heads, lse, mask=heads < tl.where(tile == 0, h, 0))  # written once, by tile 0
-
-
 # ---- launcher ------------------------------------------------------------------------------------------------
 
 
@@ -233,15 +206,6 @@ def tiles(h: int, c: int, unrotate: bool = False) -> tuple[int, int, int]:
 
 def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
-def merge_splits(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Stage 2: ``part_o`` (B, S, h, c), ``part_l`` (B, S, h) fp32 merged into ``out`` (B, h, c), ``lse`` (B, h)."""
-    b, s, h, c = part_o.shape
-    h_pad = max(16, triton.next_power_of_2(h))
-    block_c = max(16, min(triton.next_power_of_2(c), 4096 // h_pad))
-    _merge_stage2[(triton.cdiv(c, block_c), b)](part_o, part_l, out, lse, h, c, s, H_PAD=h_pad, BLOCK_C=block_c,
-                                                 num_warps=4)
 
 
 def launch(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

@@ -1,0 +1,39 @@
+"""Compile Triton kernels to sm_90 cubins without a GPU (Triton's bundled ptxas), in a subprocess that runs with
+Triton's compiler, not its interpreter: code that only the compiler rejects (types, layouts, constexpr branches) then
+fails a CPU test. Each family's test passes a script that calls ``build`` for its kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PRELUDE = r'''
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(fn, types, const, warps, stages=None):
+    """``types``: argument name -> Triton type ("*fp32", "i64", ...); arguments not named are "i32"."""
+    sig = {name: name in const and "constexpr" or types.get(name, "i32") for name in fn.arg_names}
+    options = {"num_warps": warps, **({} if stages is None else {"num_stages": stages})}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    assert k.asm.get("cubin"), fn
+'''
+
+
+def compile_for_sm90(script: str) -> None:
+    """Run ``PRELUDE + script`` in a subprocess; it must print "compiled". Skips when this Triton has no NVIDIA
+    backend or no ptxas."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = PRELUDE + script + '\nprint("compiled", triton.__version__)\n'
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas bundled with this Triton")
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
