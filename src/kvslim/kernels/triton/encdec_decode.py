@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import merge_splits
+from .merge import finish, merge_splits, softmax_step
 from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, tiles, unit_last
 
 
@@ -82,18 +82,12 @@ def _encdec_stage1(
             s = s + tl.load(MASK + b * s_mb + t, mask=t_ok, other=0.0)[None, :]
         s = tl.where(t_ok[None, :] & head_ok[:, None], s, float("-inf"))
         # -- online softmax per head, then the u tile of all heads in one product ----------------------------
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])  # (H_PAD, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)  # (H_PAD, BLOCK_N)
         x = tl.load(rows_t + cols[None, :], mask=t_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, x, input_precision=DOT)
         m_i = m_new
 
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     part = (b * splits + split) * h  # partials (B, splits, h, d) and (B, splits, h)
     tl.store(PO + (part + heads[:, None]) * d + cols[None, :], out, mask=head_ok[:, None] & col_ok[None, :])
     tl.store(PL + part + heads, lse, mask=heads < tl.where(tile == 0, h, 0))  # written once, by tile 0

@@ -1,8 +1,12 @@
-"""Stage 2 of the split-K decode kernels: the exact log-sum-exp merge of per-split partials (slim, encdec, int2).
+"""The online-softmax pieces every split-K decode kernel shares (int8/int4, int2, slim, encdec, MLA).
 
-Partials ``(out, lse)`` of S disjoint splits of one row's tokens: ``out = Σ_s w_s · out_s`` with
-``w_s = exp(lse_s − lse)``, ``lse = log Σ_s exp(lse_s)``; a split with nothing to attend (lse −inf) weighs 0, and a
-row with nothing at all gives zeros and lse −inf.
+* :func:`softmax_step`: one block of an online softmax (stage 1's inner loop);
+* :func:`finish`: a split's ``(out, lse)`` partial from its running sums;
+* :func:`merge_splits` (``_merge_stage2``): the exact log-sum-exp merge of S disjoint splits' partials,
+  ``out = Σ_s w_s · out_s`` with ``w_s = exp(lse_s − lse)``, ``lse = log Σ_s exp(lse_s)`` (slim, encdec, int2).
+
+Everywhere a row with nothing to attend yet never computes ``−inf − −inf``: it gives zeros and lse −inf, and a split
+with nothing (lse −inf) weighs 0 in the merge.
 """
 
 from __future__ import annotations
@@ -10,6 +14,27 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One block of scores ``s`` (ROWS, BLOCK_N), −inf where not attended, into the running max ``m_i`` and sum
+    ``l_i`` (ROWS,): returns ``(m_new, alpha, p, l_new)``; the caller rescales its accumulator by ``alpha`` and adds
+    ``p · values``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing live yet: no -inf - -inf
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def finish(acc, m_i, l_i):
+    """``(out, lse)`` of an online softmax's accumulator: zeros and −inf for a row that attended nothing."""
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    return out, lse
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
+from .merge import finish, softmax_step
 
 #: the widest latent / RoPE key the kernel takes: a (BLOCK_H, dc) fp32 accumulator and a (BLOCK_N, dc) tile live
 #: in registers / shared memory (DeepSeek-V2/V3: dc = 512, dr = 64)
@@ -101,11 +102,7 @@ def _mla_stage1(
             s = s + tl.load(m_base + t, mask=t_ok, other=0.0)[None, :]
         s = tl.where(t_ok[None, :], s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
         if HALF:
             p = p.to(C.dtype.element_ty)  # the weights rounded to the cache dtype, as the torch path does
             if UPCAST:
@@ -113,9 +110,7 @@ def _mla_stage1(
         acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")  # (BLOCK_H, C_PAD)
         m_i = m_new
 
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     part = (b64 * H + heads) * splits + split  # (BLOCK_H,) rows of the (B, H, splits, ·) partials
     tl.store(PO + part[:, None] * DC + cols[None, :], out, mask=h_ok[:, None] & c_ok[None, :])
     tl.store(PL + part, lse, mask=h_ok)

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .merge import finish, softmax_step
+
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
 #: fewest tokens a split gets when the split count is chosen (so the merge stays a small share of the work)
@@ -116,11 +118,7 @@ def _quant_stage1(
         if HAS_MASK:
             s += tl.load(MASK + b * sm_b + col0 + t, mask=live, other=0.0).to(tl.float32)[None, :]
         s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing live yet: no -inf - -inf
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
         if TAIL:
             v = tl.load(VT + b * st_b + h * st_h + t[:, None] * st_t + offs_d[None, :],
                         mask=live[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
@@ -131,9 +129,7 @@ def _quant_stage1(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
-    some = l_i > 0.0
-    out = acc / tl.where(some, l_i, 1.0)[:, None]
-    lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     rows = (b * tl.num_programs(1) + tl.program_id(1)) * slots + slot  # partials (B, Hk·NHB, slots, BLOCK_H, ...)
     tl.store(PO + (rows * BLOCK_H + tl.arange(0, BLOCK_H))[:, None] * BLOCK_D + offs_d[None, :], out)
     tl.store(PL + rows * BLOCK_H + tl.arange(0, BLOCK_H), lse)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import merge_splits
+from .merge import finish, merge_splits, softmax_step
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -72,11 +72,7 @@ def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
     """One block of the online softmax: scores q·kᵀ + s_add ((G_PAD, BLOCK_N); −inf where not ``t_ok``)."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") + s_add  # (G_PAD, BLOCK_N)
     s = tl.where(t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no inf − inf
-    alpha = tl.exp(m_i - m_use)
-    p = tl.exp(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -173,9 +169,7 @@ def _lowbit_stage1(
                 s_add = tl.load(m_base + n + t, mask=t_ok, other=0.0)
             m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
 
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("-inf"))
+    out, lse = finish(acc, m_i, l_i)
     part = (bh.to(tl.int64) * splits + split) * G
     tl.store(PO + (part + rows[:, None]) * D + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
     tl.store(PL + part + rows, lse, mask=row_ok)
