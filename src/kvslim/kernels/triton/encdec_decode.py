@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, merge_splits, softmax_step
-from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, tiles, unit_last
+from .merge import finish, merge_splits, softmax_step, unit_last
+from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, tiles
 
 
 @triton.jit

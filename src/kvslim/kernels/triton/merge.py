@@ -74,3 +74,8 @@ def merge_splits(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, 
     block_c = max(16, min(triton.next_power_of_2(c), 4096 // h_pad))
     _merge_stage2[(triton.cdiv(c, block_c), b)](part_o, part_l, out, lse, h, c, s, H_PAD=h_pad, BLOCK_C=block_c,
                                                  num_warps=4)
+
+
+def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with a unit stride on its last dim (the kernels index channels directly), copied only if needed."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()

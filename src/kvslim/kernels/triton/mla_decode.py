@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .merge import finish, softmax_step
+from .merge import finish, softmax_step, unit_last
 
 #: the widest latent / RoPE key the kernel takes: a (BLOCK_H, dc) fp32 accumulator and a (BLOCK_N, dc) tile live
 #: in registers / shared memory (DeepSeek-V2/V3: dc = 512, dr = 64)
@@ -162,9 +162,6 @@ def choose_splits(tasks: int, n: int, block: int, sms: int, splits: int = 0) -> 
     return -(-n // chunk), chunk
 
 
-def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
 
 def launch(q_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
            lengths: torch.Tensor | None, mask: torch.Tensor | None, scale: float,
@@ -186,7 +183,7 @@ def launch(q_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: to
     lse = q_abs.new_empty(b, h, dtype=torch.float32)
     if b * h == 0:
         return u, lse
-    qa, qp, c, kp, mask = (_unit_last(x) for x in (q_abs.float(), q_pe, c_kv, k_pe, mask))
+    qa, qp, c, kp, mask = (unit_last(x) for x in (q_abs.float(), q_pe, c_kv, k_pe, mask))
     c_pad = max(16, triton.next_power_of_2(dc))
     r_pad = max(16, triton.next_power_of_2(dr))
     block_n = 32 if c_pad <= 512 else 16

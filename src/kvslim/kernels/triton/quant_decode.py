@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, softmax_step
+from .merge import finish, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -261,10 +261,6 @@ def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_si
         raise ValueError(f"v_unrot must be ({d}, {d}), got {tuple(v_unrot.shape)}")
 
 
-def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` with a unit stride on its last dim (the kernels index channels directly), copied only if needed."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
 
 def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor | None,
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int, group_size: int,
@@ -281,17 +277,18 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
            k_tail, v_tail, mask, v_unrot)
     b, hk, g, d = q.shape
     asym = k_zero is not None
-    q = _unit_last(q.float())
-    k_codes, v_codes, k_scale, v_scale = map(_unit_last, (k_codes, v_codes, k_scale, v_scale))
-    k_zero, v_zero = _unit_last(k_zero), _unit_last(v_zero)
+    q = unit_last(q.float())
+    k_codes, v_codes, k_scale, v_scale = map(unit_last, (k_codes, v_codes, k_scale, v_scale))
+    k_zero, v_zero = unit_last(k_zero), unit_last(v_zero)
     if asym and (k_zero.stride() != k_scale.stride() or v_zero.stride() != v_scale.stride()):
         k_scale, k_zero, v_scale, v_zero = (t.contiguous() for t in (k_scale, k_zero, v_scale, v_zero))
     has_tail = k_tail is not None and k_tail.shape[2] > 0
     r = k_tail.shape[2] if k_tail is not None else 0
-    kt = k_tail.float().contiguous() if has_tail else q
-    vt = v_tail.float().contiguous() if has_tail else q
-    if has_tail and vt.stride() != kt.stride():
-        vt = vt.contiguous()
+    # the tail is read through its strides (a residual window is a slice of its buffer: no per-step copy)
+    kt = unit_last(k_tail.float()) if has_tail else q
+    vt = unit_last(v_tail.float()) if has_tail else q
+    if has_tail and vt.stride()[:3] != kt.stride()[:3]:  # the kernel takes one set of tail strides
+        kt, vt = kt.contiguous(), vt.contiguous()
     m = mask.float().contiguous() if mask is not None else q
     sm_b = 0 if mask is None or mask.shape[0] == 1 else m.stride(0)
     unrot = v_unrot.float().contiguous() if v_unrot is not None else q

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, merge_splits, softmax_step
+from .merge import finish, merge_splits, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -262,9 +262,6 @@ def block_size(d: int, key_channel_group: int) -> int:
     return block
 
 
-def _unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
 
 def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
@@ -281,7 +278,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     if b * hk * g == 0:
         return out, lse
     q = q.contiguous()
-    kc, ks, kz, vc, vs, vz, kt, vt, mask = (_unit_last(t) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
+    kc, ks, kz, vc, vs, vz, kt, vt, mask = (unit_last(t) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
                                                                       v_zero, k_tail, v_tail, mask))
     r = 0 if kt is None else kt.shape[2]
     d_pad = max(16, triton.next_power_of_2(d))

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, merge_splits, softmax_step
+from .merge import finish, merge_splits, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, dk) fp32 key tile and the RoPE tiles live in registers)
 MAX_HEAD_DIM = 256
@@ -197,9 +197,6 @@ def tiles(h: int, c: int, unrotate: bool = False) -> tuple[int, int, int]:
     block_c = max(16, min(triton.next_power_of_2(c), MAX_ACC // h_pad // (2 if unrotate else 1)))
     return h_pad, block_c, 4 if h_pad * block_c <= 2048 else 8
 
-
-def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def launch(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
