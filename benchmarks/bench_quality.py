@@ -193,7 +193,7 @@ def cache_maker(model, method: str, options: dict, max_positions: int):
     cfg = model.config
     elems = 2 * cfg.num_key_value_heads * (cfg.head_dim if getattr(cfg, "head_dim", None) else
                                            cfg.hidden_size // cfg.num_attention_heads)
-    facts = {"plan_bits_per_element": 8 * lp.bytes_per_token / elems, "residual": lp.residual,
+    facts = {"plan_bits_per_element": 8 * lp.bytes_per_token / elems, "residual": lp.residual, "plan": plan,
              "note": lp.note, "options": {k: str(v) for k, v in options.items()}}
     if not prerope:
         def make_kvslim():
@@ -274,8 +274,8 @@ def main() -> None:
                         "95 %% interval, KL, top-1, bytes at the end and averaged over the steps (kvslim.heldout)")
     p.add_argument("--resamples", type=int, default=1000, help="--texts: bootstrap resamples (seed 0)")
     args = p.parse_args()
-    if args.texts and (args.mode != "token" or args.engine != "calls" or args.merge):
-        p.error("--texts runs the token mode call by call (--mode token --engine calls), not with --merge")
+    if args.texts and (args.mode != "token" or args.merge):
+        p.error("--texts runs the token mode (--mode token), not with --merge")
     global FUSED_DECODE
     FUSED_DECODE = args.fused_decode
     if args.merge:
@@ -292,8 +292,8 @@ def main() -> None:
     if args.only:
         keys = args.only.split(",")  # a key ending in "$" must match a whole label
         rows = [r for r in rows if any(r[0] == k[:-1] if k.endswith("$") else k in r[0] for k in keys)]
-    if args.engine == "one-pass":
-        rows = [r for r in rows if r[1] != "quanto" and not r[2].get("prerope")]
+    if args.engine == "one-pass":  # --texts: quanto rows run call by call beside them
+        rows = [r for r in rows if (args.texts or r[1] != "quanto") and not r[2].get("prerope")]
     if any(r[1] == "quanto" for r in rows) and importlib.util.find_spec("optimum.quanto") is None:
         print("optimum-quanto is not installed: quanto rows left out (pip install --no-deps optimum-quanto==0.2.7)")
         rows = [r for r in rows if r[1] != "quanto"]
@@ -321,7 +321,7 @@ def main() -> None:
     out = []
     for label, q in results.items():
         bits, window = measured_bits(built[label], args.tokens, model.config)
-        rec = {**q.to_dict(), "bits_per_element": bits, "window_bytes": window, **facts[label]}
+        rec = {**q.to_dict(), "bits_per_element": bits, "window_bytes": window, **_public(facts[label])}
         if args.greedy:
             prompt = ids[:, :512]
             rec["greedy"] = greedy_agreement(model, prompt, args.greedy, makers[label])
@@ -333,13 +333,17 @@ def main() -> None:
 def per_text(args, model, tok, model_label, makers, facts) -> None:
     """``--texts``: every row on every text of the set, step by step; the record is rewritten after each text."""
     from kvslim import heldout
-    from kvslim.stepwise import compare_steps
+    from kvslim.evaluate_parallel import layer_specs_of
+    from kvslim.stepwise import compare_specs_steps, compare_steps
 
     t0 = time.time()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     model_tag = "" if args.model == "smollm2" else f"_{args.model}"
     stem = RESULTS / f"quality_{'dev' if args.texts == 'dev' else 'heldout'}_{date}{model_tag}{args.tag}"
-    record = {"texts_set": args.texts, "suite": args.suite, "mode": "token", "engine": "calls (stepwise)",
+    one_pass = {label: layer_specs_of(facts[label]["plan"]) for label in makers
+                if args.engine == "one-pass" and "plan" in facts[label]}
+    engine = "calls (stepwise)" if not one_pass else "one-pass (stepwise) for kvslim rows, calls for quanto rows"
+    record = {"texts_set": args.texts, "suite": args.suite, "mode": "token", "engine": engine,
               "tokens": args.tokens, "steps": args.steps, "prefill": args.tokens - args.steps - 1,
               "resamples": args.resamples, "bootstrap_seed": 0, "threads": args.threads,
               "command": "python " + " ".join(sys.argv), "model": model_label,
@@ -350,13 +354,19 @@ def per_text(args, model, tok, model_label, makers, facts) -> None:
         ids = heldout.text_ids(tok, name, args.tokens)
         built: dict[str, object] = {}
         print(f"{name}: {len(makers)} rows, {args.tokens} tokens, {args.steps} steps", flush=True)
-        res = compare_steps(model, ids, {k: _keep(built, k, v) for k, v in makers.items()}, steps=args.steps,
-                            progress=True)
+        calls = {k: _keep(built, k, v) for k, v in makers.items() if k not in one_pass}
+        res = compare_steps(model, ids, calls, steps=args.steps, progress=True) if calls else {}
+        res.update(compare_specs_steps(model, ids, one_pass, steps=args.steps) if one_pass else {})
         rows = []
-        for label, q in res.items():
-            bits, window = measured_bits(built[label], int(q.held[-1]), model.config)
+        for label in makers:
+            q = res[label]
+            if label in one_pass:
+                bits, window = facts[label]["plan_bits_per_element"], None
+            else:
+                bits, window = measured_bits(built[label], int(q.held[-1]), model.config)
             rows.append({**q.to_dict(args.resamples), "bits_per_element": bits, "window_bytes": window,
-                         **facts[label]})
+                         "engine": "one-pass" if label in one_pass else "calls",
+                         **_public(facts[label])})
             print(_text_row(rows[-1]), flush=True)
         record["texts"].append({**heldout.describe(name), "ref_ppl": rows[0]["ref_ppl"], "rows": rows})
         record["seconds"] = time.time() - t0
@@ -367,6 +377,11 @@ def per_text(args, model, tok, model_label, makers, facts) -> None:
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     stem.with_suffix(".md").write_text(text_markdown(record))
     print(text_markdown(record))
+
+
+def _public(facts: dict) -> dict:
+    """A row's facts for the JSON record (the plan object left out)."""
+    return {k: v for k, v in facts.items() if k != "plan"}
 
 
 def _keep(built: dict, label: str, make):
@@ -447,7 +462,7 @@ def one_pass_rows(model, ids, rows, facts, args) -> list[dict]:
                 window += (n - f) * d * 4 if sp.residual else 0
         heads = cfg.num_key_value_heads
         rec = {**q.to_dict(), "bits_per_element": 8 * coded_bytes / max(1, coded_elems), "window_bytes": window * heads,
-               "engine": "one-pass", **facts[label]}
+               "engine": "one-pass", **_public(facts[label])}
         out.append(rec)
         print(_row(rec), flush=True)
         finish(args, model, None, out, None, partial=True)

@@ -157,3 +157,80 @@ def compare_steps(model, ids: torch.Tensor, caches: dict[str, Callable[[], objec
             print(f"  token: call {i}/{len(segments)}", flush=True)
     return {label: StepQuality(label, r["nll"], ref_nll.clone(), r["kl"], r["top1"], r["maxd"], r["nbytes"],
                                held.clone(), r["s"]) for label, r in rec.items()}
+
+
+def layer_nbytes(ls, tokens: int, heads: int, dim: int, dtype: torch.dtype, batch: int = 1) -> int:
+    """Bytes one layer's cache holds after ``tokens`` appended tokens, from its specs (``evaluate_parallel.LayerSpec``):
+    coded rows, the sinks and the full-precision window in ``dtype``, and key smoothing's fp32 factors. Rings
+    count what they keep (the last W − 1 rows; or the window plus the ring's coded slots in use). Equals
+    :func:`kvslim.evaluate.cache_nbytes` of the cache built from the same specs (``tests/test_stepwise.py``)."""
+    total = 0
+    for spec in (ls.key, ls.value):
+        plain = dim * dtype.itemsize
+        if not spec.bits:
+            rows = tokens if ls.window is None else min(tokens, ls.window - 1)
+            total += rows * plain
+            continue
+        row = spec.bytes_per_value_row(dim, dtype)
+        if not spec.residual:
+            rows = tokens if ls.window is None else min(tokens, ls.window - 1)
+            total += rows * row
+        else:
+            flushed = spec.flushed(tokens)
+            sinks = min(tokens, spec.sink)
+            coded = flushed - sinks
+            if ls.window is not None:
+                coded = min(coded, ls.ring_slots)
+            total += coded * row + (tokens - flushed + sinks) * plain
+        if spec.smooth and tokens:
+            total += dim * 4
+    return total * batch * heads
+
+
+@torch.inference_mode()
+def compare_specs_steps(model, ids: torch.Tensor, specs: dict[str, object], *, steps: int = 512,
+                        block: int = 256) -> dict[str, StepQuality]:
+    """:func:`compare_steps` for caches given by per-layer specs (``kvslim.evaluate_parallel``), each in one
+    forward pass instead of ``steps`` calls: the token protocol's per-step NLL, KL and top-1 against the dense
+    model, and the bytes the cache would hold after each scored call (:func:`layer_nbytes`). Equal to the
+    call-by-call figures up to float rounding (``tests/test_stepwise.py``)."""
+    from .evaluate_parallel import _checked, _logits, protocol_hidden
+
+    total = check_protocol_ids(ids, None)
+    if not specs:
+        raise ValueError("specs must name at least one configuration")
+    cfg = model.config
+    checked = {label: _checked(s, cfg.num_hidden_layers) for label, s in specs.items()}
+    segments, first = protocol_segments(total, "token", steps=steps)
+    fed = segments[-1][1]
+    positions = torch.arange(first - 1, min(fed, total - 1))  # position p predicts token p + 1
+    targets = ids[0, positions + 1]
+    held = positions + 1  # tokens in the cache after the call that fed position p
+    ids = ids[:, :fed]
+    ref_hidden, _ = protocol_hidden(model, ids, None, segments)
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    out = {}
+    for label, layer_specs in checked.items():
+        t0 = time.perf_counter()
+        hidden, _ = protocol_hidden(model, ids, layer_specs, segments)
+        n = len(positions)
+        nll, ref_nll, kl = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+        top1 = torch.zeros(n, dtype=torch.bool)
+        maxd = 0.0
+        for a in range(0, n, block):
+            pos = positions[a:a + block]
+            ref, cur = _logits(model, ref_hidden[pos]), _logits(model, hidden[pos])
+            tgt = targets[a:a + block, None]
+            ref_lp, lp = torch.log_softmax(ref, -1), torch.log_softmax(cur, -1)
+            ref_nll[a:a + block] = -ref_lp.gather(-1, tgt)[:, 0].double()
+            nll[a:a + block] = -lp.gather(-1, tgt)[:, 0].double()
+            kl[a:a + block] = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double()
+            top1[a:a + block] = cur.argmax(-1) == ref.argmax(-1)
+            maxd = max(maxd, (cur - ref).abs().max().item())
+        nbytes = torch.tensor([sum(layer_nbytes(ls, int(h), heads, dim, dtype) for ls in layer_specs)
+                               for h in held.tolist()], dtype=torch.int64)
+        out[label] = StepQuality(label, nll, ref_nll, kl, top1, maxd, nbytes, held.clone(),
+                                 time.perf_counter() - t0)
+    return out
