@@ -6,7 +6,8 @@ of dequantized keys and values. Everything a store does to values before coding 
 output, never on the history:
 
 * key smoothing (``x / c`` coded, c per channel): scores use ``q ⊙ c``; the tail keys are divided by c;
-* Hadamard rotation (``x·R`` coded): scores use ``q·R`` (key tail ``k·R``); values: the int8/int4 op takes the
+* Hadamard rotation (``x·R`` coded): scores use ``q·R`` (key tail ``k·R``, kept rotated across steps by
+  ``caches/fused.rotated_tail``); values: the int8/int4 op takes the
   coded tokens' weighted sum back by ``Rᵀ`` inside and adds the tail's in its own basis (no rotated tail, no
   product after the op); the int2 op attends a rotated tail (``v·R``) and the output is rotated back once;
 * GQA / MQA: the G query heads of a KV head share one pass over its codes (HF's ``repeat_kv`` order).
@@ -61,7 +62,8 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         kt = None if kt is None else kt / channel
     if rot is not None:
         q = q @ rot
-        kt = None if kt is None else kt @ rot
+        if kt is not None and not h.k_tail_rotated:
+            kt = kt @ rot
     spec, vbits = h.k.spec, h.v.spec.bits
     if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only
         if spec.bits not in LOW_BITS or vbits not in LOW_BITS or h.k.zero is None or h.v.zero is None:

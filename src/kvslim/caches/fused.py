@@ -41,7 +41,8 @@ class FusedKV:
     tail token the column of HF's mask (the visible tokens in temporal order, ``visible`` of them) it stands for,
     or −1 for a row that must not be attended (a token that has left the window, a slot not yet written).
     ``materialize``: the unfused reads (the cache layer's own code path). ``v_tail_rotated``: ``v_tail`` is
-    already in the value store's rotated basis (``v·R``, kept across steps by :func:`rotated_tail`).
+    already in the value store's rotated basis (``v·R``, kept across steps by :func:`rotated_tail`);
+    ``k_tail_rotated``: the same for ``k_tail`` (a rotated, unsmoothed key store: ``k·R``).
     """
 
     k: QuantizedStore
@@ -55,6 +56,7 @@ class FusedKV:
     columns: torch.Tensor | None = None
     visible: int | None = None
     v_tail_rotated: bool = False
+    k_tail_rotated: bool = False
 
     @property
     def tokens(self) -> int:
@@ -111,13 +113,15 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
         lead, f = min(k_store.length, k_store.sink), k_store.inner.flushed
         r = lead + k_store.inner.length - f
         vt, rotated = _value_tail(v_store, r)
-        return FusedKV(k_store.coded, v_store.coded, f, k_store.fp[:, :, :r], vt, materialize, lead=lead,
-                       v_tail_rotated=rotated)
+        kt, k_rotated = _key_tail(k_store, r)
+        return FusedKV(k_store.coded, v_store.coded, f, kt, vt, materialize, lead=lead,
+                       v_tail_rotated=rotated, k_tail_rotated=k_rotated)
     if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
         f, length = k_store.flushed, k_store.length
         vt, rotated = _value_tail(v_store, length - f)
-        return FusedKV(k_store.inner, v_store.inner, f, k_store.fp[:, :, :length - f], vt, materialize,
-                       v_tail_rotated=rotated)
+        kt, k_rotated = _key_tail(k_store, length - f)
+        return FusedKV(k_store.inner, v_store.inner, f, kt, vt, materialize, v_tail_rotated=rotated,
+                       k_tail_rotated=k_rotated)
     return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
 
 
@@ -125,6 +129,16 @@ def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor,
     """The value window for the op that will read it: as stored for int8/int4 codes, else :func:`rotated_tail`."""
     coded = store.coded if isinstance(store, SinkStore) else store.inner
     if coded.spec.bits in (4, 8):
+        return store.fp[:, :, :r], False
+    return rotated_tail(store, r)
+
+
+def _key_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
+    """The key window for the decode op: :func:`rotated_tail` (kept across steps: one new row rotated per step,
+    not the whole window) when the coded keys are rotated and not smoothed, else as stored (the op then takes
+    smoothing and rotation onto the window itself)."""
+    coded = store.coded if isinstance(store, SinkStore) else store.inner
+    if coded.spec.smooth:
         return store.fp[:, :, :r], False
     return rotated_tail(store, r)
 
