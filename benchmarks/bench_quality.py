@@ -106,9 +106,9 @@ ABLATION = [
     ("quanto 2-bit g64 r128", "quanto", dict(nbits=2)),
 ]
 OLD_INT2 = dict(key_bits=2, asymmetric=True, residual=128, key_channel_group=32, group_size=32, scale_dtype=F16,
-                value_rotation="none")
+                value_rotation="none", rotation=None)
 PREV_INT4 = dict(asymmetric=True, key_channel_group=32, residual=128, group_size=64, scale_dtype=F16,
-                 value_rotation="hadamard", sink=0)  # the int4 default before the sink tokens
+                 value_rotation="hadamard", sink=0, rotation=None)  # the int4 default before the sink tokens
 FINAL = [
     ("int8 g64 (default)", "int8", {}),
     ("int4 old: sym g64 fp32 +smooth", "int4", OLD_INT4),
@@ -123,10 +123,19 @@ FINAL = [
     ("quanto 4-bit g64 r128, every layer", "quanto", dict(nbits=4, every_layer=True)),
     ("quanto 2-bit g64 r128, every layer", "quanto", dict(nbits=2, every_layer=True)),
 ]
+PREV_INT2 = dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, sink=0, group_size=64,
+                 scale_dtype=F16, rotation=None, value_rotation="hadamard")  # the int2 default before issue 29
 HELDOUT = [r for r in FINAL if r[0] in ("int8 g64 (default)", "int4 (default)", "int2 (default)",
-                                       "quanto 4-bit g64 r128", "quanto 2-bit g64 r128")]
+                                       "quanto 4-bit g64 r128", "quanto 2-bit g64 r128")] + [
+    ("int4 before issue 29 (keys not rotated)", "int4", {"rotation": None}),
+    # the default format with a 60-token window: at or below quanto 4-bit's measured bytes (its 128-token
+    # buffer averages about half full), for the equal-bytes comparison
+    ("int4 r60 +sink4 (quanto 4-bit's bytes)", "int4", {"residual": 60}),
+    ("int2 before issue 29 (r128, no sinks, keys not rotated)", "int2", PREV_INT2),
+    ("int3 (default)", "int3", {}),
+]
 INT2_DEFAULT = dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, group_size=64, scale_dtype=F16,
-                    value_rotation="hadamard")  # explicit, so a candidate changes one thing
+                    value_rotation="hadamard", rotation=None, sink=0)  # the int2 default before issue 29, explicit
 INT2X = [
     ("int2 (default)", "int2", {}),
     ("int2 K3 V2 g64 +vhad r124 +sink4", "int2", {**INT2_DEFAULT, "residual": 124, "sink": 4}),

@@ -275,7 +275,8 @@ def _tiny(kv_heads: int, hidden: int = 256):
 
 
 @pytest.mark.parametrize("kv_heads,hidden,opts", [
-    (4, 256, {}),  # MHA, head dim 64: the int2 default (3-bit KIVI keys g64, 2-bit rotated values, window 128)
+    (4, 256, {}),  # MHA, head dim 64: the int2 default (3-bit rotated KIVI keys g64, 2-bit rotated values, sinks)
+    (2, 256, dict(method="int3")),  # GQA: the int3 default (3-bit rotated keys and values, sinks, window 124)
     (2, 256, dict(key_bits=2, key_channel_group=32, residual=32, group_size=32)),  # GQA, all 2-bit
     (1, 320, dict(key_channel_group=16, residual=48, group_size=16)),  # MQA, head dim 80 (no rotation)
 ])
@@ -293,7 +294,9 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, hidden, opts, monkeypatc
     taken = []
     decode = sdpa.quant.decode
     monkeypatch.setattr(sdpa.quant, "decode", lambda *a: taken.append(decode(*a) is not None) or decode(*a))
-    kvslim.apply(model, "int2", **opts)
+    opts = dict(opts)
+    method = opts.pop("method", "int2")
+    kvslim.apply(model, method, **opts)
     try:
         runs = []
         with torch.no_grad():
@@ -311,16 +314,17 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, hidden, opts, monkeypatc
                 runs.append((out, step, chunk))
     finally:
         kvslim.restore(model)
-    assert torch.equal(runs[0][0], runs[1][0]), f"int2 {opts}: greedy tokens differ"
-    assert_close(runs[0][1], runs[1][1], F32, f"int2 {opts}: decode logits")
-    assert_close(runs[0][2], runs[1][2], F32, f"int2 {opts}: 3-token chunk logits")
+    assert torch.equal(runs[0][0], runs[1][0]), f"{method} {opts}: greedy tokens differ"
+    assert_close(runs[0][1], runs[1][1], F32, f"{method} {opts}: decode logits")
+    assert_close(runs[0][2], runs[1][2], F32, f"{method} {opts}: 3-token chunk logits")
     assert taken and all(taken)
 
 
-def test_make_cache_turns_fused_decode_on_for_int2():
+@pytest.mark.parametrize("method", ["int2", "int3"])
+def test_make_cache_turns_fused_decode_on_for_int2(method):
     _ops()
     model = _tiny(4)
-    kvslim.apply(model, "int2")
+    kvslim.apply(model, method)
     try:
         assert all(layer.fused_decode for layer in kvslim.make_cache(model).layers)
     finally:

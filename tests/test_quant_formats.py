@@ -394,3 +394,27 @@ def test_generate_with_sinks_nbytes_equals_plan():
         assert out.past_key_values.nbytes == plan.cache_bytes(n, batch=2)
     finally:
         kvslim.restore(model)
+
+
+def test_int3_default_is_three_bit_rotated_keys_and_values():
+    """``apply(model, "int3")``: 3-bit rotated KIVI keys over 64-token groups, 3-bit rotated values in groups of
+    64, fp16 scale + zero-point, 4 sinks and a 124-token window: 3.50 bits/element, as the plan prints; codes
+    read back within the 3-bit step."""
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
+    lp = kvslim.plan_config(cfg, "int3", dtype="float32").layers[0]
+    layer = lp.factory(None)
+    assert layer.spec == StoreSpec(3, 64, torch.float16, asymmetric=True, channel_group=64, residual=124, flush=64,
+                                   rotation="hadamard", value_rotation="hadamard", sink=4)
+    assert layer.value_spec() == StoreSpec(3, 64, torch.float16, asymmetric=True, residual=124, flush=64,
+                                           rotation="hadamard", sink=4)
+    assert 8 * lp.bytes_per_token / (2 * 3 * 64) == 3.5
+    assert "3.50 bits/element" in lp.note
+    x = _rows(1, 2, 192, 64, seed=3)
+    store = make_store(layer.value_spec(), x, 256)
+    store.write(0, x)  # 192 tokens: 4 sinks, 64 coded, 124 in the window
+    assert store.flushed == 68
+    err = store.read(0, 192)[:, :, 4:68].float() - x[:, :, 4:68].float()  # the coded tokens
+    xr = x[:, :, 4:68].float() @ hadamard(64)  # their rows in the stored (rotated) basis
+    half_step = (xr.amax(-1) - xr.amin(-1)) / 7 / 2  # one fp16 group of 64 per row: half a 3-bit step
+    assert (err.norm(dim=-1) <= 64 ** 0.5 * half_step * 1.01).all()  # rotation keeps the row's L2 error
+    assert err.abs().max() > 0 and torch.equal(store.read(0, 192)[:, :, 68:], x[:, :, 68:])  # window exact

@@ -50,7 +50,7 @@ QUICK_POINTS = (("tiny-mha", 96, 2), ("tiny-gqa", 96, 2))
 #: (shape, context) of the capacity search
 CAPACITY = ("llama3-8b", 32768)
 QUICK_CAPACITY = ("tiny-gqa", 96)
-METHOD_NAMES = ("dense", "window", "int8", "int4", "int2", "slim", "mla")
+METHOD_NAMES = ("dense", "window", "int8", "int4", "int3", "int2", "slim", "mla")
 HF_NAMES = ("hf-static", "hf-dynamic", "hf-quanto4")
 CAPACITY_KINDS = ("hf-static", "kvslim-dense", "kvslim-int8", "kvslim-int4", "kvslim-int2")
 

@@ -3,8 +3,8 @@
 from .base import Method
 from .mla import MLA
 from .slim import SLIM
-from .storage import DENSE, INT2, INT4, INT8, WINDOW
+from .storage import DENSE, INT2, INT3, INT4, INT8, WINDOW
 
-METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4, INT2, MLA, SLIM)}
+METHODS: dict[str, Method] = {m.name: m for m in (DENSE, WINDOW, INT8, INT4, INT3, INT2, MLA, SLIM)}
 
 __all__ = ["METHODS", "Method"]

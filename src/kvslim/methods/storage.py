@@ -110,7 +110,7 @@ class StorageMethod(Method):
     def prepare(self, model, plan: Plan) -> None:
         """HF's own attention keeps running; GQA decode gets packed queries, int8/int4 decode the fused kernel
         (see ``adapters/sdpa.py``)."""
-        model._kvslim_attn_previous = use_packed_sdpa(model, quantized=self.bits in (2, 4, 8))
+        model._kvslim_attn_previous = use_packed_sdpa(model, quantized=self.bits in (2, 3, 4, 8))
 
     def restore(self, model) -> None:
         restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))
@@ -287,3 +287,9 @@ INT2 = StorageMethod("int2", 2, windowed=False,
                      defaults=dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=124, sink=4,
                                    group_size=64, scale_dtype=torch.float16, rotation="hadamard",
                                    value_rotation="hadamard"))
+# int3 (issue 29 item 4): 3-bit rotated KIVI keys over 64-token groups and 3-bit rotated values in groups of 64,
+# 4 sinks + a 124-token window: 3.50 bits/element, between int4 (4.75) and int2 (3.00). Botchan (dev), 2,048 / 512:
+# KL 0.0050 at 7,260 B/token, where the int4-int2 line gives 0.0082 (docs/quantization.md §9).
+INT3 = StorageMethod("int3", 3, windowed=False,
+                     defaults=dict(asymmetric=True, key_channel_group=64, residual=124, sink=4, group_size=64,
+                                   scale_dtype=torch.float16, rotation="hadamard", value_rotation="hadamard"))
