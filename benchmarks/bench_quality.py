@@ -11,6 +11,7 @@ Suites:
     final     the defaults (``apply(model, "int4")``, ``"int2"``), the old int4, int8, quanto 4/2 bits
     heldout   int8 / int4 / int2 defaults and quanto 4/2 bits, for ``--texts`` (issue 29)
     int2x     int2 candidates (apply options only; defaults unchanged), chosen on ``--texts dev``
+    decisions issue 29's candidates for the int4 / int2 / int3 defaults, run on ``--texts dev`` only
 
     .venv/bin/python benchmarks/bench_quality.py --suite final                 # full protocol, token mode
     .venv/bin/python benchmarks/bench_quality.py --suite ablation --tokens 2048 --steps 256
@@ -143,7 +144,34 @@ INT2X = [
     ("int2 K4 V2 g64 +vhad r128 (3.5 bits)", "int2", {**INT2_DEFAULT, "key_bits": 4}),
     ("int2 K3 kivi32 V2 g64 +vhad r128", "int2", {**INT2_DEFAULT, "key_channel_group": 32}),
 ]
-SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X}
+PREV4 = dict(rotation=None)  # the int4 default before issue 29 (keys not rotated), the base of the int4 rows below
+_V8 = dict(asymmetric=True, key_channel_group=32, residual=124, sink=4, group_size=64, scale_dtype=F16,
+           value_rotation="hadamard")  # int8 values beside int4-format keys (key_bits=4): the keys' share
+DECISIONS = [  # issue 29: candidates on the development text only (--texts dev --engine one-pass)
+    ("int4 before issue 29 (keys not rotated)", "int4", PREV4),
+    ("int4 keys only (values int8)", "int8", {**_V8, "key_bits": 4}),
+    ("int4 values only (keys int8)", "int4", {**PREV4, "key_bits": 8}),
+    ("int4 KIVI-64 keys", "int4", {**PREV4, "key_channel_group": 64}),
+    ("int4 KIVI-16 keys", "int4", {**PREV4, "key_channel_group": 16}),
+    ("int4 keys per token g64, rotated", "int4", {"key_channel_group": 0, "flush": 32, "smooth_keys": False}),
+    ("int4 sink8 r120", "int4", {**PREV4, "sink": 8, "residual": 120}),
+    ("int4 (default: rotated KIVI-32 keys)", "int4", {}),
+    ("int4 rotated keys, sink8 r120", "int4", {"sink": 8, "residual": 120}),
+    ("int4 rotated KIVI-64 keys", "int4", {"key_channel_group": 64}),
+    ("int2 before issue 29 (r128, no sinks, keys not rotated)", "int2", PREV_INT2),
+    ("int2 keys only (values int8)", "int8", {**_V8, "key_bits": 3, "key_channel_group": 64, "rotation": None,
+                                               "residual": 128, "sink": 0}),
+    ("int2 values only (keys int8)", "int2", {**PREV_INT2, "key_bits": 8}),
+    ("int2 rotated keys (r128, no sinks)", "int2", {**PREV_INT2, "rotation": "hadamard"}),
+    ("int2 sink4 r124", "int2", {**PREV_INT2, "sink": 4, "residual": 124}),
+    ("int2 (default: rotated keys, sink4 r124)", "int2", {}),
+    ("int2 rotated keys, sink8 r120", "int2", {"sink": 8, "residual": 120}),
+    ("int2 + values g32 (3.25 bits)", "int2", {"group_size": 32}),
+    ("int2 + KIVI-32 keys (3.25 bits)", "int2", {"key_channel_group": 32}),
+    ("int3 (default: K3 KIVI-64 + V3 g64, 3.5 bits)", "int3", {}),
+    ("int3 K3 KIVI-32 + V3 g64 (3.75 bits)", "int3", {"key_channel_group": 32}),
+]
+SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS}
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),
