@@ -32,7 +32,7 @@ CASES = {
     "dense-reduce": ("llama", "dense", {}, {"merge": "reduce"}, "even", 6),
     "int8": ("llama", "int8", {"group_size": 16}, {}, "even", 8),
     "int8-uneven": ("llama", "int8", {"group_size": 16}, {"split": (3, 1)}, "even", 6),
-    "int2-kivi": ("llama", "int2", {"group_size": 16, "residual": 8, "key_channel_group": 8}, {}, "even", 8),
+    "int2-kivi": ("llama", "int2", {"group_size": 16, "residual": 8, "key_channel_group": 8, "sink": 0}, {}, "even", 8),
     "int4-padded": ("llama", "int4", {"group_size": 16}, {}, "padded", 6),
     "dense-empty-rank": ("llama", "dense", {}, {"split": (1, 0), "rule": "round_robin"}, "even", 4),
     "dense-padded": ("llama", "dense", {}, {}, "padded", 8),
