@@ -63,3 +63,7 @@ def test_refused_by_name():
         compare_specs_steps(model, ids, {}, steps=10)
     with pytest.raises(ValueError, match="ids must be"):
         compare_specs_steps(model, ids[0], {"x": []}, steps=10)
+    with pytest.raises(ValueError, match="block"):
+        compare_specs_steps(model, ids, {"x": []}, steps=10, block=0)
+    with pytest.raises(ValueError, match="one .key, value. spec per layer"):
+        compare_specs_steps(model, ids, {"x": []}, steps=10)

@@ -234,6 +234,35 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def check_block(block: int) -> None:
+    """``ValueError`` naming ``block`` unless it is a positive int."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+
+
+def score_positions(model, ref_hidden: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    targets: torch.Tensor, block: int = 256
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Per scored position (``positions`` (N,) of the final hidden states, ``targets`` (N,) the tokens they
+    predict), ``block`` positions per LM-head batch: ``(nll, ref_nll, kl, top1, max |Δlogit|)``, the first three
+    (N,) float64 (KL(reference ‖ cache), nats), ``top1`` (N,) bool (argmax equals the reference's)."""
+    n = len(positions)
+    nll, ref_nll, kl = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    top1 = torch.zeros(n, dtype=torch.bool)
+    maxd = 0.0
+    for a in range(0, n, block):
+        pos = positions[a:a + block]
+        ref, out = _logits(model, ref_hidden[pos]), _logits(model, hidden[pos])
+        tgt = targets[a:a + block, None]
+        ref_lp, lp = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+        ref_nll[a:a + block] = -ref_lp.gather(-1, tgt)[:, 0].double()
+        nll[a:a + block] = -lp.gather(-1, tgt)[:, 0].double()
+        kl[a:a + block] = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double()
+        top1[a:a + block] = out.argmax(-1) == ref.argmax(-1)
+        maxd = max(maxd, (out - ref).abs().max().item())
+    return nll, ref_nll, kl, top1, maxd
+
+
 @torch.inference_mode()
 def protocol_hidden(model, ids: torch.Tensor, specs: LayerSpecs | None, segments: list[tuple[int, int]]
                     ) -> tuple[torch.Tensor, int]:
@@ -256,8 +285,7 @@ def compare_specs(model, ids: torch.Tensor, specs: dict[str, LayerSpecs], *, mod
     """:func:`kvslim.evaluate.compare_caches` for append-only and ring-buffer caches given by per-layer specs,
     each in one forward pass (see the module docstring); same protocol, same metrics, reference = the dense
     model. ``block``: scored positions per logits batch (a positive int)."""
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    check_block(block)
     total = check_protocol_ids(ids, min_tokens)
     if not specs:
         raise ValueError("specs must name at least one configuration")
@@ -276,20 +304,9 @@ def compare_specs(model, ids: torch.Tensor, specs: dict[str, LayerSpecs], *, mod
         t1 = time.perf_counter()
         hidden, nbytes = protocol_hidden(model, ids, layer_specs, segments)
         seconds = time.perf_counter() - t1
-        nll = ref_nll = kl = maxd = 0.0
-        top1 = 0
-        for a in range(0, len(positions), block):
-            pos = positions[a:a + block]
-            ref = _logits(model, ref_hidden[pos])
-            out = _logits(model, hidden[pos])
-            tgt = targets[a:a + block, None]
-            ref_lp, lp = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
-            ref_nll -= ref_lp.gather(-1, tgt).sum().item()
-            nll -= lp.gather(-1, tgt).sum().item()
-            kl += (ref_lp.exp() * (ref_lp - lp)).sum().item()
-            top1 += int((out.argmax(-1) == ref.argmax(-1)).sum())
-            maxd = max(maxd, (out - ref).abs().max().item())
+        nll, ref_nll, kl, top1, maxd = score_positions(model, ref_hidden, hidden, positions, targets, block)
         n = len(positions)
-        results[label] = Quality(label, mode, fed, n, math.exp(nll / n), math.exp(ref_nll / n), kl / n, top1 / n,
-                                 maxd, nbytes, seconds + ref_s / len(specs))
+        results[label] = Quality(label, mode, fed, n, math.exp(nll.mean().item()), math.exp(ref_nll.mean().item()),
+                                 kl.mean().item(), top1.double().mean().item(), maxd, nbytes,
+                                 seconds + ref_s / len(specs))
     return results

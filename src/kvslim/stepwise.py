@@ -167,22 +167,14 @@ def layer_nbytes(ls, tokens: int, heads: int, dim: int, dtype: torch.dtype, batc
     total = 0
     for spec in (ls.key, ls.value):
         plain = dim * dtype.itemsize
-        if not spec.bits:
-            rows = tokens if ls.window is None else min(tokens, ls.window - 1)
-            total += rows * plain
-            continue
-        row = spec.bytes_per_value_row(dim, dtype)
-        if not spec.residual:
-            rows = tokens if ls.window is None else min(tokens, ls.window - 1)
-            total += rows * row
-        else:
-            flushed = spec.flushed(tokens)
-            sinks = min(tokens, spec.sink)
-            coded = flushed - sinks
-            if ls.window is not None:
-                coded = min(coded, ls.ring_slots)
+        row = spec.bytes_per_value_row(dim, dtype) if spec.bits else plain
+        if not (spec.bits and spec.residual):  # every token coded (or plain); a ring keeps its last W − 1
+            total += row * (tokens if ls.window is None else min(tokens, ls.window - 1))
+        else:  # sinks and the window in full precision, the rest coded (a ring: its coded slots in use)
+            flushed, sinks = spec.flushed(tokens), min(tokens, spec.sink)
+            coded = flushed - sinks if ls.window is None else min(flushed - sinks, ls.ring_slots)
             total += coded * row + (tokens - flushed + sinks) * plain
-        if spec.smooth and tokens:
+        if spec.smooth and tokens:  # key smoothing's fp32 factors
             total += dim * 4
     return total * batch * heads
 
@@ -194,8 +186,9 @@ def compare_specs_steps(model, ids: torch.Tensor, specs: dict[str, object], *, s
     forward pass instead of ``steps`` calls: the token protocol's per-step NLL, KL and top-1 against the dense
     model, and the bytes the cache would hold after each scored call (:func:`layer_nbytes`). Equal to the
     call-by-call figures up to float rounding (``tests/test_stepwise.py``)."""
-    from .evaluate_parallel import _checked, _logits, protocol_hidden
+    from .evaluate_parallel import _checked, check_block, protocol_hidden, score_positions
 
+    check_block(block)
     total = check_protocol_ids(ids, None)
     if not specs:
         raise ValueError("specs must name at least one configuration")
@@ -215,20 +208,7 @@ def compare_specs_steps(model, ids: torch.Tensor, specs: dict[str, object], *, s
     for label, layer_specs in checked.items():
         t0 = time.perf_counter()
         hidden, _ = protocol_hidden(model, ids, layer_specs, segments)
-        n = len(positions)
-        nll, ref_nll, kl = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
-        top1 = torch.zeros(n, dtype=torch.bool)
-        maxd = 0.0
-        for a in range(0, n, block):
-            pos = positions[a:a + block]
-            ref, cur = _logits(model, ref_hidden[pos]), _logits(model, hidden[pos])
-            tgt = targets[a:a + block, None]
-            ref_lp, lp = torch.log_softmax(ref, -1), torch.log_softmax(cur, -1)
-            ref_nll[a:a + block] = -ref_lp.gather(-1, tgt)[:, 0].double()
-            nll[a:a + block] = -lp.gather(-1, tgt)[:, 0].double()
-            kl[a:a + block] = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double()
-            top1[a:a + block] = cur.argmax(-1) == ref.argmax(-1)
-            maxd = max(maxd, (cur - ref).abs().max().item())
+        nll, ref_nll, kl, top1, maxd = score_positions(model, ref_hidden, hidden, positions, targets, block)
         nbytes = torch.tensor([sum(layer_nbytes(ls, int(h), heads, dim, dtype) for ls in layer_specs)
                                for h in held.tolist()], dtype=torch.int64)
         out[label] = StepQuality(label, nll, ref_nll, kl, top1, maxd, nbytes, held.clone(),
