@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_mla_model import _generate, _logit_err, _prompt, deepseek  # noqa: E402
 from tolerances import LOGIT_ATOL, assert_close, assert_error_ratio, assert_rel_close, max_err  # noqa: E402
-from triton_aot import compile_for_sm90  # noqa: E402
+from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.attention import mla  # noqa: E402
@@ -27,21 +27,10 @@ triton = pytest.importorskip("triton")
 from kvslim.kernels.triton import mla_decode as tk  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
-INTERPRET = backend.interpreting()
-DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-if DEVICE.type == "cpu" and not INTERPRET:
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the Triton kernels cannot run here", allow_module_level=True)
+DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
 
 DK, DV, DR = 16, 24, 64  # rope dim 64 as in V2/V3; the rank (512 there) scaled down per case
 
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    if INTERPRET:
-        from triton.runtime.jit import JITFunction
-
-        assert not isinstance(triton.language.zeros, JITFunction), (
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in the environment (tests/conftest.py)")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_quant_decode_lowbit import _oracle, _random_format  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from triton_aot import compile_for_sm90  # noqa: E402
+from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.kernels import backend  # noqa: E402
@@ -24,21 +24,8 @@ triton = pytest.importorskip("triton")
 from kvslim.kernels.triton import quant_decode_lowbit as tq  # noqa: E402
 
 F32 = torch.float32
-INTERPRET = backend.interpreting()
-DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-if DEVICE.type == "cpu" and not INTERPRET:
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the Triton kernels cannot run here", allow_module_level=True)
+DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
 
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    """Triton decorates its own helpers (tl.zeros, tl.sum) when first imported: imported before TRITON_INTERPRET=1
-    they stay compiled-only and an interpreted kernel fails to call them."""
-    if INTERPRET:
-        from triton.runtime.jit import JITFunction
-
-        assert not isinstance(triton.language.zeros, JITFunction), (
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in the environment (tests/conftest.py)")
 
 
 def _poisoned(b, h, n, d, kb, vb, gs, kivi, sdt, lengths, gen, spare=9):

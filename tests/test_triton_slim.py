@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import padded_batch, tiny_model  # noqa: E402
 from tolerances import RATIO_FACTOR, RATIO_FLOOR, assert_rel_close, max_err  # noqa: E402
-from triton_aot import compile_for_sm90  # noqa: E402
+from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.kernels import backend  # noqa: E402
@@ -28,19 +28,8 @@ from kvslim.kernels.triton import encdec_decode as te  # noqa: E402
 from kvslim.kernels.triton import slim_decode as ts  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
-INTERPRET = backend.interpreting()
-DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
-if DEVICE.type == "cpu" and not INTERPRET:
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the Triton kernels cannot run here", allow_module_level=True)
+DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
 
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    if INTERPRET:
-        from triton.runtime.jit import JITFunction
-
-        assert not isinstance(triton.language.zeros, JITFunction), (
-            "triton was imported before TRITON_INTERPRET=1 was set: set it in the environment (tests/conftest.py)")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 PRELUDE = r'''
 import os
@@ -37,3 +38,22 @@ def compile_for_sm90(script: str) -> None:
     if "ptxas" in out.stderr and "not found" in out.stderr:
         pytest.skip("no ptxas bundled with this Triton")
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def kernel_device() -> torch.device:
+    """Where a Triton kernel test module runs its kernels: CPU tensors under ``TRITON_INTERPRET=1`` (CI), else a
+    CUDA device; the calling module is skipped when neither is there. Under the interpreter it also checks that
+    Triton was imported after ``TRITON_INTERPRET=1`` was set (tests/conftest.py sets it first): imported before,
+    Triton's own helpers (``tl.zeros``, ``tl.sum``) stay compiled-only and an interpreted kernel fails to call them."""
+    from kvslim.kernels import backend
+
+    if backend.interpreting():
+        import triton
+        from triton.runtime.jit import JITFunction
+
+        assert not isinstance(triton.language.zeros, JITFunction), (
+            "triton was imported before TRITON_INTERPRET=1 was set: set it in the environment (tests/conftest.py)")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the Triton kernels cannot run here", allow_module_level=True)
+    return torch.device("cuda")
