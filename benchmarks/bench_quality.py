@@ -125,14 +125,13 @@ FINAL = [
     ("quanto 2-bit g64 r128, every layer", "quanto", dict(nbits=2, every_layer=True)),
 ]
 PREV_INT2 = dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, sink=0, group_size=64,
-                 scale_dtype=F16, rotation=None, value_rotation="hadamard")  # the int2 default before issue 29
+                 scale_dtype=F16, value_rotation="hadamard")  # the int2 default before issue 29
 HELDOUT = [r for r in FINAL if r[0] in ("int8 g64 (default)", "int4 (default)", "int2 (default)",
                                        "quanto 4-bit g64 r128", "quanto 2-bit g64 r128")] + [
-    ("int4 before issue 29 (keys not rotated)", "int4", {"rotation": None}),
     # the default format with a 60-token window: at or below quanto 4-bit's measured bytes (its 128-token
     # buffer averages about half full), for the equal-bytes comparison
     ("int4 r60 +sink4 (quanto 4-bit's bytes)", "int4", {"residual": 60}),
-    ("int2 before issue 29 (r128, no sinks, keys not rotated)", "int2", PREV_INT2),
+    ("int2 before issue 29 (r128, no sinks)", "int2", PREV_INT2),
     ("int3 (default)", "int3", {}),
 ]
 INT2_DEFAULT = dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=128, group_size=64, scale_dtype=F16,
@@ -144,31 +143,32 @@ INT2X = [
     ("int2 K4 V2 g64 +vhad r128 (3.5 bits)", "int2", {**INT2_DEFAULT, "key_bits": 4}),
     ("int2 K3 kivi32 V2 g64 +vhad r128", "int2", {**INT2_DEFAULT, "key_channel_group": 32}),
 ]
-PREV4 = dict(rotation=None)  # the int4 default before issue 29 (keys not rotated), the base of the int4 rows below
 _V8 = dict(asymmetric=True, key_channel_group=32, residual=124, sink=4, group_size=64, scale_dtype=F16,
            value_rotation="hadamard")  # int8 values beside int4-format keys (key_bits=4): the keys' share
-DECISIONS = [  # issue 29: candidates on the development text only (--texts dev --engine one-pass)
-    ("int4 before issue 29 (keys not rotated)", "int4", PREV4),
+ROT = {"rotation": "hadamard"}  # keys Hadamard-rotated before their groups
+DECISIONS = [  # issue 29: candidates on the development text only (--texts dev --engine one-pass), both models
+    ("int4 (default: KIVI-32 keys, rotated values, sink4 r124)", "int4", {}),
     ("int4 keys only (values int8)", "int8", {**_V8, "key_bits": 4}),
-    ("int4 values only (keys int8)", "int4", {**PREV4, "key_bits": 8}),
-    ("int4 KIVI-64 keys", "int4", {**PREV4, "key_channel_group": 64}),
-    ("int4 KIVI-16 keys", "int4", {**PREV4, "key_channel_group": 16}),
-    ("int4 keys per token g64, rotated", "int4", {"key_channel_group": 0, "flush": 32, "smooth_keys": False}),
-    ("int4 sink8 r120", "int4", {**PREV4, "sink": 8, "residual": 120}),
-    ("int4 (default: rotated KIVI-32 keys)", "int4", {}),
-    ("int4 rotated keys, sink8 r120", "int4", {"sink": 8, "residual": 120}),
-    ("int4 rotated KIVI-64 keys", "int4", {"key_channel_group": 64}),
-    ("int2 before issue 29 (r128, no sinks, keys not rotated)", "int2", PREV_INT2),
-    ("int2 keys only (values int8)", "int8", {**_V8, "key_bits": 3, "key_channel_group": 64, "rotation": None,
-                                               "residual": 128, "sink": 0}),
+    ("int4 values only (keys int8)", "int4", {"key_bits": 8}),
+    ("int4 KIVI-64 keys", "int4", {"key_channel_group": 64}),
+    ("int4 KIVI-16 keys", "int4", {"key_channel_group": 16}),
+    ("int4 keys per token g64, rotated", "int4", {**ROT, "key_channel_group": 0, "flush": 32, "smooth_keys": False}),
+    ("int4 sink8 r120", "int4", {"sink": 8, "residual": 120}),
+    ("int4 rotated keys", "int4", ROT),
+    ("int4 rotated keys, sink8 r120", "int4", {**ROT, "sink": 8, "residual": 120}),
+    ("int4 rotated KIVI-64 keys", "int4", {**ROT, "key_channel_group": 64}),
+    ("int2 before issue 29 (r128, no sinks)", "int2", PREV_INT2),
+    ("int2 keys only (values int8)", "int8", {**_V8, "key_bits": 3, "key_channel_group": 64, "residual": 128,
+                                               "sink": 0}),
     ("int2 values only (keys int8)", "int2", {**PREV_INT2, "key_bits": 8}),
-    ("int2 rotated keys (r128, no sinks)", "int2", {**PREV_INT2, "rotation": "hadamard"}),
-    ("int2 sink4 r124", "int2", {**PREV_INT2, "sink": 4, "residual": 124}),
-    ("int2 (default: rotated keys, sink4 r124)", "int2", {}),
-    ("int2 rotated keys, sink8 r120", "int2", {"sink": 8, "residual": 120}),
+    ("int2 rotated keys (r128, no sinks)", "int2", {**PREV_INT2, **ROT}),
+    ("int2 (default: sink4 r124)", "int2", {}),
+    ("int2 rotated keys, sink4 r124", "int2", ROT),
+    ("int2 sink8 r120", "int2", {"sink": 8, "residual": 120}),
     ("int2 + values g32 (3.25 bits)", "int2", {"group_size": 32}),
     ("int2 + KIVI-32 keys (3.25 bits)", "int2", {"key_channel_group": 32}),
     ("int3 (default: K3 KIVI-64 + V3 g64, 3.5 bits)", "int3", {}),
+    ("int3 rotated keys", "int3", ROT),
     ("int3 K3 KIVI-32 + V3 g64 (3.75 bits)", "int3", {"key_channel_group": 32}),
 ]
 SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS}

@@ -275,8 +275,9 @@ def _tiny(kv_heads: int, hidden: int = 256):
 
 
 @pytest.mark.parametrize("kv_heads,hidden,opts", [
-    (4, 256, {}),  # MHA, head dim 64: the int2 default (3-bit rotated KIVI keys g64, 2-bit rotated values, sinks)
-    (2, 256, dict(method="int3")),  # GQA: the int3 default (3-bit rotated keys and values, sinks, window 124)
+    (4, 256, {}),  # MHA, head dim 64: the int2 default (3-bit KIVI keys g64, 2-bit rotated values, sinks)
+    (2, 256, dict(method="int3")),  # GQA: the int3 default (3-bit keys, 3-bit rotated values, sinks, window 124)
+    (2, 256, dict(method="int3", rotation="hadamard")),  # rotated keys: the window kept rotated across steps
     (2, 256, dict(key_bits=2, key_channel_group=32, residual=32, group_size=32)),  # GQA, all 2-bit
     (1, 320, dict(key_channel_group=16, residual=48, group_size=16)),  # MQA, head dim 80 (no rotation)
 ])

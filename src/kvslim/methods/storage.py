@@ -129,7 +129,6 @@ class StorageMethod(Method):
             merged.pop("residual", None)  # a ring buffer keeps no residual window (nor sinks beside it)
             merged.pop("sink", None)
             merged.pop("key_channel_group", None)
-            merged.pop("rotation", None)  # rings keep per-token smoothed keys, measured without a rotation
         merged.update(options)
         if "sink" not in options and merged.get("sink"):  # the default sinks share the 128 full-precision tokens
             merged["sink"] = max(0, min(merged["sink"], MAX_RESIDUAL - merged.get("residual", 0)))
@@ -152,10 +151,6 @@ class StorageMethod(Method):
         if opts.value_rotation == "hadamard" and "value_rotation" not in options and d & (d - 1):
             notes.append(f"value_rotation=None (the default Hadamard rotation needs a power-of-two head dim, got {d})")
             opts = replace(opts, value_rotation=None)
-        if opts.rotation == "hadamard" and "rotation" not in options and d & (d - 1):
-            notes.append(f"rotation=None (the default Hadamard rotation of the keys needs a power-of-two head dim, "
-                         f"got {d})")
-            opts = replace(opts, rotation=None)
         if opts.bits and "group_size" not in options:  # the default adapts to the head dim (the plan says so)
             g = default_group_size(shape.head_dim, opts.group_size)
             if g != opts.group_size:
@@ -277,19 +272,19 @@ INT8 = StorageMethod("int8", 8, windowed=False)
 # int4 keeps the first 4 tokens (attention sinks) in full precision beside a 124-token window (128 full-precision
 # tokens in all): they draw much of every head's attention, and out of the first KIVI group they no longer set its
 # range (SmolLM2, token mode 2,048 / 512: KL 0.0019 -> 0.0009).
-# Keys are Hadamard-rotated before their per-channel (KIVI) groups, and int2 keeps 4 sink tokens beside a 124-token
-# window, at the same bytes (chosen on the development text only, SmolLM2 / Botchan, token protocol 2,048 / 512,
-# one-pass: int4 KL 0.00089 -> 0.00056; int2 KL 0.0247 -> 0.0107; held-out figures in docs/quantization.md).
+# int2 keeps 4 sink tokens beside a 124-token window (same bytes); chosen on the development text (Botchan, token
+# protocol 2,048 / 512, one pass) of both SmolLM2 (KL 0.0247 -> 0.0117) and Qwen2.5-Coder (0.0405 -> 0.0371).
+# Keys are not rotated: a Hadamard rotation before the KIVI groups helps SmolLM2 (int4 KL 0.00089 -> 0.00056) and
+# wrecks Qwen2.5 (int4 0.0026 -> 0.0196, int2 0.037 -> 0.51; docs/quantization.md §9); ``rotation="hadamard"`` asks.
 INT4 = StorageMethod("int4", 4, windowed=False,
                      defaults=dict(asymmetric=True, key_channel_group=32, residual=124, sink=4, group_size=64,
-                                   scale_dtype=torch.float16, rotation="hadamard", value_rotation="hadamard"))
+                                   scale_dtype=torch.float16, value_rotation="hadamard"))
 INT2 = StorageMethod("int2", 2, windowed=False,
                      defaults=dict(asymmetric=True, key_bits=3, key_channel_group=64, residual=124, sink=4,
-                                   group_size=64, scale_dtype=torch.float16, rotation="hadamard",
-                                   value_rotation="hadamard"))
-# int3 (issue 29 item 4): 3-bit rotated KIVI keys over 64-token groups and 3-bit rotated values in groups of 64,
-# 4 sinks + a 124-token window: 3.50 bits/element, between int4 (4.75) and int2 (3.00). Botchan (dev), 2,048 / 512:
-# KL 0.0050 at 7,260 B/token, where the int4-int2 line gives 0.0082 (docs/quantization.md §9).
+                                   group_size=64, scale_dtype=torch.float16, value_rotation="hadamard"))
+# int3 (issue 29 item 4): 3-bit KIVI keys over 64-token groups and 3-bit rotated values in groups of 64, 4 sinks +
+# a 124-token window: 3.50 bits/element, between int4 (4.75) and int2 (3.00). Botchan, 2,048 / 512: KL 0.0073 at
+# 7,260 B/token on SmolLM2 (the int2-int4 line: 0.0090), 0.0242 at 3,872 on Qwen2.5-Coder (line: 0.0285).
 INT3 = StorageMethod("int3", 3, windowed=False,
                      defaults=dict(asymmetric=True, key_channel_group=64, residual=124, sink=4, group_size=64,
-                                   scale_dtype=torch.float16, rotation="hadamard", value_rotation="hadamard"))
+                                   scale_dtype=torch.float16, value_rotation="hadamard"))
