@@ -171,7 +171,24 @@ DECISIONS = [  # issue 29: candidates on the development text only (--texts dev 
     ("int3 rotated keys", "int3", ROT),
     ("int3 K3 KIVI-32 + V3 g64 (3.75 bits)", "int3", {"key_channel_group": 32}),
 ]
-SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS}
+_T = dict(flush=64)  # turbo rows flush their window 64 tokens at a time, as int3/int2: the same full-precision bytes
+_TO = dict(flush=64, rotation="orthogonal", outliers=16)  # 16 key channels at one more bit (48 + 16 not 2^k)
+TURBO = [  # issue 35: TurboQuant-class codes against int3/int2 at equal measured bytes (--engine one-pass)
+    ("int3 (default)", "int3", {}),
+    ("int2 (default)", "int2", {}),
+    ("int4 (default)", "int4", {}),
+    ("turbo3 (default)", "turbo3", {}),
+    ("turbo3 flush64", "turbo3", _T),
+    ("turbo3 flush64 orthogonal", "turbo3", {**_T, "rotation": "orthogonal"}),
+    ("turbo3 flush64 smooth keys", "turbo3", {**_T, "smooth_keys": True}),
+    ("turbo3 flush64 K o16 (int3's bytes)", "turbo3", _TO),
+    ("turbo2 (default)", "turbo2", {}),
+    ("turbo2 flush64 K3 V2", "turbo2", {**_T, "key_bits": 3}),
+    ("turbo2 flush64 K3 o16 V2 (int2's bytes)", "turbo2", {**_TO, "key_bits": 3}),
+    ("turbo4 flush64", "turbo4", _T),
+]
+SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
+          "turbo": TURBO}
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),

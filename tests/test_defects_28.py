@@ -42,7 +42,8 @@ def _ids(n, seed=1, vocab=120):
 #: methods × options small enough that the tiny prompt reaches every part of the format (codes, residual window,
 #: sinks); int4's defaults are kept once (a 124-token full-precision window behind 4 sinks: all the tail)
 PICKLED = {"int4": {"residual": 8, "key_channel_group": 8}, "int4-defaults": {}, "int8": {},
-           "int2": {"residual": 8, "key_channel_group": 8}, "window": {"window": 12}, "slim": {}, "dense": {}}
+           "int2": {"residual": 8, "key_channel_group": 8}, "window": {"window": 12}, "slim": {}, "dense": {},
+           "turbo3": {"residual": 8, "outliers": 8, "rotation": "orthogonal"}}
 
 
 @pytest.mark.parametrize("name", sorted(PICKLED))

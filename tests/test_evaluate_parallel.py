@@ -71,7 +71,7 @@ def test_plans_of_the_methods_run_in_one_pass():
     api.apply(model, "dense")
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(2))
     plans = {m: METHODS[m].plan_model(model, **({"residual": 64} if m != "int8" else {}))
-             for m in ("int8", "int4", "int2")}
+             for m in ("int8", "int4", "int2", "turbo3")}
     a = compare_caches(model, ids, {m: (lambda p=p: KVSlimCache([x.factory(None) for x in p.layers], plan=p))
                                     for m, p in plans.items()}, steps=64)
     b = compare_specs(model, ids, {m: layer_specs_of(p) for m, p in plans.items()}, steps=64)

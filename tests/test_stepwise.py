@@ -20,6 +20,7 @@ PLANS = {
     "int4": dict(residual=16, sink=2, key_channel_group=16, group_size=16),
     "int2": dict(residual=32, key_channel_group=16, group_size=16),
     "int8": {},  # smoothed per-token keys: fp32 factors fixed by the prefill
+    "turbo3": dict(residual=16, sink=2, flush=8, outliers=8, rotation="orthogonal"),  # + the outlier permutation
 }
 
 

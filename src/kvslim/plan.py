@@ -58,7 +58,7 @@ class LayerPlan:
         tokens = context if self.window is None else min(context, self.window - 1)  # a ring stores W − 1
         coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
         return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
-                        + self.fixed_bytes)
+                        + (self.fixed_bytes if coded else 0))  # fitted by the coded store's first write
 
 
 @dataclass(frozen=True)

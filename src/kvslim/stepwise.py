@@ -169,13 +169,14 @@ def layer_nbytes(ls, tokens: int, heads: int, dim: int, dtype: torch.dtype, batc
         plain = dim * dtype.itemsize
         row = spec.bytes_per_value_row(dim, dtype) if spec.bits else plain
         if not (spec.bits and spec.residual):  # every token coded (or plain); a ring keeps its last W − 1
-            total += row * (tokens if ls.window is None else min(tokens, ls.window - 1))
+            coded = tokens if ls.window is None else min(tokens, ls.window - 1)
+            total += row * coded
         else:  # sinks and the window in full precision, the rest coded (a ring: its coded slots in use)
             flushed, sinks = spec.flushed(tokens), min(tokens, spec.sink)
             coded = flushed - sinks if ls.window is None else min(flushed - sinks, ls.ring_slots)
             total += coded * row + (tokens - flushed + sinks) * plain
-        if spec.smooth and tokens:  # key smoothing's fp32 factors
-            total += dim * 4
+        if spec.bits and coded:  # key smoothing's fp32 factors, a turbo store's outlier permutation
+            total += spec.fixed_bytes(dim)
     return total * batch * heads
 
 

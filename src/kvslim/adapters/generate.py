@@ -71,11 +71,13 @@ def build_cache(model, plan, max_length: int | None) -> KVSlimCache:
 def _fused_attention(model, plan) -> bool:
     """Whether ``model`` runs kvslim's attention (which reads int8/int4/int3/int2 codes directly) and the method's
     op is built."""
-    from ..kernels import quant_decode, quant_decode_lowbit  # loaded only when a cache is built
+    from ..kernels import quant_decode, quant_decode_lowbit, turbo_decode  # loaded only when a cache is built
     from .sdpa import NAME
 
     if getattr(model.config, "_attn_implementation", None) != NAME:
         return False
+    if plan.method.startswith("turbo"):
+        return turbo_decode.available()
     if plan.method in ("int2", "int3"):
         return quant_decode_lowbit.available()
     return plan.method in ("int8", "int4") and quant_decode.available()

@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 
 from ..caches.fused import FusedKV
+from ..caches.turbo import TurboStore
 from ..kernels.quant_decode import quant_decode
 from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
 from ..kernels.quant_decode_lowbit import quant_decode_lowbit
+from ..kernels.turbo_decode import turbo_decode
 
 
 def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None | bool:
@@ -56,6 +58,8 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     q = query.float().reshape(b, hk, heads // hk, d)  # head j·G + g -> (KV head j, g)
     kt, vt = h.k_tail, h.v_tail
     kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
+    if isinstance(h.k, TurboStore) or isinstance(h.v, TurboStore):
+        return _turbo(h, q, kt, vt, mask, scaling, query.dtype)
     channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
     if channel is not None:
         q = q * channel
@@ -82,6 +86,23 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
                           spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling,
                           v_unrot=h.v.unrotation)
     return out.view(b, 1, heads, d).to(query.dtype)
+
+
+def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tensor | None, mask, scaling: float,
+           dtype: torch.dtype) -> torch.Tensor | None:
+    """Turbo codes (``caches/turbo.py``): the query and the tail go into the stores' coded bases (smoothing, the
+    outlier permutation, each part's rotation), ``kvslim.turbo_decode`` attends, the output is rotated back."""
+    k, v = h.k, h.v
+    if not (isinstance(k, TurboStore) and isinstance(v, TurboStore)) or v.perm is not None or v.channel is not None:
+        return None
+    b, hk, g, d = q.shape
+    q = k.to_coded_basis(q, scale_by_channel=True)  # scores: (q ⊙ c)·k̃ in the coded basis
+    if kt is not None:
+        kt, vt = k.to_coded_basis(kt), v.to_coded_basis(vt)
+    out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
+                          h.kernel_mask(mask), scaling)
+    out = out.reshape(b * hk * g, d) @ v.rotations[0].T
+    return out.view(b, 1, hk * g, d).to(dtype)
 
 
 def reference(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -22,6 +22,7 @@ import torch
 from .residual import ResidualStore
 from .sink import SinkStore
 from .storage import QuantizedStore, TensorStore
+from .turbo import TurboStore
 
 ATTR = "_kvslim_fused"
 
@@ -101,6 +102,8 @@ def fusable(store: TensorStore | None) -> bool:
     """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual
     window and sinks."""
     inner = store.coded if isinstance(store, SinkStore) else store.inner if isinstance(store, ResidualStore) else store
+    if isinstance(inner, TurboStore):  # turbo codes: kvslim.turbo_decode (attention/quant.py)
+        return True
     return isinstance(inner, QuantizedStore) and inner.spec.bits in (2, 3, 4, 8)
 
 
@@ -128,7 +131,7 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
 def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
     """The value window for the op that will read it: as stored for int8/int4 codes, else :func:`rotated_tail`."""
     coded = store.coded if isinstance(store, SinkStore) else store.inner
-    if coded.spec.bits in (4, 8):
+    if coded.spec.bits in (4, 8) or isinstance(coded, TurboStore):
         return store.fp[:, :, :r], False
     return rotated_tail(store, r)
 
@@ -138,7 +141,7 @@ def _key_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, b
     not the whole window) when the coded keys are rotated and not smoothed, else as stored (the op then takes
     smoothing and rotation onto the window itself)."""
     coded = store.coded if isinstance(store, SinkStore) else store.inner
-    if coded.spec.smooth:
+    if coded.spec.smooth or isinstance(coded, TurboStore):
         return store.fp[:, :, :r], False
     return rotated_tail(store, r)
 

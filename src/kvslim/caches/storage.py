@@ -39,6 +39,12 @@ class StoreSpec:
     * ``sink``: the first ``sink`` tokens of the sequence (attention sinks) stay in full precision for good and
       are left out of every group's range (:class:`kvslim.caches.sink.SinkStore`); needs a ``residual`` window,
       and ``sink + residual`` ≤ 128 full-precision tokens in all.
+    * ``codec``: ``"int"`` (the grouped integer codes above) or ``"turbo"`` (TurboQuant-class codes,
+      :mod:`kvslim.ops.turbo`, :class:`kvslim.caches.turbo.TurboStore`: a seeded ``rotation`` — ``"hadamard"`` or
+      ``"orthogonal"`` — then a Lloyd–Max codebook of N(0, 1) per coordinate and one ``scale_dtype`` scale per
+      row; ``bits`` 2, 3 or 4; no groups, no zero-point). ``outliers`` (turbo keys only): that many key channels
+      per head, fitted by the first write, coded apart at ``bits + 1``. ``seed``: the rotations' seed (turbo
+      only; the value store's is ``seed + 1``).
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -58,8 +64,19 @@ class StoreSpec:
     value_bits: int | None = None
     value_rotation: str | None = None
     sink: int = 0
+    codec: str = "int"
+    outliers: int = 0
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.codec not in ("int", "turbo"):
+            raise ValueError(f"codec must be 'int' or 'turbo', got {self.codec!r}")
+        if self.codec == "turbo":
+            self._check_turbo()
+            return
+        if self.outliers or self.seed:
+            raise ValueError(f"outliers and seed are options of turbo codes (codec='turbo'), got outliers="
+                             f"{self.outliers!r}, seed={self.seed!r}")
         if self.bits not in (0, 2, 3, 4, 8):
             raise ValueError(f"bits must be 0, 2, 3, 4 or 8, got {self.bits!r}")
         if self.value_bits is not None and (self.value_bits not in (2, 3, 4, 8) or not self.bits):
@@ -100,6 +117,50 @@ class StoreSpec:
                                or self.value_rotation):
             raise ValueError("asymmetric, rotation, value_rotation, channel_group and residual need bits > 0")
 
+    def _check_turbo(self) -> None:
+        from ..ops.turbo import TURBO_BITS, TURBO_ROTATIONS
+
+        if self.bits not in TURBO_BITS or isinstance(self.bits, bool):
+            raise ValueError(f"bits must be 2, 3 or 4 for turbo codes, got {self.bits!r}")
+        if self.value_bits is not None and self.value_bits not in TURBO_BITS:
+            raise ValueError(f"value_bits must be None (= bits) or 2, 3 or 4 for turbo codes, got {self.value_bits!r}")
+        if self.rotation not in TURBO_ROTATIONS:
+            raise ValueError(f"rotation must be one of {TURBO_ROTATIONS} for turbo codes (the codebook assumes "
+                             f"rotated coordinates), got {self.rotation!r}")
+        if self.value_rotation not in (None, *TURBO_ROTATIONS):
+            raise ValueError(f"value_rotation must be None (= rotation) or one of {TURBO_ROTATIONS} for turbo codes, "
+                             f"got {self.value_rotation!r}")
+        if self.asymmetric or self.channel_group:
+            raise ValueError("asymmetric and channel_group (KIVI keys) are options of the grouped integer codes, not "
+                             "of turbo codes (one scale per row, no zero-point)")
+        for name in ("outliers", "seed", "residual", "flush", "sink"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "flush" else 0):
+                raise ValueError(f"{name} must be a{' positive' if name == 'flush' else ' non-negative'} int, "
+                                 f"got {v!r}")
+        if self.outliers and self.bits >= 4:
+            raise ValueError(f"outliers={self.outliers} are coded at bits + 1 (at most 4): turbo keys of "
+                             f"{self.bits} bits take outliers=0")
+        if self.scale_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"scale_dtype must be float32, float16 or bfloat16, got {self.scale_dtype}")
+        if self.residual > MAX_RESIDUAL or self.sink + self.residual > MAX_RESIDUAL:
+            raise ValueError(f"sink + residual must be at most {MAX_RESIDUAL} full-precision tokens, got "
+                             f"sink={self.sink} + residual={self.residual}")
+        if self.sink and not self.residual:
+            raise ValueError(f"sink={self.sink} needs a residual window (residual > 0): sink tokens are kept beside it")
+        if self.residual and self.flush > self.residual:
+            raise ValueError(f"flush={self.flush} must not exceed residual={self.residual}")
+
+    def turbo_parts(self, dim: int) -> tuple[tuple[int, int], ...]:
+        """A turbo row's parts ``((width, bits), ...)``: the outlier channels at ``bits + 1``, then the rest."""
+        parts = ((self.outliers, self.bits + 1), (dim - self.outliers, self.bits))
+        return tuple(p for p in parts if p[0])
+
+    def fixed_bytes(self, dim: int) -> int:
+        """Bytes per sequence and head that do not grow with the tokens: key smoothing's fp32 factors, a turbo
+        store's outlier permutation (int16 per channel)."""
+        return dim * 4 * bool(self.smooth) + dim * 2 * bool(self.codec == "turbo" and self.outliers)
+
     def for_values(self) -> StoreSpec:
         """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups. (Specs are
         frozen: the result is computed once per spec; a layer asks on every update.)"""
@@ -108,6 +169,9 @@ class StoreSpec:
     def check_dim(self, dim: int) -> None:
         """Raise ``ValueError`` naming the option when rows of ``dim`` values cannot be kept with this spec."""
         if self.bits == 0:
+            return
+        if self.codec == "turbo":
+            self._check_turbo_dim(dim)
             return
         if self.bits in (4, 8):
             check_quant_args(dim, self.bits, self.group_size)
@@ -128,6 +192,22 @@ class StoreSpec:
                 name = "rotation" if self.rotation else "value_rotation"
                 raise ValueError(f"{name}='hadamard': {e}") from None
 
+    def _check_turbo_dim(self, dim: int) -> None:
+        from ..ops.turbo import check_rotation, packable
+
+        if not 0 <= self.outliers < dim:
+            raise ValueError(f"outliers={self.outliers} must be below the head dimension {dim}")
+        for width, bits in self.turbo_parts(dim):
+            what = "outlier channels" if bits > self.bits else "channels"
+            if not packable(width, bits):
+                raise ValueError(f"outliers={self.outliers}: {width} {what} at {bits} bits do not fill whole bytes "
+                                 f"({'8' if bits == 3 else 8 // bits} codes per {'3 bytes' if bits == 3 else 'byte'});"
+                                 " take an outlier count that leaves multiples of 8")
+            try:
+                check_rotation(self.rotation, width)
+            except ValueError as e:
+                raise ValueError(f"{e} (head dimension {dim}, outliers={self.outliers})") from None
+
     def params_per_group(self) -> int:
         return 2 if self.asymmetric else 1
 
@@ -137,6 +217,9 @@ class StoreSpec:
         if self.bits == 0:
             return dim * dtype.itemsize
         self.check_dim(dim)
+        if self.codec == "turbo":
+            parts = self.turbo_parts(dim)
+            return sum(w * b // 8 for w, b in parts) + len(parts) * self.scale_dtype.itemsize
         groups = dim // self.channel_group if self.channel_group else dim // self.group_size
         return dim * self.bits // 8 + groups * self.params_per_group() * self.scale_dtype.itemsize
 
@@ -157,6 +240,17 @@ class StoreSpec:
         """Short name of the format, e.g. ``int4 asym g32 fp16 kivi-k32 hadamard r128``."""
         if self.bits == 0:
             return "plain"
+        if self.codec == "turbo":
+            parts = [f"turbo{self.bits}", self.rotation, str(self.scale_dtype).replace("torch.float", "fp")]
+            if self.outliers:
+                parts.append(f"o{self.outliers}@{self.bits + 1}")
+            if self.smooth:
+                parts.append("smooth-k")
+            if self.residual:
+                parts.append(f"r{self.residual}/{self.flush}")
+            if self.sink:
+                parts.append(f"sink{self.sink}")
+            return " ".join(parts)
         parts = [f"int{self.bits}", "asym" if self.asymmetric else "sym", f"g{self.group_size}",
                  str(self.scale_dtype).replace("torch.float", "fp").replace("torch.", "")]
         if self.channel_group:
@@ -174,6 +268,9 @@ class StoreSpec:
 
 @functools.lru_cache(maxsize=256)
 def _values_spec(spec: StoreSpec) -> StoreSpec:
+    if spec.codec == "turbo":
+        return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, value_rotation=None,
+                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0)
     rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
     return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
                    rotation=None if rotation == "none" else rotation, value_rotation=None)

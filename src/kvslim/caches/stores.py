@@ -14,6 +14,7 @@ import torch
 from .residual import ChannelQuantizedStore, ResidualStore
 from .sink import SinkStore
 from .storage import QuantizedStore, StoreSpec, TensorStore
+from .turbo import TurboStore
 
 
 def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStore:
@@ -23,7 +24,7 @@ def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStor
     b, h, _, d = like.shape
     if spec.bits == 0:
         return TensorStore(spec, b, h, capacity, d, like.dtype, like.device)
-    cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
+    cls = TurboStore if spec.codec == "turbo" else ChannelQuantizedStore if spec.channel_group else QuantizedStore
     if spec.sink:  # tokens [sink, …) go to a residual store of their own positions, shifted by sink
         inner = replace(spec, sink=0)
         store = cls(inner, b, h, capacity, d, like.dtype, like.device)

@@ -52,6 +52,8 @@ class StorageOptions:
     key_bits: int | None = None
     value_rotation: str | None = None
     sink: int = 0
+    codec: str = "int"
+    outliers: int = 0
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -85,7 +87,7 @@ class StorageOptions:
                              asymmetric=self.asymmetric, rotation=self.rotation,
                              channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
                              value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation,
-                             sink=self.sink)
+                             sink=self.sink, codec=self.codec, outliers=self.outliers)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None

@@ -1,0 +1,133 @@
+"""The store of TurboQuant-class codes (``StoreSpec(codec="turbo")``; formats in :mod:`kvslim.ops.turbo`).
+
+Per token and head, the row of D values is split into ``outliers`` channels (coded at ``bits + 1``) and the other
+``D − outliers`` (at ``bits``); each part is rotated by its own seeded orthogonal matrix and coded with the
+Lloyd–Max codebook of N(0, 1), one scale per part and row. Which channels are outliers is fitted per sequence and
+head by the store's first write (the largest mean squares: a prefill's channels, as key smoothing is fitted) and
+kept as a permutation, D int16 per head (``perm``: outliers first, then the rest, each ascending).
+
+Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, then the rest's (kvslim's packing,
+``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. Not read by the fused
+decode kernels (``caches/fused.fusable``: not a ``QuantizedStore``): a decode step reads the dequantized rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import turbo
+from .storage import ScratchPool, StoreSpec, TensorStore, check_finite
+
+
+class TurboStore(TensorStore):
+    """Turbo codes of rows (B, H, capacity, D), quantized once at write time (see the module docstring)."""
+
+    def __init__(self, spec: StoreSpec, batch: int, heads: int, capacity: int, dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        spec.check_dim(dim)
+        self.spec, self.dtype, self.dim = spec, dtype, dim
+        self.parts = spec.turbo_parts(dim)  # ((width, bits), ...): outliers first
+        nbytes = sum(w * b // 8 for w, b in self.parts)
+        self.data = torch.empty(batch, heads, capacity, nbytes, dtype=torch.uint8, device=device)
+        self.scale = torch.empty(batch, heads, capacity, len(self.parts), dtype=spec.scale_dtype, device=device)
+        self.rotations = [turbo.rotation_matrix(spec.rotation, w, 4 * spec.seed + j).to(device)
+                          for j, (w, _) in enumerate(self.parts)]
+        self.perm: torch.Tensor | None = None  # (B, H, D) int16, fitted by the first write (outliers only)
+        self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 key smoothing, fitted by the first write
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.scale]
+
+    def set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        self.data, self.scale = tensors
+
+    def _fit(self, x: torch.Tensor) -> None:
+        """Key smoothing factors and the outlier permutation, from the first write (``x``: (B, H, S, D))."""
+        if self.spec.smooth and self.channel is None:
+            amax = x.detach().float().abs().amax(dim=2, keepdim=True)
+            floor = amax.amax(dim=-1, keepdim=True) * 1e-3 + torch.finfo(torch.float32).tiny
+            self.channel = torch.maximum(amax, floor).sqrt()
+        if self.spec.outliers and self.perm is None:
+            z = x.float() if self.channel is None else x.float() / self.channel
+            ms = z.pow(2).mean(dim=2)  # (B, H, D)
+            top = ms.topk(self.spec.outliers, dim=-1).indices.sort(dim=-1).values
+            rest = torch.ones_like(ms, dtype=torch.bool).scatter_(-1, top, False)
+            others = rest.nonzero()[:, -1].view(*ms.shape[:2], -1)  # ascending per (b, h)
+            self.perm = torch.cat((top, others), dim=-1).to(torch.int16)
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = x.float() if self.channel is None else x.float() / self.channel
+        if self.perm is not None:
+            z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
+        codes, scales, at = [], [], 0
+        for (w, b), rot in zip(self.parts, self.rotations):
+            q, s = turbo.encode(z[..., at:at + w], b, rot, self.spec.scale_dtype)
+            codes.append(turbo.pack(q, b))
+            scales.append(s)
+            at += w
+        return torch.cat(codes, dim=-1), torch.cat(scales, dim=-1)
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        parts, at = [], 0
+        for j, ((w, b), rot) in enumerate(zip(self.parts, self.rotations)):
+            n = w * b // 8
+            q = turbo.unpack(codes[..., at:at + n], b)
+            parts.append(turbo.decode(q, scale[..., j:j + 1], b, rot))
+            at += n
+        z = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        if self.perm is not None:
+            z = torch.empty_like(z).scatter_(-1, self.perm.long()[:, :, None, :].expand(z.shape), z)
+        if self.channel is not None:
+            z = z * self.channel
+        return z.to(self.dtype)
+
+    def to_coded_basis(self, x: torch.Tensor, scale_by_channel: bool = False) -> torch.Tensor:
+        """fp32 ``x`` (B, H, S, D) in the basis the codes live in: divided by the smoothing factors (a query:
+        ``scale_by_channel``, multiplied, so that ``q·k = (q ⊙ c)·(k / c)``), permuted (outliers first), each
+        part rotated. A query times a coded row there is the query times the decoded row."""
+        z = x.float()
+        if self.channel is not None:
+            z = z * self.channel if scale_by_channel else z / self.channel
+        if self.perm is not None:
+            z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
+        out, at = [], 0
+        for (w, _), rot in zip(self.parts, self.rotations):
+            out.append(z[..., at:at + w] @ rot)
+            at += w
+        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+    def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
+        """Code ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan, nothing written."""
+        if not checked:
+            check_finite(x, self)
+        self._fit(x)
+        codes, scale = self._encode(x)
+        self.data[:, :, start:start + x.shape[2]] = codes
+        self.scale[:, :, start:start + x.shape[2]] = scale
+
+    def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
+        return self._decode(self.data[:, :, start:end], self.scale[:, :, start:end])
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        self._fit(x)
+        return self._decode(*self._encode(x))
+
+    def map_sequences(self, fn) -> None:
+        super().map_sequences(fn)
+        if self.channel is not None:
+            self.channel = fn(self.channel)
+        if self.perm is not None:
+            self.perm = fn(self.perm)
+
+    def _fixed_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.channel, self.perm) if t is not None)
+
+    def allocated_nbytes(self) -> int:
+        return super().allocated_nbytes() + self._fixed_nbytes()
+
+    def reset(self) -> None:
+        self.channel = self.perm = None
+        self.nonfinite = None
+
+    def nbytes(self, used_slots: int) -> int:
+        return super().nbytes(used_slots) + (self._fixed_nbytes() if used_slots else 0)

@@ -1,0 +1,106 @@
+"""Decode attention straight from TurboQuant-class codes (``turbo2``/``turbo3``/``turbo4``): ``kvslim.turbo_decode``.
+
+For one query token per sequence, the G query heads of each KV head attend over the first ``n`` coded tokens, then
+over an optional fp32 tail (sinks and the residual window), all in the stores' coded bases (the caller rotates the
+query and the tail in and the output back once, :mod:`kvslim.attention.quant`):
+
+    k_t[i] = s_t[part(i)] · levels[bits(i)][code_t,i]   (channels [0, k_out) at k_bits + 1 bits, the rest at k_bits)
+    v_t[i] = s_t · levels[v_bits][code_t,i]
+    out = softmax_t(scaling · q · k_t + mask) · v_t,  lse = log Σ_t exp(...)
+
+Codes are little-endian bit streams per row (kvslim's packing, :mod:`kvslim.ops.quant_formats`), the outlier part
+first. :func:`reference` is the pure-torch twin (decode, then fp32 softmax attention); :func:`turbo_decode`
+dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the C++ op (``csrc/turbo_decode.cpp``),
+CUDA tensors (or ``TRITON_INTERPRET=1``) to the Triton kernel (:mod:`kvslim.kernels.triton.turbo_decode`),
+anything else to the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ops import turbo
+from . import backend
+from .build import load_ops
+
+FAMILY = "turbo_decode"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.kvslim.turbo_decode`` is built and loaded."""
+    if not load_ops(FAMILY):
+        return False
+    torch.library.register_fake("kvslim::turbo_decode")(_fake)
+    return True
+
+
+def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling):
+    b, hk, g, d = q.shape
+    return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
+
+
+@functools.cache
+def _levels_cpu() -> torch.Tensor:
+    out = torch.zeros(5, 16, dtype=torch.float32)
+    for bits in (2, 3, 4):
+        out[bits, :1 << bits] = torch.from_numpy(turbo.lloyd_max(bits)[0]).float()
+    return out
+
+
+def levels(device: torch.device | str) -> torch.Tensor:
+    """(5, 16) fp32: row b holds the 2^b Lloyd–Max levels of the b-bit codebook (rows 0, 1 unused)."""
+    return _levels_cpu().to(device)
+
+
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor, k_out: int, bits: int) -> torch.Tensor:
+    """fp32 rows (..., D) in the coded basis from codes (..., bytes) and scales (..., parts): ``k_out`` channels at
+    ``bits + 1``, the rest at ``bits``."""
+    rest = (codes.shape[-1] * 8 - k_out * (bits + 1)) // bits
+    out, at = [], 0
+    for j, (w, b) in enumerate(p for p in ((k_out, bits + 1), (rest, bits)) if p[0]):
+        nb = w * b // 8
+        q = turbo.unpack(codes[..., at:at + nb], b).long()
+        lv = torch.from_numpy(turbo.lloyd_max(b)[0]).float().to(codes.device)
+        out.append(lv[q] * scale[..., j:j + 1].float())
+        at += nb
+    return torch.cat(out, dim=-1)
+
+
+def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+              v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
+              k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's pure-torch twin: decode the first ``n`` rows, append the tail, fp32 softmax attention.
+
+    ``q`` (B, Hk, G, D); codes (B, Hk, ≥n, bytes) uint8; scales (B, Hk, ≥n, parts); tails (B, Hk, r, D) fp32;
+    ``mask`` additive (B|1, n + r). Returns (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
+    keys = decode_rows(k_codes[:, :, :n], k_scale[:, :, :n], k_out, k_bits)
+    values = decode_rows(v_codes[:, :, :n], v_scale[:, :, :n], 0, v_bits)
+    if k_tail is not None:
+        keys = torch.cat((keys, k_tail.float()), 2)
+        values = torch.cat((values, v_tail.float()), 2)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
+    if mask is not None:
+        scores = scores + mask.float()[:, None, None, :]
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), values)
+    return out, lse
+
+
+def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                 v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
+                 k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device."""
+    kind = backend.pick(q.device, q.device.type == "cpu" and available())
+    args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
+    if kind == "cpp":
+        return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling))
+    if kind == "triton":
+        from .triton.turbo_decode import turbo_decode_triton
+
+        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling))
+    return reference(*args, n, k_tail, v_tail, mask, scaling)

@@ -1,0 +1,104 @@
+"""Fused decode from turbo codes (``kernels/turbo_decode.py``, ``csrc/turbo_decode.cpp``): the C++ op against its
+pure-torch twin and a float64 oracle (outlier parts, GQA, tails, masks, every scale dtype), and a model's fused
+decode steps against its unfused reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import kvslim
+from kvslim.adapters.compat import CACHE_KW
+from kvslim.caches import StoreSpec, make_store
+from kvslim.kernels import turbo_decode as kernel
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="the turbo_decode C++ op is not built here")
+
+
+def _format(spec: StoreSpec, b=2, hk=2, n=45, d=64, seed=0):
+    """Codes of random rows written by the library's own stores, and the rows they decode to (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, hk, n, d, generator=g)
+    x[..., 3] *= 12
+    ks, vs = make_store(spec, x, 64), make_store(spec.for_values(), x, 64)
+    ks.write(0, x)
+    vs.write(0, torch.randn(b, hk, n, d, generator=g))
+    keys = ks.to_coded_basis(ks.read(0, n).double()).double()  # decoded rows, in the coded basis
+    values = vs.to_coded_basis(vs.read(0, n).double()).double()
+    return ks, vs, keys, values
+
+
+def _oracle(q, keys, values, kt, vt, mask, scaling):
+    k, v = keys, values
+    if kt is not None:
+        k, v = torch.cat((k, kt.double()), 2), torch.cat((v, vt.double()), 2)
+    s = torch.einsum("bhgd,bhtd->bhgt", q.double(), k) * scaling
+    if mask is not None:
+        s = s + mask.double()[:, None, None, :]
+    return torch.einsum("bhgt,bhtd->bhgd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("spec", [
+    StoreSpec(3, codec="turbo", rotation="hadamard", scale_dtype=torch.float16),
+    StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2, scale_dtype=torch.float32),
+    StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, smooth=True, scale_dtype=torch.bfloat16),
+    StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3, scale_dtype=torch.float16),
+])
+@pytest.mark.parametrize("tail,masked", [(False, False), (True, True)])
+def test_op_matches_the_twin_and_a_float64_oracle(spec, tail, masked):
+    ks, vs, keys, values = _format(spec)
+    b, hk, n, d = keys.shape
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hk, 3, d, generator=g)  # GQA: 3 query heads per KV head
+    kt = vt = mask = None
+    if tail:
+        kt, vt = torch.randn(b, hk, 7, d, generator=g), torch.randn(b, hk, 7, d, generator=g)
+    if masked:
+        mask = torch.zeros(b, n + 7)
+        mask[1, :5] = float("-inf")
+    args = (q, ks.data, ks.scale, vs.data, vs.scale, spec.outliers, spec.bits, spec.for_values().bits, n, kt, vt,
+            mask, 0.125)
+    ref = kernel.reference(*args)
+    got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:])
+    exact = _oracle(q, keys, values, kt, vt, mask, 0.125)
+    for a, r, e in zip(got, ref, exact):
+        torch.testing.assert_close(r.double(), e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+
+
+def test_op_refuses_bad_arguments_by_name():
+    spec = StoreSpec(3, codec="turbo", rotation="hadamard")
+    ks, vs, keys, _ = _format(spec, n=8)
+    q = torch.randn(2, 2, 1, 64)
+    lv = kernel.levels("cpu")
+    with pytest.raises(ValueError, match="k_codes must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data[..., :-1], ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None,
+                                      None, 1.0)
+    with pytest.raises(ValueError, match="k_out must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 8, 4, 3, lv, 8, None, None, None, 1.0)
+    with pytest.raises(ValueError, match="mask must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None,
+                                      torch.zeros(1, 3), 1.0)
+
+
+@pytest.mark.parametrize("opts", [dict(residual=8, flush=4, sink=2),
+                                  dict(residual=8, outliers=8, rotation="orthogonal", smooth_keys=True, key_bits=3)])
+def test_fused_decode_steps_equal_the_unfused_reads(opts, monkeypatch):
+    """generate through the fused op and through the layers' dequantized reads (``KVSLIM_BACKEND=torch`` still
+    fuses, through the twin; the unfused path is ``enable_fused_decode`` off): the same tokens, logits close."""
+    model = tiny_model("llama", kv_heads=2)
+    kvslim.apply(model, "turbo2", **opts)
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    fused = model.generate(ids, **kw)
+    assert fused.past_key_values.layers[0].fused_decode
+    cache = kvslim.make_cache(model)
+    for layer in cache.layers:
+        layer.fused_decode = False
+    plain = model.generate(ids, **{CACHE_KW: cache}, **kw)
+    assert torch.equal(fused.sequences, plain.sequences)
+    for a, b in zip(fused.logits, plain.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    kvslim.restore(model)
