@@ -21,7 +21,7 @@ def _format(spec: StoreSpec, b=2, hk=2, n=45, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, hk, n, d, generator=g)
     x[..., 3] *= 12
-    ks, vs = make_store(spec, x, 64), make_store(spec.for_values(), x, 64)
+    ks, vs = make_store(spec, x, n + 3), make_store(spec.for_values(), x, n + 3)  # spare slots past n
     ks.write(0, x)
     vs.write(0, torch.randn(b, hk, n, d, generator=g))
     keys = ks.to_coded_basis(ks.read(0, n).double()).double()  # decoded rows, in the coded basis
