@@ -186,6 +186,12 @@ TURBO = [  # issue 35: TurboQuant-class codes against int3/int2 at equal measure
     ("turbo2 flush64 K3 V2", "turbo2", {**_T, "key_bits": 3}),
     ("turbo2 flush64 K3 o16 V2 (int2's bytes)", "turbo2", {**_TO, "key_bits": 3}),
     ("turbo4 flush64", "turbo4", _T),
+    # keys centred per channel before the rotation (the first write's means, fp32): a key's constant offset no
+    # longer rides on every row's norm
+    ("turbo3 flush64 centred keys", "turbo3", {**_T, "center_keys": True}),
+    ("turbo3 flush64 centred K o16 (int3's bytes)", "turbo3", {**_TO, "center_keys": True}),
+    ("turbo2 flush64 centred K3 V2", "turbo2", {**_T, "key_bits": 3, "center_keys": True}),
+    ("turbo2 flush64 centred K3 o16 V2 (int2's bytes)", "turbo2", {**_TO, "key_bits": 3, "center_keys": True}),
 ]
 SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
           "turbo": TURBO}

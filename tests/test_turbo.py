@@ -88,6 +88,7 @@ def test_codes_match_a_float64_oracle_and_the_distortion(bits):
     StoreSpec(3, codec="turbo", rotation="hadamard", residual=16, flush=8, sink=2),
     StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, value_bits=2),
     StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, smooth=True, scale_dtype=torch.float16),
+    StoreSpec(3, codec="turbo", rotation="hadamard", center=True, residual=8, flush=8),
     StoreSpec(4, codec="turbo", rotation="hadamard", scale_dtype=torch.bfloat16),
 ])
 def test_store_reads_back_its_codes_with_exact_bytes(spec):
@@ -112,6 +113,20 @@ def test_store_reads_back_its_codes_with_exact_bytes(spec):
     assert torch.equal(twin.read(0, 70), got)
     if spec.outliers:  # the largest channel is among the outliers, fitted by the first write
         assert (coded.perm[..., :spec.outliers] == 5).any(-1).all()
+
+
+def test_centred_keys_drop_a_constant_offset_from_the_codes():
+    x = torch.randn(1, 2, 200, 64, generator=torch.Generator().manual_seed(2)) + torch.linspace(-6, 6, 64)
+    errs = []
+    for center in (False, True):
+        s = make_store(StoreSpec(3, codec="turbo", rotation="hadamard", center=center), x, 256)
+        s.write(0, x[:, :, :150])  # the means come from the first write
+        s.write(150, x[:, :, 150:])
+        errs.append(((s.read(0, 200) - x).pow(2).sum() / x.pow(2).sum()).item())
+        assert s.nbytes(200) == 2 * 200 * (24 + 4) + center * 2 * 64 * 4  # codes, fp32 scale; + the fp32 means
+    assert errs[1] < 0.3 * errs[0]
+    with pytest.raises(ValueError, match="center are options of turbo codes"):
+        StoreSpec(3, center=True)
 
 
 def test_outliers_lower_the_error_of_a_row_with_large_channels():

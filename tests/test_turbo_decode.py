@@ -42,7 +42,8 @@ def _oracle(q, keys, values, kt, vt, mask, scaling):
 @pytest.mark.parametrize("spec", [
     StoreSpec(3, codec="turbo", rotation="hadamard", scale_dtype=torch.float16),
     StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2, scale_dtype=torch.float32),
-    StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, smooth=True, scale_dtype=torch.bfloat16),
+    StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, smooth=True, center=True,
+              scale_dtype=torch.bfloat16),
     StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3, scale_dtype=torch.float16),
 ])
 @pytest.mark.parametrize("tail,masked", [(False, False), (True, True)])
@@ -83,7 +84,8 @@ def test_op_refuses_bad_arguments_by_name():
 
 
 @pytest.mark.parametrize("opts", [dict(residual=8, flush=4, sink=2),
-                                  dict(residual=8, outliers=8, rotation="orthogonal", smooth_keys=True, key_bits=3)])
+                                  dict(residual=8, outliers=8, rotation="orthogonal", smooth_keys=True, key_bits=3,
+                                       center_keys=True)])
 def test_fused_decode_steps_equal_the_unfused_reads(opts, monkeypatch):
     """generate through the fused op and through the layers' dequantized reads (``KVSLIM_BACKEND=torch`` still
     fuses, through the twin; the unfused path is ``enable_fused_decode`` off): the same tokens, logits close."""

@@ -43,7 +43,8 @@ class StoreSpec:
       :mod:`kvslim.ops.turbo`, :class:`kvslim.caches.turbo.TurboStore`: a seeded ``rotation`` — ``"hadamard"`` or
       ``"orthogonal"`` — then a Lloyd–Max codebook of N(0, 1) per coordinate and one ``scale_dtype`` scale per
       row; ``bits`` 2, 3 or 4; no groups, no zero-point). ``outliers`` (turbo keys only): that many key channels
-      per head, fitted by the first write, coded apart at ``bits + 1``. ``seed``: the rotations' seed (turbo
+      per head, fitted by the first write, coded apart at ``bits + 1``. ``center`` (turbo keys only): the channel
+      means of the first write subtracted before the rotation and kept in fp32. ``seed``: the rotations' seed (turbo
       only; the value store's is ``seed + 1``).
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
@@ -67,6 +68,7 @@ class StoreSpec:
     codec: str = "int"
     outliers: int = 0
     seed: int = 0
+    center: bool = False
 
     def __post_init__(self) -> None:
         if self.codec not in ("int", "turbo"):
@@ -74,9 +76,9 @@ class StoreSpec:
         if self.codec == "turbo":
             self._check_turbo()
             return
-        if self.outliers or self.seed:
-            raise ValueError(f"outliers and seed are options of turbo codes (codec='turbo'), got outliers="
-                             f"{self.outliers!r}, seed={self.seed!r}")
+        if self.outliers or self.seed or self.center:
+            raise ValueError(f"outliers, seed and center are options of turbo codes (codec='turbo'), got outliers="
+                             f"{self.outliers!r}, seed={self.seed!r}, center={self.center!r}")
         if self.bits not in (0, 2, 3, 4, 8):
             raise ValueError(f"bits must be 0, 2, 3, 4 or 8, got {self.bits!r}")
         if self.value_bits is not None and (self.value_bits not in (2, 3, 4, 8) or not self.bits):
@@ -130,6 +132,8 @@ class StoreSpec:
         if self.value_rotation not in (None, *TURBO_ROTATIONS):
             raise ValueError(f"value_rotation must be None (= rotation) or one of {TURBO_ROTATIONS} for turbo codes, "
                              f"got {self.value_rotation!r}")
+        if not isinstance(self.center, bool):
+            raise ValueError(f"center must be True or False, got {self.center!r}")
         if self.asymmetric or self.channel_group:
             raise ValueError("asymmetric and channel_group (KIVI keys) are options of the grouped integer codes, not "
                              "of turbo codes (one scale per row, no zero-point)")
@@ -158,8 +162,8 @@ class StoreSpec:
 
     def fixed_bytes(self, dim: int) -> int:
         """Bytes per sequence and head that do not grow with the tokens: key smoothing's fp32 factors, a turbo
-        store's outlier permutation (int16 per channel)."""
-        return dim * 4 * bool(self.smooth) + dim * 2 * bool(self.codec == "turbo" and self.outliers)
+        store's outlier permutation (int16 per channel) and channel means (fp32, ``center``)."""
+        return dim * 4 * (bool(self.smooth) + bool(self.center)) + dim * 2 * bool(self.codec == "turbo" and self.outliers)
 
     def for_values(self) -> StoreSpec:
         """The spec of the value store beside keys kept with this spec: no smoothing, per-token groups. (Specs are
@@ -246,6 +250,8 @@ class StoreSpec:
                 parts.append(f"o{self.outliers}@{self.bits + 1}")
             if self.smooth:
                 parts.append("smooth-k")
+            if self.center:
+                parts.append("center-k")
             if self.residual:
                 parts.append(f"r{self.residual}/{self.flush}")
             if self.sink:
@@ -270,7 +276,7 @@ class StoreSpec:
 def _values_spec(spec: StoreSpec) -> StoreSpec:
     if spec.codec == "turbo":
         return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, value_rotation=None,
-                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0)
+                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False)
     rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
     return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
                    rotation=None if rotation == "none" else rotation, value_rotation=None)

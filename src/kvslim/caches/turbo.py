@@ -34,6 +34,7 @@ class TurboStore(TensorStore):
                           for j, (w, _) in enumerate(self.parts)]
         self.perm: torch.Tensor | None = None  # (B, H, D) int16, fitted by the first write (outliers only)
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 key smoothing, fitted by the first write
+        self.mean: torch.Tensor | None = None  # (B, H, 1, D) fp32 channel means (``center``), fitted by the first write
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
@@ -43,20 +44,25 @@ class TurboStore(TensorStore):
 
     def _fit(self, x: torch.Tensor) -> None:
         """Key smoothing factors and the outlier permutation, from the first write (``x``: (B, H, S, D))."""
+        if self.spec.center and self.mean is None:
+            self.mean = x.detach().float().mean(dim=2, keepdim=True)
         if self.spec.smooth and self.channel is None:
-            amax = x.detach().float().abs().amax(dim=2, keepdim=True)
+            amax = self._centered(x).abs().amax(dim=2, keepdim=True)
             floor = amax.amax(dim=-1, keepdim=True) * 1e-3 + torch.finfo(torch.float32).tiny
             self.channel = torch.maximum(amax, floor).sqrt()
         if self.spec.outliers and self.perm is None:
-            z = x.float() if self.channel is None else x.float() / self.channel
+            z = self._centered(x) if self.channel is None else self._centered(x) / self.channel
             ms = z.pow(2).mean(dim=2)  # (B, H, D)
             top = ms.topk(self.spec.outliers, dim=-1).indices.sort(dim=-1).values
             rest = torch.ones_like(ms, dtype=torch.bool).scatter_(-1, top, False)
             others = rest.nonzero()[:, -1].view(*ms.shape[:2], -1)  # ascending per (b, h)
             self.perm = torch.cat((top, others), dim=-1).to(torch.int16)
 
+    def _centered(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() if self.mean is None else x.float() - self.mean
+
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        z = x.float() if self.channel is None else x.float() / self.channel
+        z = self._centered(x) if self.channel is None else self._centered(x) / self.channel
         if self.perm is not None:
             z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
         codes, scales, at = [], [], 0
@@ -79,14 +85,16 @@ class TurboStore(TensorStore):
             z = torch.empty_like(z).scatter_(-1, self.perm.long()[:, :, None, :].expand(z.shape), z)
         if self.channel is not None:
             z = z * self.channel
+        if self.mean is not None:
+            z = z + self.mean
         return z.to(self.dtype)
 
     def to_coded_basis(self, x: torch.Tensor, scale_by_channel: bool = False) -> torch.Tensor:
         """fp32 ``x`` (B, H, S, D) in the basis the codes live in: divided by the smoothing factors (a query:
         ``scale_by_channel``, multiplied, so that ``q·k = (q ⊙ c)·(k / c)``), permuted (outliers first), each
         part rotated. A query times a coded row there is the query times the decoded row."""
-        z = x.float()
-        if self.channel is not None:
+        z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not (a shift of every
+        if self.channel is not None:                               # key's score by q·mean leaves the softmax as is)
             z = z * self.channel if scale_by_channel else z / self.channel
         if self.perm is not None:
             z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
@@ -118,15 +126,17 @@ class TurboStore(TensorStore):
             self.channel = fn(self.channel)
         if self.perm is not None:
             self.perm = fn(self.perm)
+        if self.mean is not None:
+            self.mean = fn(self.mean)
 
     def _fixed_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.channel, self.perm) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.channel, self.perm, self.mean) if t is not None)
 
     def allocated_nbytes(self) -> int:
         return super().allocated_nbytes() + self._fixed_nbytes()
 
     def reset(self) -> None:
-        self.channel = self.perm = None
+        self.channel = self.perm = self.mean = None
         self.nonfinite = None
 
     def nbytes(self, used_slots: int) -> int:

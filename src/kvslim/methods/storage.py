@@ -54,6 +54,7 @@ class StorageOptions:
     sink: int = 0
     codec: str = "int"
     outliers: int = 0
+    center_keys: bool = False
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -87,7 +88,7 @@ class StorageOptions:
                              asymmetric=self.asymmetric, rotation=self.rotation,
                              channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
                              value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation,
-                             sink=self.sink, codec=self.codec, outliers=self.outliers)
+                             sink=self.sink, codec=self.codec, outliers=self.outliers, center=self.center_keys)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None

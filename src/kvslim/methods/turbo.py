@@ -21,7 +21,8 @@ from ..caches.storage import MAX_RESIDUAL
 from ..plan import Plan
 from .storage import StorageMethod, StorageOptions
 
-TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "scale_dtype",
+TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
+                 "scale_dtype",
                  "chunk", "seed", "value_rotation"}
 
 
