@@ -193,8 +193,13 @@ TURBO = [  # issue 35: TurboQuant-class codes against int3/int2 at equal measure
     ("turbo2 flush64 centred K3 V2", "turbo2", {**_T, "key_bits": 3, "center_keys": True}),
     ("turbo2 flush64 centred K3 o16 V2 (int2's bytes)", "turbo2", {**_TO, "key_bits": 3, "center_keys": True}),
 ]
+_TC = dict(flush=64, rotation="orthogonal", outliers=16, center_keys=True)  # the turbo3/turbo2 candidates of record
+TURBO_HELDOUT = [  # issue 35: the turbo rows on the held-out texts (kvslim int rows: the heldout suite's records)
+    ("turbo3 centred K o16 r123 (<= int3's bytes)", "turbo3", {**_TC, "residual": 123}),
+    ("turbo2 centred K3 o16 V2 r123 (<= int2's bytes)", "turbo2", {**_TC, "key_bits": 3, "residual": 123}),
+]
 SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
-          "turbo": TURBO}
+          "turbo": TURBO, "turbo_heldout": TURBO_HELDOUT}
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),

@@ -159,6 +159,17 @@ def test_plan_bytes_equal_the_cache_after_generate(name, opts):
     kvslim.restore(model)
 
 
+def test_defaults_adapt_the_outliers_to_the_head_dim():
+    spec = METHODS["turbo3"].plan_model(tiny_model("llama", hidden_size=128, num_attention_heads=2)).layers[0]
+    assert spec.factory(None).spec.outliers == 16 and spec.factory(None).spec.center  # a quarter of head dim 64
+    plan = METHODS["turbo3"].plan_model(tiny_model("llama"))  # head dim 16: 4 + 12 channels do not fill bytes
+    assert plan.layers[0].factory(None).spec.outliers == 0 and any("outliers=0" in n for n in plan.notes)
+    t2 = METHODS["turbo2"].plan_model(tiny_model("llama", hidden_size=128, num_attention_heads=2)).layers[0]
+    k = t2.factory(None).spec
+    assert (k.bits, k.for_values().bits, k.outliers) == (3, 2, 16)
+    assert METHODS["turbo4"].plan_model(tiny_model("llama")).layers[0].factory(None).spec.outliers == 0
+
+
 def test_layers_get_their_own_rotation_seeds():
     plan = METHODS["turbo3"].plan_model(tiny_model("llama"))
     seeds = [lp.factory(None).spec.seed for lp in plan.layers]
@@ -207,11 +218,11 @@ def test_refusals_that_depend_on_the_model():
         kvslim.apply(tiny_model("llama"), "turbo4", outliers=8, rotation="orthogonal")
     d64 = tiny_model("llama", hidden_size=128, num_attention_heads=2)  # 16 outliers leave 48 channels
     with pytest.raises(ValueError, match="rotation='hadamard' needs a power-of-two width, got 48.*orthogonal"):
-        kvslim.apply(d64, "turbo3", outliers=16)
+        kvslim.apply(d64, "turbo3", outliers=16, rotation="hadamard")
     kvslim.apply(d64, "turbo3", outliers=16, rotation="orthogonal")
     odd = tiny_model("llama", hidden_size=96, num_attention_heads=4)  # head dim 24: no Hadamard matrix
     with pytest.raises(ValueError, match="power-of-two.*orthogonal"):
-        kvslim.apply(odd, "turbo3")
-    kvslim.apply(odd, "turbo3", rotation="orthogonal")  # what the message offers works
+        kvslim.apply(odd, "turbo4")
+    kvslim.apply(odd, "turbo4", rotation="orthogonal")  # what the message offers works
     with pytest.raises(ValueError, match="sliding-window layers"):
         kvslim.apply(tiny_model("qwen2-mixed"), "turbo3")

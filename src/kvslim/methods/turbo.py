@@ -1,12 +1,13 @@
 """``turbo4`` / ``turbo3`` / ``turbo2``: TurboQuant-class KV codes (Zandieh et al., ICLR 2026, arXiv 2504.19874).
 
-Per token and head: a seeded random rotation (random signs, then a Walsh–Hadamard matrix; a new seed per layer,
-keys and values apart), then every coordinate coded with the Lloyd–Max codebook of N(0, 1) and one fp16 scale
-per row (``ops/turbo.py``, ``caches/turbo.py``). Beside the codes, kvslim's attention sinks and full-precision
-recent window (as int4/int3/int2). Options: ``residual``, ``sink``, ``flush``, ``rotation`` (``"hadamard"`` or
-``"orthogonal"``), ``outliers`` (channels per head coded at one bit more, fitted by the first write),
-``key_bits`` (the keys' bits when they differ), ``smooth_keys`` (per-channel key smoothing before the rotation),
-``scale_dtype``, ``seed``. Measured against int3/int2 at equal bytes in docs/quantization.md §10.
+Per token and head: a seeded random rotation (``"orthogonal"``: Haar; ``"hadamard"``: random signs, then a
+Walsh–Hadamard matrix; a new seed per layer, keys and values apart), then every coordinate coded with the
+Lloyd–Max codebook of N(0, 1) and one fp16 scale per row (``ops/turbo.py``, ``caches/turbo.py``). Beside the
+codes, kvslim's attention sinks and full-precision recent window (as int4/int3/int2). Options: ``residual``,
+``sink``, ``flush``, ``rotation``, ``outliers`` (key channels per head coded at one bit more, fitted by the first
+write; default a quarter of the head dim below 4 bits), ``center_keys`` (the first write's key channel means
+subtracted before the rotation; default on), ``key_bits`` (``turbo2``: 3-bit keys, 2-bit values),
+``smooth_keys``, ``scale_dtype``, ``seed``. Measured against int3/int2 at equal bytes in docs/quantization.md §10.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class TurboMethod(StorageMethod):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         merged = {**self.defaults, **options}
+        if merged["outliers"] is None:  # the default: a quarter of the head dim, set by plan() (0 without a shape)
+            merged["outliers"] = 0
         if "sink" not in options:  # the default sinks share the 128 full-precision tokens with the window
             merged["sink"] = max(0, min(merged["sink"], MAX_RESIDUAL - merged["residual"])) if merged["residual"] else 0
         if "flush" not in options:
@@ -56,6 +59,15 @@ class TurboMethod(StorageMethod):
         seed = options.get("seed", 0)
         self.options(**options)  # every option checked by name before the plan is built
         base = {k: v for k, v in options.items() if k != "seed"}
+        notes = []
+        kbits = options.get("key_bits") or self.bits
+        if "outliers" not in options and self.defaults.get("outliers", 0) is None and kbits < 4:
+            want = shape.head_dim // 4  # the paper's split: a quarter of the channels at one more bit
+            try:
+                replace(self.options(**base, outliers=want).key_spec(), seed=0).check_dim(shape.head_dim)
+                base["outliers"] = want
+            except ValueError as e:
+                notes.append(f"outliers=0 (a quarter of head dim {shape.head_dim} cannot be kept: {e})")
         plan = super().plan(shape, dtype, **base)
         layers = []
         for lp in plan.layers:  # a rotation seed per layer: keys 2·(seed·L + i), values that + 1
@@ -64,11 +76,18 @@ class TurboMethod(StorageMethod):
             fixed = shape.num_kv_heads * (spec.fixed_bytes(shape.head_dim)
                                           + spec.for_values().fixed_bytes(shape.head_dim))
             layers.append(replace(lp, fixed_bytes=fixed, factory=append_factory(spec, lp.factory.keywords["chunk"])))
-        return replace(plan, layers=tuple(layers), options=dict(options))
+        return replace(plan, layers=tuple(layers), options=dict(options), notes=plan.notes + tuple(notes))
 
 
-_DEFAULTS = dict(codec="turbo", rotation="hadamard", residual=124, sink=4, flush=1, scale_dtype=torch.float16,
-                 smooth_keys=False, outliers=0)
-TURBO4 = TurboMethod("turbo4", 4, windowed=False, defaults=_DEFAULTS)
+# Defaults chosen on the development text (Botchan, 2,049 / 512, one pass) of SmolLM2 and Qwen2.5-Coder
+# (docs/quantization.md §10): keys centred per channel (Qwen2.5's constant key offsets otherwise ride on every row's
+# norm: turbo3 KL 0.89), a quarter of the key channels (the largest, fitted by the first write) at one more bit
+# (Qwen2.5 without them: KL 0.65 centred), Haar rotations (48 + 16 channels have no Hadamard matrix; on SmolLM2 the
+# two rotations measured alike), the window flushed 64 tokens at a time as int3/int2. turbo3: KL 0.0065 / 0.0189
+# against int3's 0.0074 / 0.0242 at +0.3 % bytes; turbo2 (3-bit keys, 2-bit values): 0.0239 / 0.0382 against
+# int2's 0.0116 / 0.0371 (it loses on SmolLM2).
+_DEFAULTS = dict(codec="turbo", rotation="orthogonal", residual=124, sink=4, flush=64, scale_dtype=torch.float16,
+                 smooth_keys=False, center_keys=True, outliers=None)
+TURBO4 = TurboMethod("turbo4", 4, windowed=False, defaults={**_DEFAULTS, "rotation": "hadamard", "outliers": 0})
 TURBO3 = TurboMethod("turbo3", 3, windowed=False, defaults=_DEFAULTS)
-TURBO2 = TurboMethod("turbo2", 2, windowed=False, defaults=_DEFAULTS)
+TURBO2 = TurboMethod("turbo2", 2, windowed=False, defaults={**_DEFAULTS, "key_bits": 3})
