@@ -31,15 +31,15 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 STEM = "bench_longctx"
 #: label -> (method, apply() options) for kvslim rows, ("quanto", {"nbits": b}) for HF QuantizedCache rows
-METHOD_ROWS = {
+METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-haystack keeps the first ones)
     "dense": ("dense", {}),
-    "int8": ("int8", {}),
     "int4": ("int4", {}),
-    "int3": ("int3", {}),
     "int2": ("int2", {}),
-    "window 1024": ("window", {"window": 1024}),
     "quanto 4-bit": ("quanto", {"nbits": 4}),
     "quanto 2-bit": ("quanto", {"nbits": 2}),
+    "int3": ("int3", {}),
+    "int8": ("int8", {}),
+    "window 1024": ("window", {"window": 1024}),
 }
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}

@@ -142,14 +142,18 @@ def _key(r: dict) -> tuple:
 
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
         tasks=TASKS, units: list[str], out: Path | None = None, meta: dict | None = None,
-        progress: bool = True) -> list[dict]:
+        progress: bool = True, max_new: int | None = None) -> list[dict]:
     """Every ``(length, trial)`` haystack, every cache of ``caches`` (label -> builds an empty cache) and every task:
     one JSONL line each, appended to ``out`` after each cache's questions; lines already in ``out`` are skipped
     (a haystack whose lines are all there is not even built). Returns all records (old and new).
+    ``max_new`` caps each answer (default: :func:`answer`'s).
 
     ``meta`` (e.g. model, filler, commit) is copied into every new record."""
     tasks = check_tasks(tasks)
     records = read_jsonl(out) if out is not None else []
+    if out is not None and Path(out).is_file() and not Path(out).read_bytes().endswith(b"\n"):
+        with open(out, "a") as f:  # a line cut by a killed run: the next records start on their own line
+            f.write("\n")
     done = {_key(r) for r in records}
     todo = [(n, t) for n in lengths for t in range(trials)
             if any((n, t, m, k) not in done for m in caches for k in tasks)]
@@ -171,7 +175,7 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
                 t1 = time.perf_counter()
                 cache = fill(make(), kv)
                 nbytes = cache_nbytes(cache)
-                text, new = answer(model, tokenizer, cache, q)
+                text, new = answer(model, tokenizer, cache, q, max_new)
                 lines.append({**(meta or {}), "length": length, "trial": trial, "seed": seed, "method": label,
                               "task": q.task, "depth": q.instance.depth, "depth_measured": q.depth_measured,
                               "positions": list(q.positions), "expected": list(q.instance.expected),

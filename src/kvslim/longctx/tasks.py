@@ -7,7 +7,7 @@ after the filler, the start of the answer (so a greedy answer is easy to parse),
 passkey        one needle ("The pass key is 52841. Remember it. 52841 is the pass key."), one answer
 multikey       four needles "The special magic number for <key> is: <n>." with different keys; the
                question names one of them (the other three are distractors)
-multivalue     three needles "One of the special magic values for <key> is: <n>." with one key; every
+multivalue     three needles "One of the special magic values for the <city> archive is: <n>."; every
                value must be reported (any order)
 vartrack       a chain "VAR ABCDE = 12345." "VAR FGHIJ = VAR ABCDE." "VAR KLMNO = VAR FGHIJ.": every
                variable holding the value must be reported (variable tracking, one chain of two hops)
@@ -76,6 +76,11 @@ def _keys(rng: random.Random, n: int) -> list[str]:
     return [f"{a}-{b}" for a, b in pairs]
 
 
+_PLACES = ("Lisbon", "Oslo", "Quito", "Nairobi", "Hanoi", "Lima", "Dakar", "Tbilisi", "Riga", "Accra", "Manila",
+           "Bogota", "Tunis", "Zagreb", "Muscat", "Havana", "Kigali", "Yerevan", "Sofia", "Helsinki", "Rabat",
+           "Minsk", "Doha", "Tallinn")
+
+
 def _spread(rng: random.Random, n: int) -> list[float]:
     return [rng.uniform(0.02, 0.98) for _ in range(n)]
 
@@ -98,7 +103,7 @@ def multikey(rng: random.Random, depth: float) -> Instance:
 
 
 def multivalue(rng: random.Random, depth: float) -> Instance:
-    key, values = _keys(rng, 1)[0], [_number(rng) for _ in range(3)]
+    key, values = f"the {rng.choice(_PLACES)} archive", [_number(rng) for _ in range(3)]
     depths = [depth] + _spread(rng, 2)
     inserts = tuple((d, f"One of the special magic values for {key} is: {v}.") for d, v in zip(depths, values))
     return Instance("multivalue", depth, inserts,
