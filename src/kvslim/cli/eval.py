@@ -121,8 +121,8 @@ def check_memory(model, methods: list[str], context: int) -> None:
     need = memory_estimate(model, methods, context)
     if avail is not None and need > avail:
         fits = int(context * avail / need) // 256 * 256
-        raise ValueError(f"--context {context} needs about {need / 2**30:.1f} GiB (caches as kvslim plan counts "
-                         f"them, plus prefill activations) but {avail / 2**30:.1f} GiB is available; about "
+        raise ValueError(f"--context {context} needs about {need / 2**20:,.0f} MiB (caches as kvslim plan counts "
+                         f"them, plus prefill activations) but {avail / 2**20:,.0f} MiB is available; about "
                          f"{fits} tokens would fit")
 
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     text = Path(args.text).read_text(encoding="utf-8", errors="replace") if args.text else None
     if tasks is None:
         _check_context(model, args.tokens, "--tokens")
-        ids = tok(text, return_tensors="pt").input_ids
+        ids = tok(text, return_tensors="pt", verbose=False).input_ids
         if ids.shape[1] < args.tokens:
             raise ValueError(f"--text: {args.text!r} has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
         check_memory(model, methods, args.tokens)
