@@ -279,6 +279,11 @@ class TensorStore:
         """Write ``x`` (B, H, S, D) into slots [start, start+S)."""
         self.data[:, :, start:start + x.shape[2]] = x
 
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """Write ``x`` (B, H, S, D) into slots ``pos`` (S,) int64, a device tensor (the static path of
+        ``caches/capture.py``: the shapes of the write do not depend on where it goes)."""
+        self.data.index_copy_(2, pos, x.to(self.data.dtype))
+
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         """Slots [start, end) as (B, H, end-start, D) in the model dtype (a view when possible).
 
@@ -402,6 +407,16 @@ class QuantizedStore(TensorStore):
         self.scale[:, :, start:end] = scale
         if zero is not None:
             self.zero[:, :, start:end] = zero
+
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize ``x`` (B, H, S, D) into slots ``pos`` (S,) int64 on the device (``caches/capture.py``); the
+        checks of :meth:`write` (a one-token write: the device-side non-finite flag)."""
+        check_finite(x, self)
+        codes, scale, zero = self._encode(x, self._channel_for(x))
+        self.data.index_copy_(2, pos, codes)
+        self.scale.index_copy_(2, pos, scale)
+        if zero is not None:
+            self.zero.index_copy_(2, pos, zero)
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         codes, scale = self.data[:, :, start:end], self.scale[:, :, start:end]
