@@ -176,11 +176,14 @@ def run(stages: tuple[str, ...] = STAGES, budget: float = DEFAULT_BUDGET, quick:
     return doc
 
 
-def default_out_dirs(out: str | None) -> list[Path]:
+def default_out_dirs(out: str | None, quick: bool) -> list[Path]:
+    """``--out``, ``$OUT`` (the device machine's folder that comes back) and, for a real run,
+    ``benchmarks/results/gpu/`` of the checkout (``--quick`` writes there only when asked with ``--out``)."""
     dirs = [Path(out)] if out else []
     if os.environ.get("OUT"):
         dirs.append(Path(os.environ["OUT"]))
-    dirs.append(ROOT / "benchmarks" / "results" / ("gpu_quick" if "--quick" in sys.argv else "gpu"))
+    if not quick:
+        dirs.append(ROOT / "benchmarks" / "results" / "gpu")
     return list(dict.fromkeys(d.resolve() for d in dirs))
 
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     if device == "cpu" and not args.quick:
         raise ValueError("--device cpu runs only with --quick (the full shapes need a GPU)")
-    doc = run(stages, budget, args.quick, device, default_out_dirs(args.out), progress=lambda m: print(m, flush=True))
+    doc = run(stages, budget, args.quick, device, default_out_dirs(args.out, args.quick), progress=lambda m: print(m, flush=True))
     from .gpucheck_report import index_markdown
 
     print(index_markdown(doc), flush=True)
