@@ -1,6 +1,6 @@
 """One prepared command for a lent GPU (issue 33): ``bash scripts/gpu_check.sh [--budget 450]``.
 
-A session that is lent a GPU gets about 15 minutes of device time in all, 1-2 of which start the machine. This
+A lent GPU comes with about 15 minutes of device time in all, 1-2 of which start the machine. This
 command turns one call of at most ~8 minutes into the figures that matter, most important first:
 
 1. ``correctness``: the Triton kernel tests with ``TRITON_INTERPRET=0``, the sync-debug-mode test and the CUDA-graph

@@ -21,11 +21,11 @@ PYTEST_GROUPS = (
     ("triton-slim-encdec", ("tests/test_triton_slim.py",)),
     ("triton-mla", ("tests/test_triton_mla.py",)),
     ("sync-debug-mode", ("tests/test_sync_free.py::test_cuda_decode_steps_pass_sync_debug_mode_error",)),
-    ("cuda-graph-tokens", ("tests/test_cuda_graphs.py::test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda",
-                           "tests/test_cuda_graphs.py::test_capturable_steps_under_cuda_graphs_on_cuda")),
+    ("cuda-graph-tokens", ("tests/test_cuda_graphs.py::test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda",)),
+    ("capturable-cuda-graphs", ("tests/test_cuda_graphs.py::test_capturable_steps_under_cuda_graphs_on_cuda",)),
 )
 #: --quick (CPU): the CUDA-only node ids (they skip there): the subprocess, parsing and recording path
-QUICK_GROUPS = ("sync-debug-mode", "cuda-graph-tokens")
+QUICK_GROUPS = ("sync-debug-mode", "capturable-cuda-graphs")
 #: pytest seconds at most (the rest of stage 1 runs meanwhile)
 PYTEST_TIMEOUT_S = 200
 #: methods of the greedy check: apply options (small residual windows so that codes are read within 40 tokens)
@@ -80,7 +80,7 @@ def finish_pytest(runs: list[dict], deadline: float) -> list[dict]:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, 9)  # the process group this run started (its own session)
+            os.killpg(proc.pid, 9)  # the process group this run started (start_new_session)
             proc.wait()
         run["log"].flush()
         text = Path(run["log"].name).read_text(errors="replace")
