@@ -116,6 +116,8 @@ def environment(device: str) -> dict:
     from .report import environment as base
 
     env = base()
+    # a copied checkout may have no .git: the caller names the commit (docs/gpu.md: KVSLIM_COMMIT=... bash ...)
+    env["commit"] = os.environ.get("KVSLIM_COMMIT") or env.get("commit") or None
     try:
         import triton
 

@@ -23,7 +23,7 @@ sinks). A layer whose stores keep a full-precision residual window (the int4/int
 its flushes depend on the length; it keeps today's path (``is_compileable`` ``False``).
 
 Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
-step writes nothing (its token goes to a spare slot past ``max_length`` that is never attended, the length stays)
+step writes nothing (the last slot is rewritten with what it holds, the length stays; that step's output is void)
 and sets a device flag; the next host boundary (a multi-token update, ``KVSlimCache.check_finite``) raises a
 ``ValueError`` naming ``max_length``. A ``capturable`` cache refuses an eager write past ``max_length`` at once
 (nothing written).
@@ -114,10 +114,11 @@ class CapturableMixin:
             self.lazy_initialization(key_states, value_states)
         if getattr(self, "length_t", None) is None:  # initialized before max_length took effect: cannot happen
             raise ValueError("max_length: this layer was built without a device length")
-        old = self.length_t.clone()
+        old, keep = self.length_t.clone(), None
         if in_graph:
             ok = old[:1] < self.max_length  # (1,) bool, on the device
-            pos = torch.where(ok, old[:1], self.max_length)  # refused: the spare slot past max_length
+            pos = old[:1].clamp(max=self.max_length - 1)
+            keep = ~ok  # refused: the last slot is written with what it holds (nothing changes)
             self.length_t.add_(ok.to(torch.int64))
             self.overflow.logical_or_(~ok[0])
             self.host_stale = True
@@ -131,7 +132,7 @@ class CapturableMixin:
             self.cumulative_length = start + s
             self.length_t.fill_(start + s)
         for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
-            store.write_at(pos, x)
+            store.write_at(pos, x, keep)
         reads = functools.partial(self._static_reads, pos, key_states, value_states)
         if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
                 and fused.fusable(self.v_store):
@@ -148,6 +149,6 @@ class CapturableMixin:
             if not store.spec.bits:
                 out.append(store.data[:, :, :self.max_length])
                 continue
-            full = store.read(0, self.max_length + 1)  # the spare slot too: a refused step's index is in range
-            out.append(full.index_copy(2, pos, x.to(full.dtype))[:, :, :self.max_length])
+            full = store.read(0, self.max_length)
+            out.append(full.index_copy(2, pos, x.to(full.dtype)))
         return out[0], out[1]

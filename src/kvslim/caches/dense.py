@@ -35,7 +35,7 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         self.overflow = None
 
     def _initial_capacity(self, incoming: int) -> int:
-        want = max(incoming, 0 if self.max_length is None else self.max_length + 1)  # + a spare slot (capture.py)
+        want = max(incoming, self.max_length or 0)
         return -(-want // self.chunk) * self.chunk
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
