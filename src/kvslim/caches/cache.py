@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .capture import graph_step
 from .storage import ScratchPool
 
 
@@ -40,6 +41,15 @@ class KVSlimCache(Cache):
         for layer in self.layers:
             if hasattr(layer, "fused_decode"):
                 layer.fused_decode = True
+
+    @property
+    def is_compileable(self) -> bool:
+        """HF's flag (all layers compileable: ``generate`` may compile, masks are always built). Also ``True`` while a
+        step is traced or captured when any layer takes the static path of ``caches/capture.py``: its reads are the
+        whole buffer, so HF must build the causal mask for that step (it skips it for one query token otherwise)."""
+        if self.layers and all(getattr(layer, "is_compileable", False) for layer in self.layers):
+            return True
+        return graph_step() and any(getattr(layer, "is_compileable", False) for layer in self.layers)
 
     def set_capturable(self, capturable: bool = True) -> None:
         """Every call of the layers that can (append layers built with ``max_length``, plain or per-token quantized)

@@ -106,9 +106,6 @@ class CapturableMixin:
     def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         s = key_states.shape[2]
         in_graph = graph_step()
-        if in_graph and s != 1:
-            raise ValueError(f"a compiled or captured step of a kvslim cache writes one token per sequence, got {s} "
-                             "(prefill eagerly, then compile the decode step; HF's generate does)")
         self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -116,10 +113,10 @@ class CapturableMixin:
             raise ValueError("max_length: this layer was built without a device length")
         old, keep = self.length_t.clone(), None
         if in_graph:
-            ok = old[:1] < self.max_length  # (1,) bool, on the device
-            pos = old[:1].clamp(max=self.max_length - 1)
-            keep = ~ok  # refused: the last slot is written with what it holds (nothing changes)
-            self.length_t.add_(ok.to(torch.int64))
+            ok = old[:1] + s <= self.max_length  # (1,) bool, on the device
+            pos = (old[:1] + torch.arange(s, device=old.device)).clamp(max=self.max_length - 1)
+            keep = ~ok  # refused: the slots are written with what they hold (nothing changes)
+            self.length_t.add_(ok.to(torch.int64) * s)
             self.overflow.logical_or_(~ok[0])
             self.host_stale = True
         else:
