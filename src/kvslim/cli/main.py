@@ -19,6 +19,8 @@ COMMANDS = {
     "bench": ("bench", "Decode benchmark: kvslim methods against HF DynamicCache and StaticCache in the same run."),
     "transcribe": ("transcribe", "Transcribe a WAV file with real Whisper (tiny.en / base from PyPI, offline) and "
                                  "a kvslim cache."),
+    "eval": ("eval", "Quality of kvslim's methods on your own model and text, or a retrieval check at a long "
+                     "context."),
 }
 
 

@@ -1,0 +1,191 @@
+"""Long-context retrieval through compressed caches (issue 34): kvslim's formats beside HF QuantizedCache (quanto).
+
+Qwen2.5-Coder-0.5B-Instruct (fp32, dequantized from its GGUF), RULER-style tasks generated from a seed
+(``kvslim.longctx``: passkey, multi-key, multi-value, variable tracking), filler from the Python standard
+library's docstrings. One prefill per haystack fills every cache through the cache's own ``update``; each
+question is decoded through the cache (question in one call, then greedy token by token). Accuracy per
+(method, length, task) with a Wilson 95 % interval; bytes per token measured from the filled cache's tensors.
+
+Results are appended per (length, trial, method, task) to ``benchmarks/results/<stem>.jsonl``; a rerun skips
+what is there (resumable), and ``--report`` rewrites ``<stem>.json``, ``.md`` and ``.png`` from it.
+
+    nice -n 5 .venv/bin/python benchmarks/bench_longctx.py --lengths 4096,8192 --trials 5
+    nice -n 5 .venv/bin/python benchmarks/bench_longctx.py --lengths 16384 --trials 5    # appends
+    .venv/bin/python benchmarks/bench_longctx.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STEM = "bench_longctx"
+#: label -> (method, apply() options) for kvslim rows, ("quanto", {"nbits": b}) for HF QuantizedCache rows
+METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-haystack keeps the first ones)
+    "dense": ("dense", {}),
+    "int4": ("int4", {}),
+    "int2": ("int2", {}),
+    "quanto 4-bit": ("quanto", {"nbits": 4}),
+    "quanto 2-bit": ("quanto", {"nbits": 2}),
+    "int3": ("int3", {}),
+    "int8": ("int8", {}),
+    "window 1024": ("window", {"window": 1024}),
+}
+MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
+          "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
+
+
+def cache_makers(model, labels) -> dict:
+    """label -> a function building an empty cache of that row."""
+    from kvslim.longctx.protocol import make_cache_fn
+
+    return {label: make_cache_fn(model, METHOD_ROWS[label][0], **METHOD_ROWS[label][1]) for label in labels}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def report(stem: Path) -> dict:
+    """Rewrite ``stem``.json / .md / .png from the records in ``stem``.jsonl."""
+    from kvslim.longctx import summarize
+    from kvslim.longctx.protocol import read_jsonl
+
+    records = read_jsonl(stem.with_suffix(".jsonl"))
+    if not records:
+        raise ValueError(f"{stem.with_suffix('.jsonl')} holds no records")
+    rows = summarize(records)
+    first = records[0]
+    rec = {"model": first.get("model"), "filler": first.get("filler"), "filler_sha256": first.get("filler_sha256"),
+           "seed": first.get("seed"), "commits": sorted({r.get("commit", "?") for r in records}),
+           "protocol": "one one-call prefill per haystack fills every cache via its update(); question in one call, "
+                       "answer greedy token by token through the cache; exact match of the expected items",
+           "lengths": sorted({r["length"] for r in records}), "methods": list(dict.fromkeys(r["method"] for r in records)),
+           "records": len(records), "rows": rows}
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=1))
+    stem.with_suffix(".md").write_text(markdown(rec))
+    plot(rec, stem.with_suffix(".png"))
+    return rec
+
+
+def markdown(rec: dict) -> str:
+    lengths, methods = rec["lengths"], rec["methods"]
+    cell = {(r["method"], r["length"], r["task"]): r for r in rec["rows"]}
+    tasks = sorted({r["task"] for r in rec["rows"]} - {"all"})
+    out = [f"{rec['model']}; filler {rec['filler']}; seed {rec['seed']}; commits {', '.join(rec['commits'])}. "
+           f"Accuracy over all tasks with its Wilson 95 % interval (correct/trials), bytes per token measured "
+           f"from the filled cache (fp32 model).", "",
+           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token |",
+           "|---|" + "---|" * (len(lengths) + 1)]
+    for m in methods:
+        cells, bpt = [], None
+        for n in lengths:
+            r = cell.get((m, n, "all"))
+            if r is None:
+                cells.append("-")
+                continue
+            bpt = r["bytes_per_token"] if bpt is None else bpt
+            lo, hi = r["wilson95"]
+            cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})")
+        out.append(f"| {m} | " + " | ".join(cells) + f" | {bpt:,.0f} |")
+    out += ["", "Per task (correct/trials):", "",
+            "| cache | length | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    for m in methods:
+        for n in lengths:
+            if (m, n, "all") not in cell:
+                continue
+            out.append(f"| {m} | {n:,} | " + " | ".join(
+                f"{cell[(m, n, t)]['correct']}/{cell[(m, n, t)]['n']}" if (m, n, t) in cell else "-" for t in tasks)
+                + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rec: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = [r for r in rec["rows"] if r["task"] == "all"]
+    for i, m in enumerate(rec["methods"]):
+        pts = sorted((r["length"], r["accuracy"], *r["wilson95"]) for r in rows if r["method"] == m)
+        x = [p[0] * (1 + 0.015 * (i - len(rec["methods"]) / 2)) for p in pts]  # small offsets: bars stay apart
+        y = [100 * p[1] for p in pts]
+        err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
+        ax.errorbar(x, y, yerr=err, marker="s" if m.startswith("quanto") else "o", capsize=3, label=m,
+                    ls="--" if m.startswith("quanto") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rec["lengths"], [f"{n:,}" for n in rec["lengths"]])
+    ax.set_ylim(-5, 105)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("accuracy, all tasks (%), Wilson 95 % interval")
+    ax.set_title(f"{(rec['model'] or '').split(' (')[0]}: retrieval through the cache")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="4096,8192", help="comma-separated context lengths (tokens)")
+    p.add_argument("--trials", type=int, default=3, help="haystacks per length (each asks every task once)")
+    p.add_argument("--methods", default=",".join(m for m in METHOD_ROWS if m != "window 1024"),
+                   help=f"comma-separated rows of {list(METHOD_ROWS)}")
+    p.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen25")
+    p.add_argument("--filler", default="stdlib-docs")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stem", default=STEM, help="result file stem under benchmarks/results/")
+    p.add_argument("--report", action="store_true", help="only rewrite .json/.md/.png from the .jsonl")
+    args = p.parse_args()
+    stem = RESULTS / args.stem
+    if args.report:
+        print(markdown(report(stem)))
+        return
+    lengths = [int(x) for x in args.lengths.split(",")]
+    labels = args.methods.split(",")
+    bad = [m for m in labels if m not in METHOD_ROWS]
+    if bad:
+        p.error(f"--methods: unknown {bad}; expected some of {list(METHOD_ROWS)}")
+    if any(METHOD_ROWS[m][0] == "quanto" for m in labels) and importlib.util.find_spec("optimum.quanto") is None:
+        print("optimum-quanto is not installed: quanto rows left out (pip install --no-deps optimum-quanto==0.2.7)")
+        labels = [m for m in labels if METHOD_ROWS[m][0] != "quanto"]
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    import kvslim.models
+    from kvslim import api
+    from kvslim.longctx import filler_units, run
+    from kvslim.longctx.tasks import units_sha256
+
+    loader, model_label = MODELS[args.model]
+    model, tok = getattr(kvslim.models, loader)(torch.float32)
+    api.apply(model, "dense")  # the storage methods' attention (packed GQA SDPA); caches differ per row
+    units = filler_units(args.filler)
+    meta = {"model": model_label, "filler": args.filler, "filler_sha256": units_sha256(units),
+            "commit": git_commit(), "threads": args.threads, "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "command": "python " + " ".join(sys.argv)}
+    RESULTS.mkdir(exist_ok=True)
+    run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
+        tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta)
+    print(markdown(report(stem)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The long-context retrieval protocol (issue 34, ``kvslim.longctx``) on tiny models at a few hundred tokens:
+tasks deterministic from a seed, every inserted sentence at its stated token position, one shared prefill equal
+to a real prefill through each cache (codes and answers token for token), resume skipping finished cells."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from kvslim import api
+from kvslim.adapters.compat import CACHE_KW
+from kvslim.longctx import filler_units, instances, protocol, wilson
+from kvslim.longctx import haystack as hs
+from kvslim.longctx.protocol import answer, fill, make_cache_fn, prefill_kv, run, settled
+from kvslim.models import load_tiny_mha
+
+QUANTO = importlib.util.find_spec("optimum.quanto") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_mha():
+    model, tok = load_tiny_mha(torch.float32)
+    api.apply(model, "dense")
+    yield model.eval(), tok
+    api.restore(model)
+
+
+def test_tasks_deterministic_from_seed():
+    a, b = instances(0, 512, 3), instances(0, 512, 3)
+    assert a == b and [i.task for i in a] == ["passkey", "multikey", "multivalue", "vartrack"]
+    assert instances(1, 512, 3) != a and instances(0, 512, 4) != a
+    assert len({i.depth for i in a}) == 4  # four depths in one haystack
+    depths = {inst.depth for t in range(5) for inst in instances(0, 512, t) if inst.task == "passkey"}
+    assert len(depths) == 5  # five trials: every depth once
+    with pytest.raises(ValueError, match="tasks"):
+        instances(0, 512, 0, ["passkey", "needle"])
+
+
+def test_needles_at_their_stated_positions(tiny_mha):
+    _, tok = tiny_mha
+    units = filler_units()
+    assert len(units) > 500 and not any(c.isdigit() for u in units for c in u)  # numbers only in the needles
+    insts = instances(7, 600, 2)
+    h1 = hs.build(tok, insts, 600, units, random.Random(1))
+    h2 = hs.build(tok, insts, 600, units, random.Random(1))
+    assert h1.ids.shape == (1, 600) and torch.equal(h1.ids, h2.ids)
+    for q in h1.questions:
+        inst = q.instance
+        assert len(q.positions) == len(inst.inserts)
+        for pos, (_, sentence) in zip(q.positions, inst.inserts):
+            piece = tok(" " + sentence, add_special_tokens=False).input_ids
+            assert h1.ids[0, pos:pos + len(piece)].tolist() == piece
+        assert abs(q.depth_measured - inst.depth) < 0.12, (inst.task, q.depth_measured, inst.depth)
+        assert inst.question in tok.decode(q.ids[0])
+
+
+def test_settled_and_wilson():
+    inst = instances(0, 512, 0)[2]  # multivalue: three values, any order
+    a, b, c = inst.expected
+    assert settled(f" {a}, {b}", inst) is None  # b may still grow
+    assert settled(f" {c}, {a}, {b}.", inst) is True
+    assert settled(" 12345, ", inst) is False and settled("1. ", inst) is None  # list numbering is no item
+    lo, hi = wilson(5, 5)
+    assert hi == 1.0 and lo == pytest.approx(0.5655, abs=1e-3)
+    assert wilson(0, 5)[0] == 0.0
+
+
+def _methods(model):
+    out = {"dense": make_cache_fn(model, "dense"),
+           "int8": make_cache_fn(model, "int8"),
+           "int4": make_cache_fn(model, "int4", residual=16, sink=2, key_channel_group=16, group_size=16),
+           "int2": make_cache_fn(model, "int2", residual=32, key_channel_group=16, group_size=16)}
+    if QUANTO:
+        out["quanto 2-bit"] = make_cache_fn(model, "quanto", nbits=2)
+    return out
+
+
+def _stores(cache) -> list[torch.Tensor]:
+    """What each layer's attention reads back of the history: kvslim stores decoded, quanto's codes dequantized."""
+    out = []
+    for layer in cache.layers:
+        if hasattr(layer, "k_store"):
+            out += [store.read(0, layer.cumulative_length) for store in layer._stores()]
+        else:
+            out += [layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)]
+    return out
+
+
+@torch.inference_mode()
+def test_shared_prefill_equals_real_prefill_token_for_token():
+    """One dense prefill, its keys and values written through each cache's ``update``, gives the cache a real
+    one-call prefill through it gives (the history as attention reads it back, bitwise) and the same answer logits
+    (bitwise) and tokens."""
+    model = tiny_model("llama", max_position_embeddings=1024).eval()
+    api.apply(model, "dense")
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids, question = torch.randint(0, 128, (1, 200), generator=g), torch.randint(0, 128, (1, 9), generator=g)
+        kv = prefill_kv(model, ids)
+        for label, make in _methods(model).items():
+            real = make()
+            model(ids, use_cache=True, **{CACHE_KW: real}, logits_to_keep=1)
+            shared = fill(make(), kv)
+            for x, y in zip(_stores(real), _stores(shared), strict=True):
+                assert torch.equal(x, y), label
+            toks = []
+            for cache in (real, shared):
+                logits, seq = model(question, use_cache=True, **{CACHE_KW: cache}).logits[0, -1], []
+                for _ in range(5):
+                    seq.append((int(logits.argmax()), logits))
+                    logits = model(torch.tensor([[seq[-1][0]]]), use_cache=True, **{CACHE_KW: cache}).logits[0, -1]
+                toks.append(seq)
+            assert [t for t, _ in toks[0]] == [t for t, _ in toks[1]], label
+            for (_, a), (_, b) in zip(*toks):
+                assert torch.equal(a, b), label
+    finally:
+        api.restore(model)
+
+
+def test_run_appends_per_cell_and_resumes(tiny_mha, tmp_path, monkeypatch):
+    model, tok = tiny_mha
+    out = tmp_path / "cells.jsonl"
+    units = filler_units()
+    caches = {"dense": make_cache_fn(model, "dense"), "int4": make_cache_fn(model, "int4")}
+    kw = dict(lengths=[200], trials=2, tasks=["passkey", "multikey"], units=units, out=out, progress=False,
+              max_new=2)
+    first = run(model, tok, caches, meta={"model": "tiny"}, **kw)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(first) == len(lines) == 2 * 2 * 2
+    assert {(r["trial"], r["method"], r["task"]) for r in lines} == {
+        (t, m, k) for t in (0, 1) for m in caches for k in ("passkey", "multikey")}
+    r = lines[0]
+    assert r["model"] == "tiny" and r["length"] == 200 and isinstance(r["correct"], bool)
+    assert r["bytes_per_token"] > 0 and r["new_tokens"] >= 1
+    calls = []
+    monkeypatch.setattr(protocol, "prefill_kv", lambda *a: calls.append(a) or prefill_kv(*a))
+    again = run(model, tok, caches, **kw)
+    assert calls == [] and len(again) == 8 and out.read_text().count("\n") == 8  # nothing redone
+    with open(out, "a") as f:
+        f.write('{"length": 200, "trial"')  # a line cut by a killed run is ignored
+    run(model, tok, {**caches, "int2": make_cache_fn(model, "int2")}, **kw)
+    assert len(calls) == 2  # one prefill per haystack, only for the missing cache
+    new = [json.loads(x) for x in out.read_text().splitlines()[9:]]  # after the 8 lines and the cut one
+    assert {r["method"] for r in new} == {"int2"} and len(new) == 4
+
+
+def test_answer_stops_at_max_new(tiny_mha):
+    model, tok = tiny_mha
+    insts = instances(0, 256, 0, ["passkey"])
+    h = hs.build(tok, insts, 256, filler_units(), random.Random(0))
+    kv = prefill_kv(model, h.ids)
+    text, n = answer(model, tok, fill(make_cache_fn(model, "dense")(), kv), h.questions[0], max_new=4)
+    assert 1 <= n <= 4 and isinstance(text, str)
