@@ -56,18 +56,20 @@ def fill(cache, kv: list[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def make_cache_fn(model, method: str, **options) -> Callable[[], object]:
-    """A function building an empty cache: a kvslim method's ``KVSlimCache`` (``apply()`` options), or
+    """A function building an empty cache: a kvslim method's ``KVSlimCache`` (``apply()`` options) as
+    ``kvslim.make_cache`` builds it (decode steps read the codes through the fused ops when ``model`` runs kvslim's
+    attention and the ops are built), or
     ``method="quanto"`` with ``nbits``: HF ``QuantizedCache`` (quanto, groups of 64, a 128-token residual)."""
     if method == "quanto":
         from transformers import QuantizedCache
 
         nbits = options["nbits"]
         return lambda: QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=64, residual_length=128)
-    from ..caches import KVSlimCache
+    from ..adapters.generate import build_cache
     from ..methods import METHODS
 
     plan = METHODS[method].plan_model(model, **options)
-    return lambda: KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)
+    return lambda: build_cache(model, plan, None)  # what kvslim.make_cache builds: fused decode where it applies
 
 
 def settled(text: str, inst: Instance) -> bool | None:
