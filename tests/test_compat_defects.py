@@ -16,6 +16,7 @@ from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches import StoreSpec
 from kvslim.caches.dense import AppendLayer
 from kvslim.caches.stores import make_store
@@ -86,14 +87,14 @@ def test_filled_caches_and_plans_pickle(method, opts):
     cache = kvslim.make_cache(model)
     ids = torch.randint(1, 128, (1, 10))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **{CACHE_KW: cache})
     again = pickle.loads(pickle.dumps(cache))  # lambdas/closures inside caches used to make this fail
     assert again.get_seq_length() == cache.get_seq_length() == 10
     assert pickle.loads(pickle.dumps(plan)).layers[0].factory(None).__class__ is type(cache.layers[0])
     nxt = torch.randint(1, 128, (1, 1))
     with torch.no_grad():
-        a = model(nxt, past_key_values=cache).logits
-        b = model(nxt, past_key_values=again).logits
+        a = model(nxt, **{CACHE_KW: cache}).logits
+        b = model(nxt, **{CACHE_KW: again}).logits
     assert torch.equal(a, b)
 
 
@@ -145,7 +146,7 @@ def test_mla_bits_default_group_adapts_to_kv_lora_rank():
     plan = kvslim.apply(model, "mla", bits=8)
     assert "int8/g8" in plan.layers[0].note and any("kv_lora_rank 40" in n for n in plan.notes)
     with torch.no_grad():
-        got = model(ids, past_key_values=kvslim.make_cache(model)).logits
+        got = model(ids, **{CACHE_KW: kvslim.make_cache(model)}).logits
     assert (got - ref).abs().max() < 5e-2
 
 
@@ -208,7 +209,7 @@ def test_quantized_cache_refuses_inf_inside_generate_step():
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.bias = torch.nn.Parameter(torch.full((32,), float("inf")))
         with pytest.raises(ValueError, match="non-finite"):
-            model(torch.randint(1, 128, (1, 4)), past_key_values=cache)
+            model(torch.randint(1, 128, (1, 4)), **{CACHE_KW: cache})
     assert cache.get_seq_length() == 0
 
 
@@ -217,7 +218,7 @@ def test_cache_from_user_dynamic_cache_is_left_alone():
     kvslim.apply(model, "int8")
     mine = DynamicCache()
     out = model.generate(torch.randint(1, 128, (1, 4)), max_new_tokens=2, do_sample=False, pad_token_id=0,
-                         past_key_values=mine, return_dict_in_generate=True)
+                         **{CACHE_KW: mine}, return_dict_in_generate=True)
     assert out.past_key_values is mine
 
 

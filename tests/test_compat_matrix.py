@@ -50,6 +50,7 @@ from transformers import (
 )
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches import KVSlimCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -430,11 +431,11 @@ def _mode_cache_ops(family, method):
 
     def step(m, cache, ids, length):
         if family == "t5":
-            return m(**enc, decoder_input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            return m(**enc, decoder_input_ids=ids, **{CACHE_KW: cache}, use_cache=True).logits[:, -1]
         b = ids.shape[0]
         mask = torch.ones(b, length, dtype=torch.long)
         pos = torch.arange(length - ids.shape[1], length).expand(b, -1)
-        return m(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        return m(ids, attention_mask=mask, position_ids=pos, **{CACHE_KW: cache}, use_cache=True).logits[:, -1]
 
     tol = LOSSY_LOGIT_ATOL[method] if method in LOSSY else LOGIT_ATOL[torch.float32]
     ids = inputs["input_ids"]
@@ -493,7 +494,7 @@ def _continue(family, model, inputs, first, cache, new=2, seed=6):
     else:
         ids = torch.cat((first.sequences, more), 1)
         nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return gen(model, nxt, past_key_values=cache), nxt
+    return gen(model, nxt, **{CACHE_KW: cache}), nxt
 
 
 def _mode_copy_cache(family, method):
@@ -524,7 +525,7 @@ def _mode_reset_reuse(family, method):
     cache = first.past_key_values
     cache.reset()
     inputs = _inputs(family)
-    out = gen(model, inputs, past_key_values=cache)
+    out = gen(model, inputs, **{CACHE_KW: cache})
     ref = gen(hf_model(family), inputs)
     check(family, method, "reset_reuse", inputs, out, ref, "reset cache reused for a new prompt")
 

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import padded_batch, tiny_model  # noqa: E402
 
 import kvslim  # noqa: E402
+from kvslim.adapters.compat import CACHE_KW
 
 MLA_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -85,7 +86,7 @@ def reference(name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                             past_key_values=cache)
+                             **{CACHE_KW: cache})
     return out.sequences, torch.stack(out.logits), cache.nbytes
 
 

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention.encdec import CrossWeights, reference_cross_attention, shared_cross_attention
 from kvslim.caches.encdec import EncDecSlimCache, hf_cache_nbytes
 
@@ -72,7 +73,7 @@ def teacher_forced(model, enc_kwargs: dict, tokens: torch.Tensor, cache) -> tupl
     out = []
     for t in range(tokens.shape[1] - 1):
         o = model(encoder_outputs=(enc,), attention_mask=mask, decoder_input_ids=tokens[:, t:t + 1],
-                  past_key_values=cache, use_cache=True)
+                  **{CACHE_KW: cache}, use_cache=True)
         cache = o.past_key_values
         out.append(o.logits[:, -1])
     return torch.stack(out, 1), cache

@@ -10,6 +10,7 @@ from conftest import padded_batch, tiny_model
 from tolerances import LOGIT_ATOL, max_err
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches import KVSlimCache
 
 NEW = 64
@@ -58,7 +59,7 @@ def test_window_memory_flat_over_ten_windows():
     kvslim.apply(model, "window")
     cache = kvslim.make_cache(model)
     ids = torch.randint(1, 128, (1, 3))
-    model.generate(ids, max_new_tokens=8 * 10, do_sample=False, past_key_values=cache, pad_token_id=0)
+    model.generate(ids, max_new_tokens=8 * 10, do_sample=False, **{CACHE_KW: cache}, pad_token_id=0)
     per_layer = 2 * 2 * 16 * 4  # K+V, 2 kv heads, head_dim 16, fp32
     assert cache.nbytes == cache.allocated_nbytes == 3 * (8 - 1) * per_layer  # W − 1 rows, as HF
 
@@ -73,10 +74,10 @@ def test_quantized_caches_run_in_generate_and_stay_close(method, opts, limit):
     ref = model(torch.cat((ids, nxt), dim=1), attention_mask=mask2).logits
     plan = kvslim.apply(model, method, **opts)
     cache = kvslim.make_cache(model)
-    logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    logits = model(ids, attention_mask=mask, **{CACHE_KW: cache}).logits
     # the prompt attends to its own K/V in full precision: as the dense model
     assert max_err(logits, ref[:, :ids.shape[1]]) < LOGIT_ATOL[torch.float32]
-    logits = model(nxt, attention_mask=mask2, past_key_values=cache).logits
+    logits = model(nxt, attention_mask=mask2, **{CACHE_KW: cache}).logits
     err = max_err(logits, ref[:, ids.shape[1]:])  # the next call attends to the quantized prompt
     assert 0 < err < limit, f"{method}: logit error {err}"
     assert cache.nbytes == plan.cache_bytes(ids.shape[1] + 4, batch=2)
@@ -185,7 +186,7 @@ def test_unpadded_window_decode_reads_the_ring_in_slot_order(method, opts):
     out = _generate(model, ids, mask)
     assert all(layer.slot_order_ok for layer in out.past_key_values.layers)
     copy_path = kvslim.make_cache(model)  # not declared unpadded: temporal order
-    slow = _generate(model, ids, mask, past_key_values=copy_path)
+    slow = _generate(model, ids, mask, **{CACHE_KW: copy_path})
     assert not any(layer.slot_order_ok for layer in copy_path.layers)
     assert torch.equal(out.sequences, slow.sequences)
     assert _logit_err(out, slow) <= LOGIT_ATOL[torch.float32]
@@ -198,8 +199,6 @@ def test_a_cache_handed_to_generate_under_either_spelling_is_used(method):
     """``generate(..., past_key_values=cache)`` and, from transformers 5.24, ``generate(..., cache=cache)`` (the new
     name; the old one is a deprecated alias there): the same tokens and logits, and the kvslim cache handed over is
     the one that holds the context afterwards."""
-    from kvslim.adapters.compat import CACHE_KW
-
     model = tiny_model("llama", kv_heads=4) if method == "slim" else tiny_model("mistral")  # slim needs MHA
     ids, mask = padded_batch()
     with warnings.catch_warnings():  # random weights: slim's fp32 conditioning notice
@@ -209,7 +208,9 @@ def test_a_cache_handed_to_generate_under_either_spelling_is_used(method):
     outs = {}
     for kw in spellings:
         cache = kvslim.make_cache(model)
-        outs[kw] = _generate(model, ids, mask, **{kw: cache})
+        with warnings.catch_warnings():  # the old spelling on a release that renamed it: its deprecation notice
+            warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+            outs[kw] = _generate(model, ids, mask, **{kw: cache})
         assert cache.get_seq_length() == ids.shape[1] + NEW - 1, kw  # the last token is never fed back
         assert cache.nbytes > 0
     first = outs["past_key_values"]

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvslim.kernels import build
 
@@ -159,3 +160,105 @@ def test_load_for_builds_exactly_the_families_a_method_decodes_with(monkeypatch)
     calls.clear()
     kernels.load_for("dense")
     assert calls == []
+
+
+# --- two checkouts of one commit against one cache folder ------------------------------------------------------
+
+# no torch headers: a compile takes a fraction of a second (``load_ops`` only needs a shared object to load)
+_TINY_CPP = """#include "tiny_factor.h"
+extern "C" int kvslim_buildtest_twice(int x) { return x * TINY_FACTOR; }
+"""
+
+_LOADER = """
+import ctypes, importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("kvslim_build_copy", sys.argv[1])
+build = importlib.util.module_from_spec(spec); spec.loader.exec_module(build)
+assert build.load_ops("tinyfam") is True
+(so,) = (build.cache_root() / "ops").glob("tinyfam-*/*.so")
+assert ctypes.CDLL(str(so)).kvslim_buildtest_twice(21) == 42
+print("loaded-ok")
+"""
+
+
+def _checkout(root: Path) -> Path:
+    """A copy of build.py with its own csrc/ holding one tiny op family (and a local header it includes)."""
+    kernels = root / "kvslim" / "kernels"
+    (kernels / "csrc").mkdir(parents=True)
+    shutil.copy(Path(build.__file__), kernels / "build.py")
+    (kernels / "csrc" / "tinyfam.cpp").write_text(_TINY_CPP)
+    (kernels / "csrc" / "tiny_factor.h").write_text("#pragma once\n#define TINY_FACTOR 2\n")
+    return kernels / "build.py"
+
+
+@pytest.mark.skipif(build._compiler() is None, reason="no C++ compiler")
+def test_two_checkouts_share_one_build_and_never_rebuild_each_other(tmp_path):
+    """Two checkouts of one commit (two source roots) against one cache folder, loading at the same time and then
+    in turn: one compile in all. A compiler wrapper counts the compiles (``-c`` invocations), so the count does not
+    depend on how build.py decides. Then a truncated ``.so`` (sealed build overwritten) is rebuilt, never loaded."""
+    a, b = _checkout(tmp_path / "a"), _checkout(tmp_path / "b")
+    real = build._compiler()
+    count = tmp_path / "compiles"
+    wrapper = tmp_path / "bin" / "g++"  # named g++ so torch accepts it without a warning
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo x >> "{count}";; esac\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "KVSLIM_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
+    env.pop("KVSLIM_NO_KERNELS", None)
+
+    def start(copy):
+        return subprocess.Popen([sys.executable, "-c", _LOADER, str(copy)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def finish(proc):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0 and "loaded-ok" in out, err[-3000:]
+
+    def compiles():
+        return len(count.read_text().split()) if count.exists() else 0
+
+    both = [start(a), start(b)]  # at the same time
+    for proc in both:
+        finish(proc)
+    assert compiles() == 1
+    for copy in (a, b):  # in turn
+        finish(start(copy))
+    assert compiles() == 1, "a checkout rebuilt the other's build"
+    (dirs,) = list((tmp_path / "cache" / "ops").iterdir())
+    assert "src" in (dirs / "build.ninja").read_text() and str(tmp_path / "a") not in (dirs / "build.ninja").read_text()
+
+    so = next(dirs.glob("*.so"))
+    so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])  # half-written / truncated
+    finish(start(b))
+    assert compiles() == 2 and build.sealed(dirs) is not None
+
+
+def test_unsealed_or_corrupt_build_is_rebuilt_never_loaded(fresh, monkeypatch):
+    """A build folder without a valid stamp (a killed build: a .so but no stamp; or a stamp whose .so changed) is
+    emptied and rebuilt; the junk is never handed to the loader."""
+    loaded, compiled = [], []
+
+    def fake_compile(name, snap, cflags, build_dir):
+        assert [p.name for p in build_dir.iterdir()] == [build._LOCKFILE], "left-overs were not cleared"
+        so = build_dir / f"kvslim_{name}.so"
+        so.write_bytes(b"\x7fELF good build " + bytes(64))
+        compiled.append(so)
+        return so
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(Path(path).read_bytes()))
+    snap = build._snapshot([build.CSRC / "encdec_decode.cpp"])
+    d = fresh / "ops" / "encdec_decode-x"
+    d.mkdir(parents=True)
+    (d / "kvslim_encdec_decode.so").write_bytes(b"half a shared object")  # killed build: no stamp
+    (d / "build.ninja").write_text("stale")
+    assert build._build_and_load("encdec_decode", snap, build.CFLAGS, d) is True
+    assert len(compiled) == 1 and loaded == [] and build.sealed(d) == compiled[0]
+    assert build._build_and_load("encdec_decode", snap, build.CFLAGS, d) is True  # sealed: loaded, not rebuilt
+    assert len(compiled) == 1 and loaded == [compiled[0].read_bytes()]
+    compiled[0].write_bytes(b"\x7fELF overwritten" + bytes(64))  # same size, other bytes
+    assert build.sealed(d) is None
+    loaded.clear()
+    assert build._build_and_load("encdec_decode", snap, build.CFLAGS, d) is True
+    assert len(compiled) == 2 and loaded == []
+    (d / build.STAMP).write_text("{not json")
+    assert build.sealed(d) is None

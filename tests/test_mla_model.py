@@ -15,6 +15,7 @@ from transformers import (
 )
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import mla
 from kvslim.caches.latent import LatentLayer
 
@@ -95,10 +96,10 @@ def test_latent_cache_holds_exactly_what_hf_caches():
     ids = _prompt()
     with torch.no_grad():
         hf = DynamicCache(config=model.config)
-        model(ids, past_key_values=hf, use_cache=True)
+        model(ids, **{CACHE_KW: hf}, use_cache=True)
         kvslim.apply(model, "mla", impl="compressed")  # HF's own math: every layer's input is bitwise HF's
         ours = kvslim.make_cache(model, max_length=40)
-        model(ids, past_key_values=ours, use_cache=True)
+        model(ids, **{CACHE_KW: ours}, use_cache=True)
     for i, layer in enumerate(ours.layers):
         assert isinstance(layer, LatentLayer)
         hk, hv = hf.layers[i].keys, hf.layers[i].values
@@ -142,13 +143,13 @@ def test_unused_slots_full_of_nan_change_nothing():
         outs = []
         for poison in (False, True):
             cache = kvslim.make_cache(model, max_length=64)
-            logits = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            logits = [model(ids, **{CACHE_KW: cache}, use_cache=True).logits[:, -1]]
             if poison:
                 for layer in cache.layers:
                     layer.c_kv_store.data[:, :, 8:] = float("nan")
                     layer.k_pe_store.data[:, :, 8:] = float("nan")
             for t in range(5):
-                logits.append(model(torch.tensor([[t + 3]]), past_key_values=cache, use_cache=True).logits[:, -1])
+                logits.append(model(torch.tensor([[t + 3]]), **{CACHE_KW: cache}, use_cache=True).logits[:, -1])
             outs.append(torch.cat(logits))
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
@@ -178,15 +179,15 @@ def test_quantized_latents_error_within_the_quantization_bound():
     with torch.no_grad():
         kvslim.apply(model, "mla")
         exact = kvslim.make_cache(model)
-        first = model(ids[:, :12], past_key_values=exact, use_cache=True).logits
-        ref = model(ids[:, 12:], past_key_values=exact, use_cache=True).logits
+        first = model(ids[:, :12], **{CACHE_KW: exact}, use_cache=True).logits
+        ref = model(ids[:, 12:], **{CACHE_KW: exact}, use_cache=True).logits
         errs = {}
         for bits in (8, 4):
             kvslim.apply(model, "mla", bits=bits, group_size=16)
             quant = kvslim.make_cache(model)
             # a call attends to its own latents in full precision; the next one to the quantized history
-            assert max_err(model(ids[:, :12], past_key_values=quant, use_cache=True).logits, first) < 1e-5
-            errs[bits] = max_err(model(ids[:, 12:], past_key_values=quant, use_cache=True).logits, ref)
+            assert max_err(model(ids[:, :12], **{CACHE_KW: quant}, use_cache=True).logits, first) < 1e-5
+            errs[bits] = max_err(model(ids[:, 12:], **{CACHE_KW: quant}, use_cache=True).logits, ref)
             # layer 0 sees identical inputs: its stored latent is the exact one, quantized once
             c_exact = exact.layers[0].c_kv_store.read(0, 16)
             store = quant.layers[0].c_kv_store
@@ -208,8 +209,8 @@ def test_bf16_error_ratio_against_hf(impl):
     def run(model):
         with torch.no_grad():
             cache = DynamicCache(config=model.config) if kvslim.get_plan(model) is None else kvslim.make_cache(model)
-            logits = [model(ids, past_key_values=cache, use_cache=True).logits]
-            logits += [model(t[None], past_key_values=cache, use_cache=True).logits for t in steps]
+            logits = [model(ids, **{CACHE_KW: cache}, use_cache=True).logits]
+            logits += [model(t[None], **{CACHE_KW: cache}, use_cache=True).logits for t in steps]
         return torch.cat(logits, dim=1).double()
 
     ref64 = run(deepseek("v2", dtype=torch.float64, **dense))

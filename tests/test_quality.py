@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvslim import api
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches import KVSlimCache, StoreSpec
 from kvslim.caches.dense import AppendLayer
 from kvslim.caches.latent import LatentLayer
@@ -106,11 +107,11 @@ def test_prefill_logits_equal_the_dense_model(tiny, method, opts, one_thread):
     ref, cache = DynamicCache(), KVSlimCache([lp.factory(None) for lp in plan.layers], plan=plan)
     with torch.inference_mode():
         api.apply(model, "dense")
-        a = model(ids[:, :64], past_key_values=ref, use_cache=True).logits
-        b = model(ids[:, :64], past_key_values=cache, use_cache=True).logits
+        a = model(ids[:, :64], **{CACHE_KW: ref}, use_cache=True).logits
+        b = model(ids[:, :64], **{CACHE_KW: cache}, use_cache=True).logits
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
-        a = model(ids[:, 64:], past_key_values=ref, use_cache=True).logits
-        b = model(ids[:, 64:], past_key_values=cache, use_cache=True).logits
+        a = model(ids[:, 64:], **{CACHE_KW: ref}, use_cache=True).logits
+        b = model(ids[:, 64:], **{CACHE_KW: cache}, use_cache=True).logits
     api.restore(model)
     d = (a - b).abs().max().item()
     if plan.layers[0].residual >= 96:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tolerances import INT8_SCORES_ATOL, INT8_SCORES_LOGIT_ATOL, INT8_VALUES_TWIN_ATOL, assert_close
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches.residual import ChannelQuantizedStore
 from kvslim.caches.storage import QuantizedStore, StoreSpec
 from kvslim.kernels import quant_decode as kernel
@@ -403,9 +404,9 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, monkeypatch):
                 for fused in (True, False):
                     cache = _cache(model, fused)
                     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                         past_key_values=cache)
+                                         **{CACHE_KW: cache})
                     step = model(out[:, -1:], attention_mask=torch.cat((mask, torch.ones(2, 12, dtype=mask.dtype)),
-                                                                       1), past_key_values=cache).logits
+                                                                       1), **{CACHE_KW: cache}).logits
                     runs.append((out, step))
         finally:
             kvslim.restore(model)
@@ -459,8 +460,8 @@ def test_int8_scores_stay_close_to_the_unfused_path(kv_heads, monkeypatch):
                 logits = []
                 for fused in (True, False):
                     cache = _cache(model, fused)
-                    model(ids, attention_mask=mask, past_key_values=cache)
-                    logits.append(model(ids[:, -1:], attention_mask=full, past_key_values=cache).logits)
+                    model(ids, attention_mask=mask, **{CACHE_KW: cache})
+                    logits.append(model(ids[:, -1:], attention_mask=full, **{CACHE_KW: cache}).logits)
         finally:
             kvslim.restore(model)
         err = (logits[0] - logits[1]).abs().max().item()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tolerances import assert_close
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches.residual import ChannelQuantizedStore
 from kvslim.caches.storage import QuantizedStore, StoreSpec
 from kvslim.kernels import quant_decode_lowbit as kernel
@@ -307,11 +308,11 @@ def test_greedy_tokens_match_the_unfused_path(kv_heads, hidden, opts, monkeypatc
                 for layer in cache.layers:
                     layer.fused_decode = fused
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                     past_key_values=cache)
+                                     **{CACHE_KW: cache})
                 full = torch.cat((mask, torch.ones(2, 8, dtype=mask.dtype)), 1)
-                step = model(out[:, -1:], attention_mask=full, past_key_values=cache).logits
+                step = model(out[:, -1:], attention_mask=full, **{CACHE_KW: cache}).logits
                 full = torch.cat((full, torch.ones(2, 4, dtype=mask.dtype)), 1)
-                chunk = model(out[:, -3:], attention_mask=full, past_key_values=cache).logits
+                chunk = model(out[:, -3:], attention_mask=full, **{CACHE_KW: cache}).logits
                 runs.append((out, step, chunk))
     finally:
         kvslim.restore(model)

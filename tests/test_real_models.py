@@ -19,6 +19,7 @@ import torch
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.models import ctranslate2 as ct2mod
 from kvslim.models.ctranslate2 import fix_tokenizer_json, load_whisper_ct2, read_ct2, write_ct2
 
@@ -297,7 +298,7 @@ def _generate(model, ids, new, cache=None):
 
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             past_key_values=cache, return_dict_in_generate=True)
+                             **{CACHE_KW: cache}, return_dict_in_generate=True)
     return out.sequences, hf_cache_nbytes(out.past_key_values)
 
 

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend
 
 import kvslim
 from kvslim.adapters import sdpa as adapter
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import mla
 from kvslim.ops import sdpa
 
@@ -99,7 +100,7 @@ def test_dense_method_runs_kvslim_sdpa_on_every_layer(monkeypatch, kv_heads):
 
     monkeypatch.setattr(adapter, "sdpa_context", spy)
     with torch.no_grad():
-        model(torch.randint(1, 128, (1, 5)), use_cache=True, past_key_values=kvslim.make_cache(model))
+        model(torch.randint(1, 128, (1, 5)), use_cache=True, **{CACHE_KW: kvslim.make_cache(model)})
     assert devices == [torch.device("cpu")] * model.config.num_hidden_layers
     kvslim.restore(model)
     assert model.config._attn_implementation == "sdpa"

@@ -14,6 +14,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import quant
 from kvslim.caches import StoreSpec
 from kvslim.caches.dense import AppendLayer
@@ -149,7 +150,7 @@ def test_gemma3_quantized_sliding_layers(method, monkeypatch):
         # bytes from the tensors: the plan's, and below HF's own cache in fp16 (HF: W − 1 rows per sliding layer)
         hf = DynamicCache(config=m.config)
         with torch.no_grad():
-            m(ids[:, :-1], past_key_values=hf, use_cache=True)
+            m(ids[:, :-1], **{CACHE_KW: hf}, use_cache=True)
         hf_fp32 = sum(t.numel() * t.element_size() for layer in hf.layers for t in (layer.keys, layer.values))
         assert q.nbytes == plan.cache_bytes(159) and plan.hf_bytes(159) == hf_fp32
         by = plan.bytes_by_attention(159)
@@ -160,7 +161,7 @@ def test_gemma3_quantized_sliding_layers(method, monkeypatch):
         # greedy: HF's tokens, or near-ties under HF's logits (the documented loss)
         with torch.no_grad():
             ref = m.generate(ids[:, :100], max_new_tokens=30, do_sample=False)
-            out = m.generate(ids[:, :100], max_new_tokens=30, do_sample=False, past_key_values=kvslim.make_cache(m))
+            out = m.generate(ids[:, :100], max_new_tokens=30, do_sample=False, **{CACHE_KW: kvslim.make_cache(m)})
             logits = m(out[:, :-1]).logits[0, 99:]
         chosen = out[0, 100:]
         gap = (logits.max(-1).values - logits.gather(-1, chosen[:, None])[:, 0]).max().item()

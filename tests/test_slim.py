@@ -11,6 +11,7 @@ from tolerances import LOGIT_ATOL
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches.slim import SlimLayer
 
 NEW = 64
@@ -84,8 +85,8 @@ def test_cache_holds_only_the_plan_and_bytes_match():
     plan = kvslim.apply(model, "slim", cache="k", rank=0)
     cache = kvslim.make_cache(model)
     ids = torch.randint(1, 128, (2, 9))
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    model(input_ids=ids, **{CACHE_KW: cache}, use_cache=True)
+    model(input_ids=ids[:, :1], **{CACHE_KW: cache}, use_cache=True)
     assert all(isinstance(layer, SlimLayer) for layer in cache.layers)
     assert cache.get_seq_length() == 10
     assert cache.nbytes == plan.cache_bytes(10, batch=2)
@@ -105,10 +106,10 @@ def test_decode_step_reads_no_projection_it_does_not_store():
             getattr(attn, name).register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
     cache = kvslim.make_cache(model)
     ids = torch.randint(1, 128, (1, 6))
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, **{CACHE_KW: cache}, use_cache=True)
     layers = len(model.model.layers)
     assert calls == {"k_proj": layers, "v_proj": layers}
-    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :1], **{CACHE_KW: cache}, use_cache=True)
     assert calls == {"k_proj": 2 * layers, "v_proj": layers}
 
 
@@ -117,7 +118,7 @@ def test_conditioned_plan_bytes_match_measured():
     plan = kvslim.apply(model, "slim", cache="k", rank=16)
     assert {lp.technique for lp in plan.layers} == {"slim-k+r16"}
     cache = kvslim.make_cache(model)
-    model(input_ids=torch.randint(1, 128, (1, 7)), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.randint(1, 128, (1, 7)), **{CACHE_KW: cache}, use_cache=True)
     assert cache.nbytes == plan.cache_bytes(7) == 7 * 3 * (64 + 16) * 4
 
 
@@ -139,7 +140,7 @@ def test_user_hf_cache_falls_back_to_plain_attention():
     ids = torch.randint(1, 128, (1, 8))
     ref = model.generate(ids, max_new_tokens=8, do_sample=False)
     kvslim.apply(model, "slim", cache="k")
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache())
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, **{CACHE_KW: DynamicCache()})
     assert torch.equal(out, ref)
 
 

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 from kvslim.adapters.llama import ProjectionWeights
 from kvslim.attention.slim import additive_mask, reference_attention, slim_attention, split_heads
 from kvslim.caches import StoreSpec
@@ -169,8 +170,8 @@ def test_end_to_end_half_precision_logits_error_ratio(dtype):
 
     def decode_logits(model):
         cache = kvslim.make_cache(model)
-        model(input_ids=ids[:, :16], past_key_values=cache, use_cache=True)
-        return torch.cat([model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits
+        model(input_ids=ids[:, :16], **{CACHE_KW: cache}, use_cache=True)
+        return torch.cat([model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache}, use_cache=True).logits
                           for i in range(16, 24)], 1)
 
     ref = decode_logits(model64)
@@ -188,7 +189,7 @@ def test_int8_keys_warn_when_error_explodes():
         plan = kvslim.apply(model, "slim", cache="k", rank=0, bits=8, group_size=16)
     assert all(lp.technique == "slim-k+int8" and lp.exactness.startswith("lossy") for lp in plan.layers)
     cache = kvslim.make_cache(model)
-    model(input_ids=torch.randint(1, 128, (1, 5)), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.randint(1, 128, (1, 5)), **{CACHE_KW: cache}, use_cache=True)
     assert cache.nbytes == plan.cache_bytes(5) == 3 * 5 * (64 + 4 * 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -203,10 +204,10 @@ def test_unused_slots_full_of_nan_do_not_leak():
     outs = []
     for poison in (False, True):
         cache = kvslim.make_cache(model, max_length=32)
-        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :8], **{CACHE_KW: cache}, use_cache=True)
         if poison:
             for layer in cache.layers:
                 layer.k_store.data[:, :, 8:] = float("nan")
-        outs.append(model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True).logits)
+        outs.append(model(input_ids=ids[:, 8:], **{CACHE_KW: cache}, use_cache=True).logits)
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
     assert ATOL[torch.float32] > 0

@@ -10,6 +10,7 @@ import torch
 from tolerances import LOGIT_ATOL, assert_error_ratio
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 
 tiny_mha = pytest.importorskip("kvslim.models.tiny_mha")
 if not (tiny_mha.tiny_mha_path() / "model.safetensors").is_file():
@@ -34,8 +35,8 @@ def test_fp32_default_plan_generates_like_hf():
 def decode_logits(model, ids):
     """Teacher-forced: prefill 24 tokens, then decode the rest one by one; logits of the decode steps."""
     cache = kvslim.make_cache(model)
-    model(input_ids=ids[:, :24], past_key_values=cache, use_cache=True)
-    return torch.cat([model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits
+    model(input_ids=ids[:, :24], **{CACHE_KW: cache}, use_cache=True)
+    return torch.cat([model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache}, use_cache=True).logits
                       for i in range(24, ids.shape[1])], 1)
 
 

@@ -196,12 +196,12 @@ def test_multi_turn_continuation_from_returned_cache():
     for m in (ref, slim):
         first = generate(m, x, max_new_tokens=6, return_dict_in_generate=True)
         cont = generate(m, x, attention_mask=mask, decoder_input_ids=first.sequences,
-                        past_key_values=first.past_key_values, max_new_tokens=6)
+                        **{CACHE_KW: first.past_key_values}, max_new_tokens=6)
         outs.append((first.sequences, cont))
     assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
     first = generate(slim, x, max_new_tokens=6, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="sequences it holds"):
-        generate(slim, x, decoder_input_ids=first.sequences, past_key_values=first.past_key_values,
+        generate(slim, x, decoder_input_ids=first.sequences, **{CACHE_KW: first.past_key_values},
                  max_new_tokens=6)
 
 
@@ -211,7 +211,7 @@ def teacher_forced(model, x: torch.Tensor, tokens: torch.Tensor, cache) -> torch
     enc = model.get_encoder()(x).last_hidden_state
     out = []
     for t in range(tokens.shape[1] - 1):
-        o = model(encoder_outputs=(enc,), decoder_input_ids=tokens[:, t:t + 1], past_key_values=cache, use_cache=True)
+        o = model(encoder_outputs=(enc,), decoder_input_ids=tokens[:, t:t + 1], **{CACHE_KW: cache}, use_cache=True)
         cache = o.past_key_values
         out.append(o.logits[:, -1])
     return torch.stack(out, 1)
@@ -260,7 +260,7 @@ def _filled_cache(model, batch: int = 3, steps: int = 4) -> EncDecSlimCache:
     enc = model.get_encoder()(features(batch)).last_hidden_state
     ids = torch.randint(3, 79, (batch, steps), generator=torch.Generator().manual_seed(2))
     for t in range(steps):
-        model(encoder_outputs=(enc,), decoder_input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        model(encoder_outputs=(enc,), decoder_input_ids=ids[:, t:t + 1], **{CACHE_KW: cache}, use_cache=True)
     return cache
 
 
@@ -268,7 +268,7 @@ def _filled_cache(model, batch: int = 3, steps: int = 4) -> EncDecSlimCache:
 def _next_logits(model, cache, batch: int) -> torch.Tensor:
     enc = model.get_encoder()(features(3)).last_hidden_state[:batch]
     nxt = torch.full((batch, 1), 5)
-    return model(encoder_outputs=(enc,), decoder_input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    return model(encoder_outputs=(enc,), decoder_input_ids=nxt, **{CACHE_KW: cache}, use_cache=True).logits
 
 
 def test_take_and_concat_are_exact_and_refuse_bad_input():
@@ -322,7 +322,7 @@ def test_t5_return_dict_multi_turn_and_bf16():
         first = generate(m, ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
                          return_dict_in_generate=True, output_scores=True)
         cont = generate(m, ids, attention_mask=mask, decoder_input_ids=first.sequences,
-                        past_key_values=first.past_key_values, max_new_tokens=6, min_new_tokens=6)
+                        **{CACHE_KW: first.past_key_values}, max_new_tokens=6, min_new_tokens=6)
         beam = generate(m, ids, attention_mask=mask, max_new_tokens=8, num_beams=3, num_return_sequences=2,
                         return_dict_in_generate=True, output_scores=True)
         outs.append((first, cont, beam))

@@ -28,6 +28,7 @@ from .. import api
 from ..adapters.compat import CACHE_KW
 from ..adapters.shape import shape_from_config
 from ..methods import METHODS
+from ..units import human_bytes
 from . import decode
 
 #: model shapes (Llama family, random weights): the issue's three points
@@ -382,7 +383,7 @@ def _line(rec: dict) -> str:
 
 def markdown(doc: dict) -> str:
     """The table: one row per (point, kind), step ms and the ratio to HF static eager of the same point."""
-    lines = ["| point | kind | step ms | × HF static eager | cache GB | read GB/s | % of copy | peak GB |",
+    lines = ["| point | kind | step ms | × HF static eager | cache | read GB/s | % of copy | peak memory |",
              "|---|---|---|---|---|---|---|---|"]
     ok = [r for r in doc["records"] if "step_ms" in r]
     base = {(r["point"], r["batch"]): r["step_ms"] for r in ok if r["kind"] == "hf-static"}
@@ -393,10 +394,10 @@ def markdown(doc: dict) -> str:
                          "| | | | | |")
             continue
         b = base.get((r["point"], r["batch"]))
-        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.1f}"
+        peak = human_bytes(r["peak_bytes"])
         lines.append(f"| {r['point']} | {r['kind']} | {r['step_ms']:.2f} | {b / r['step_ms']:.2f} |" if b else
                      f"| {r['point']} | {r['kind']} | {r['step_ms']:.2f} | - |")
-        lines[-1] += (f" {r['cache_gb']:.3f} | {r['read_gbps']:.0f} | {100 * r['fraction_of_copy_bandwidth']:.0f} "
+        lines[-1] += (f" {human_bytes(r['cache_bytes'])} | {r['read_gbps']:.0f} | {100 * r['fraction_of_copy_bandwidth']:.0f} "
                       f"| {peak} |")
     if doc["capacity"]:
         lines += ["", "| capacity point | kind | largest batch | tokens/s |", "|---|---|---|---|"]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..units import human_bytes
+
 
 def environment() -> dict:
     import transformers
@@ -35,7 +37,7 @@ def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
     skipped = [r for r in records if "skipped" in r]
     records = [r for r in records if "skipped" not in r]
     index = {(r["model"], r["context"], r["batch"], r["method"]): r for r in records}
-    lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | × kvslim dense | cache MiB "
+    lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | × kvslim dense | cache "
              "| GB/s | % roofline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(r: dict, method: str) -> str:
@@ -45,7 +47,7 @@ def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
     for r in records:
         lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | "
                      f"{ratio(r, baseline)} | {ratio(r, 'hf-dynamic')} | {ratio(r, 'kvslim-dense')} | "
-                     f"{r['cache_bytes'] / 2**20:.0f} | {r['gbps']:.1f} | "
+                     f"{human_bytes(r['cache_bytes'])} | {r['gbps']:.1f} | "
                      f"{100 * r['roofline_fraction']:.0f} |")
     reasons = {(r["model"], r["method"]): r["skipped"] for r in skipped}
     lines += [f"\n{method} not run on {model}: {why}" for (model, method), why in reasons.items()]

@@ -76,6 +76,8 @@ def whisper_rows(name: str, console, rounds: int = 3) -> list[dict]:
 def whisper_table(rows: list[dict]):
     from rich.table import Table
 
+    from ..units import human_bytes
+
     t = Table(title=f"{rows[0]['model']} (fp32, CPU) on the shipped 17 s clip; context bytes = 30 s window")
     t.caption = (f"tokens/s: tokens over the median seconds of {len(rows[0]['seconds'])} whole-generate runs per "
                  "side after one warm-up run each, the sides alternating")
@@ -84,6 +86,6 @@ def whisper_table(rows: list[dict]):
         t.add_column(col)
     for r in rows:
         t.add_row("HF EncoderDecoderCache" if r["method"] == "hf" else "kvslim slim", str(r["beams"]),
-                  f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
+                  human_bytes(r["cache_bytes"]), f"{r['ratio']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
                   "yes" if r["identical_to_hf"] else "NO", r["text"][:60] + "…")
     return t

@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..adapters.shape import shape_from_config
     from ..methods.base import parse_dtype
+    from ..units import human_bytes
 
     if args.context <= 0:
         raise ValueError(f"--context must be a positive int, got {args.context}")
@@ -140,24 +141,27 @@ def run(args: argparse.Namespace) -> int:
     sliding = "sliding_attention" in shape.layer_types  # then HF's own cache keeps W − 1 rows there
     by_type = ("sliding layers", "full layers", "× HF's cache") if sliding else ()
     hf = None
-    for col in ("method", "cache bytes", "× dense", *by_type, *extra, "exactness", "note"):
+    for col in ("method", "cache", "× dense", *by_type, *extra, "exactness", "note"):
         table.add_column(col)
     for r in records:
-        per = (f"{r['cache_bytes_per_rank']:,}", f"{r['sent_bytes_per_step']:,}") if extra and r["applies"] else ()
+        per = (human_bytes(r["cache_bytes_per_rank"]), human_bytes(r["sent_bytes_per_step"])) if extra and r["applies"] else ()
         if r["applies"]:
             types = ()
             if sliding:
                 by = r["by_attention"]
-                types = tuple(f"{by[t]['cache_bytes']:,}" if t in by else "-" for t in ("sliding", "full"))
+                types = tuple(human_bytes(by[t]["cache_bytes"]) if t in by else "-" for t in ("sliding", "full"))
                 types += (f"{r['cache_bytes'] / max(1, r['hf_bytes']):.3f}",)
                 hf = by
-            table.add_row(r["method"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", *types, *per,
+            table.add_row(r["method"], human_bytes(r["cache_bytes"]), f"{r['ratio']:.3f}", *types, *per,
                           ", ".join(r["exactness"]), "; ".join(r["notes"]))
         else:
             table.add_row(r["method"], "-", "-", *(("-",) * (len(by_type) + len(extra))), "not applicable",
                           r["reason"])
     if sliding and hf:
         table.caption = ("HF's own cache (DynamicCache: W − 1 rows on sliding layers): sliding layers "
-                         f"{hf['sliding']['hf_bytes']:,} B, full layers {hf.get('full', {}).get('hf_bytes', 0):,} B")
+                         f"{human_bytes(hf['sliding']['hf_bytes'])}, full layers "
+                         f"{human_bytes(hf.get('full', {}).get('hf_bytes', 0))}")
+    table.caption = ((table.caption + "\n") if table.caption else "") + \
+        "bytes in binary units (1 KiB = 1024 B); --json gives the exact counts"
     Console().print(table)
     return 0

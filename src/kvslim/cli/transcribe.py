@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import api
     from ..kernels import load_for
     from ..models.whisper_run import context_bytes, transcribe_tokens
+    from ..units import human_bytes
 
     console = Console()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -124,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     for col in ("cache", "context bytes (first 30 s window)", "× HF", "decode s"):
         table.add_column(col)
     hf_s = f"{statistics.median(runs['hf'][0]):.2f}" if args.compare else ""
-    table.add_row("HF EncoderDecoderCache", f"{hf_bytes:,}", "1.000", hf_s)
-    table.add_row(f"kvslim {args.method}", f"{ours:,}", f"{ours / hf_bytes:.3f}",
+    table.add_row("HF EncoderDecoderCache", human_bytes(hf_bytes), "1.000", hf_s)
+    table.add_row(f"kvslim {args.method}", human_bytes(ours), f"{ours / hf_bytes:.3f}",
                   f"{statistics.median(runs['kvslim'][0]):.2f}")
     console.print(table)
     if args.compare:
