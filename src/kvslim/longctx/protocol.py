@@ -12,7 +12,7 @@ Per haystack (one ``(length, trial)``):
    (``tests/test_longctx.py`` checks codes and answers token for token on a tiny model);
 3. the question is fed in one call (it reads the compressed haystack), then the answer is decoded greedily token
    by token (:func:`answer`) until it is settled: every expected item found (correct), an item that is not
-   expected (wrong), the end of the turn or ``max_new`` tokens.
+   expected (wrong), the end of the turn or ``max_new`` tokens (twice the expected answer's tokens + 16).
 
 Results are appended to a JSONL file, one line per ``(length, trial, method, task)``, after each cache's
 questions: :func:`run` skips the lines already there, so an interrupted run resumes where it stopped.
@@ -94,8 +94,8 @@ def answer(model, tokenizer, cache, question: hs.Question, max_new: int | None =
     token per call until :func:`settled` decides, the turn ends (EOS) or ``max_new`` tokens.
     Returns (answer text, tokens generated)."""
     inst = question.instance
-    if max_new is None:  # the items, their separators and a few spare tokens
-        max_new = len(tokenizer(", ".join(inst.expected), add_special_tokens=False).input_ids) + 8
+    if max_new is None:  # twice the items and their separators, and 16 more: room for a list or a sentence
+        max_new = 2 * len(tokenizer(", ".join(inst.expected), add_special_tokens=False).input_ids) + 16
     stops = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
     if im_end is not None:
