@@ -144,11 +144,12 @@ def _key(r: dict) -> tuple:
 
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
         tasks=TASKS, units: list[str], out: Path | None = None, meta: dict | None = None,
-        progress: bool = True, max_new: int | None = None) -> list[dict]:
+        progress: bool = True, max_new: int | None = None, first_trial: int = 0) -> list[dict]:
     """Every ``(length, trial)`` haystack, every cache of ``caches`` (label -> builds an empty cache) and every task:
     one JSONL line each, appended to ``out`` after each cache's questions; lines already in ``out`` are skipped
     (a haystack whose lines are all there is not even built). Returns all records (old and new).
-    ``max_new`` caps each answer (default: :func:`answer`'s).
+    ``max_new`` caps each answer (default: :func:`answer`'s). Trials run from ``first_trial`` to ``trials − 1``
+    (a second process can take later trials into its own file).
 
     ``meta`` (e.g. model, filler, commit) is copied into every new record."""
     tasks = check_tasks(tasks)
@@ -157,7 +158,7 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
         with open(out, "a") as f:  # a line cut by a killed run: the next records start on their own line
             f.write("\n")
     done = {_key(r) for r in records}
-    todo = [(n, t) for n in lengths for t in range(trials)
+    todo = [(n, t) for n in lengths for t in range(first_trial, trials)
             if any((n, t, m, k) not in done for m in caches for k in tasks)]
     bar = _bar(len(todo) * len(caches), progress)
     for length, trial in todo:
