@@ -68,3 +68,44 @@ def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
     compiled = _tokens(model, torch.compile(model, mode="reduce-overhead", fullgraph=True), "cuda")
     torch._dynamo.reset()
     assert torch.equal(eager, compiled)
+
+
+#: capturable formats (caches/capture.py): plain and per-token codes
+CAPTURABLE = {"dense": {}, "int8": {}, "int4": {"residual": 0, "key_channel_group": 0, "sink": 0}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (tests/test_capturable.py "
+                    "traces the same steps on CPU)")
+@pytest.mark.parametrize("method", list(CAPTURABLE))
+def test_capturable_steps_under_cuda_graphs_on_cuda(method):
+    """dynamo + CUDA graphs (``backend="cudagraphs"``) over 16 decode steps of a capturable cache: one graph,
+    eager's tokens (bf16, same device)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", kv_heads=2, dtype=torch.bfloat16).to("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kvslim.apply(model, method, **CAPTURABLE[method])
+    ids = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0)).to("cuda")
+
+    def run(step):
+        cache = kvslim.make_cache(model, max_length=48)
+        out = []
+        with torch.no_grad():
+            tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
+            for i in range(16):
+                torch.compiler.cudagraph_mark_step_begin()
+                pos = torch.full((2, 1), 24 + i, dtype=torch.long, device="cuda")
+                tok = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True,
+                           **{CACHE_KW: cache}).logits[:, -1:].argmax(-1).clone()
+                out.append(tok)
+        return torch.cat(out, dim=1)
+
+    eager = run(model)
+    torch._dynamo.reset()
+    counters.clear()
+    got = run(torch.compile(model, backend="cudagraphs", fullgraph=True, dynamic=False))
+    graphs, skips = counters["stats"]["unique_graphs"], dict(counters["inductor"])
+    torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs ({skips})"
+    assert torch.equal(eager, got), skips

@@ -216,3 +216,58 @@ def test_readme_memory_rows_equal_their_result_files():
     assert got == pytest.approx([mla["kvslim"]["peak_rss_increase_bytes"] / 2**20,
                                  mla["hf"]["peak_rss_increase_bytes"] / 2**20], abs=0.5)
     assert _numbers(rows["DeepSeek-V2-Lite shape, 8k tokens"][2])[-1] == pytest.approx(mla["speedup"], abs=0.05)
+
+
+# -- benchmarks/results holds only what a person is pointed to (issue 36) -------------------------------------------
+
+def _expand_citation(token: str) -> list[str]:
+    """A file citation as the docs write it -> the names it stands for: braces ``a{,_repeat}.md``, a range
+    ``run1..3``, an alternative ``run1/2`` (same name, other digit); ``*`` globs stay patterns."""
+    m = re.search(r"\{([^{}]*)\}", token)
+    if m:
+        return [n for alt in m.group(1).split(",") for n in _expand_citation(token[:m.start()] + alt + token[m.end():])]
+    m = re.search(r"(\d+)\.\.(\d+)", token)
+    if m:
+        return [n for i in range(int(m.group(1)), int(m.group(2)) + 1)
+                for n in _expand_citation(token[:m.start()] + str(i) + token[m.end():])]
+    m = re.search(r"(\d+)/(\d+)", token)
+    if m:
+        return [n for d in m.groups() for n in _expand_citation(token[:m.start()] + d + token[m.end():])]
+    return [token]
+
+
+def uncited_results(files: list[Path], text: str) -> list[Path]:
+    """Files of ``files`` that ``text`` does not cite: by name, by name without extension (``x.*``, ``--name x``),
+    by a pattern as :func:`_expand_citation` reads it, or as the rendering (same name, other extension) of a cited
+    record."""
+    import fnmatch
+
+    pats = {n.rsplit("/", 1)[-1] for t in re.findall(r"[\w.{},*/-]*[\w*}]", text) if "_" in t or "." in t
+            for n in _expand_citation(t)}  # a file-like word: a plain "demo" in prose cites no demo.json
+    stems = {p[:-2] if p.endswith(".*") else p.rsplit(".", 1)[0] if "." in p and "*" not in p else p for p in pats}
+
+    def cites(f: Path) -> bool:
+        stem = f.name.rsplit(".", 1)[0]
+        return f.name in pats or stem in stems or any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(stem, p)
+                                                      for p in pats if "*" in p)
+
+    cited = {f.name.rsplit(".", 1)[0] for f in files if cites(f)}
+    return [f for f in files if f.name.rsplit(".", 1)[0] not in cited]
+
+
+def test_every_results_file_is_cited():
+    """benchmarks/results keeps the records README.md, docs/*.md or benchmarks/README.md cite; a run nothing cites
+    leaves the tree (git keeps it)."""
+    text = "\n".join(p.read_text() for p in [README, ROOT / "benchmarks/README.md", *(ROOT / "docs").glob("*.md")])
+    files = sorted(p for p in (ROOT / "benchmarks/results").rglob("*") if p.is_file())
+    assert files
+    left = uncited_results(files, text)
+    assert not left, f"results nothing cites (cite them or git rm them): {[str(f.relative_to(ROOT)) for f in left]}"
+
+
+def test_citation_patterns():
+    names = [Path(n) for n in ("a_s24b.md", "a_s24b_repeat.md", "a_s24b_repeat.png", "b_run2.md", "c_1.json",
+                               "old.json", "d_x.json")]
+    text = "`a_s24b{,_repeat}.md`, `b_run1..3.md`, `c_*.json`, `d_x.*`; the old way"
+    assert uncited_results(names, text) == [Path("old.json")]
+    assert _expand_citation("w_run0/3.json") == ["w_run0.json", "w_run3.json"]

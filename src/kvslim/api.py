@@ -109,21 +109,33 @@ def get_plan(model: torch.nn.Module) -> Plan | None:
     return applied_plan(model)
 
 
-def make_cache(model: torch.nn.Module, max_length: int | None = None) -> KVSlimCache:
+def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable: bool = False) -> KVSlimCache:
     """A ``transformers.Cache`` for the plan applied to ``model`` (a dense kvslim cache if none).
 
     Args:
         model: a Hugging Face model (a ``PreTrainedModel``), optionally prepared by :func:`apply`.
-        max_length: total tokens (prompt + new) to preallocate for; ``None`` grows in chunks.
+        max_length: total tokens (prompt + new) to preallocate for; ``None`` grows in chunks. With it, append
+            layers (dense, int8, per-token int4/int3/int2) keep capacity-sized buffers and their length on the
+            device: a step under ``torch.compile`` or a CUDA graph has the same shapes at every length
+            (``caches/capture.py``); eager steps are unchanged.
+        capturable: every step (eager too) takes that static path and ``is_compileable`` is ``True``, as with HF's
+            ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``.
     """
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
                                    or max_length <= 0):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if not isinstance(capturable, bool):
+        raise ValueError(f"capturable must be True or False, got {capturable!r}")
+    if capturable and max_length is None:
+        raise ValueError("capturable=True needs max_length (the buffers a CUDA graph replays are fixed)")
     plan = get_plan(model)
     if plan is None:
         check_model(model, "a transformers PreTrainedModel (e.g. LlamaForCausalLM)")
         plan = _plan_model(METHODS["dense"], model)
-    return build_cache(model, plan, max_length)
+    cache = build_cache(model, plan, max_length)
+    if capturable:
+        cache.set_capturable(True)
+    return cache
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # rich is imported where a table is drawn: plans work without it (a bare GPU machine)
+    from rich.table import Table
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ class Plan:
         }
 
     def table(self, context: int = 4096) -> Table:
+        from rich.table import Table
+
         title = (f"kvslim plan: {self.method} on {self.model_type} ({self.family}, {self.dtype}), "
                  f"{context} tokens: {self.cache_bytes(context):,} B = {self.ratio(context):.3f} × dense")
         if any(lp.attention == "sliding" for lp in self.layers) and self.sliding_window:
@@ -139,6 +141,8 @@ class Plan:
         return t
 
     def __str__(self) -> str:
+        from rich.console import Console
+
         buf = io.StringIO()
         console = Console(file=buf, width=140, force_terminal=False)
         console.print(self.table())

@@ -71,7 +71,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         if vrot is not None and vt is not None and not h.v_tail_rotated:
             vt = vt @ vrot
         out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                                     vbits, spec.group_size, spec.channel_group, h.n, None, kt, vt,
+                                     vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
                                      h.kernel_mask(mask), scaling)
         out = out.reshape(b * heads, d)
         if vrot is not None:
@@ -79,7 +79,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         return out.view(b, 1, heads, d).to(query.dtype)
     # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
     out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                          spec.group_size, spec.channel_group, h.n, None, kt, vt, h.kernel_mask(mask), scaling,
+                          spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
                           v_unrot=h.v.unrotation)
     return out.view(b, 1, heads, d).to(query.dtype)
 

@@ -54,12 +54,18 @@ QUICK_CAPACITY = ("tiny-gqa", 96)
 METHOD_NAMES = ("dense", "window", "int8", "int4", "int3", "int2", "slim", "mla")
 HF_NAMES = ("hf-static", "hf-dynamic", "hf-quanto4")
 CAPACITY_KINDS = ("hf-static", "kvslim-dense", "kvslim-int8", "kvslim-int4", "kvslim-int2")
+COMPILE_MODES = ("reduce-overhead", "cudagraphs", "default", "eager-backend", None)
+#: capacity fills write this many tokens per update (the transient of one write, not the context, sets the peak)
+FILL_CHUNK = 4096
 
 
 @dataclass
 class Settings:
-    """One run. ``compile_mode``: ``"reduce-overhead"`` (CUDA graphs), ``"default"``, ``"eager-backend"``
-    (dynamo tracing only, ``backend="eager"``: what a CPU test can afford) or ``None`` (no compiled kinds)."""
+    """One run. ``compile_mode``: ``"reduce-overhead"`` (inductor + CUDA graphs), ``"cudagraphs"`` (dynamo + CUDA
+    graphs, no inductor code generation: seconds to compile instead of a minute), ``"default"``, ``"eager-backend"``
+    (dynamo tracing only, ``backend="eager"``: what a CPU test can afford) or ``None`` (no compiled kinds).
+    ``points``: (shape, context, batch) rows (``None``: :data:`POINTS`, ``--quick``: :data:`QUICK_POINTS`).
+    ``deadline``: a ``time.monotonic()`` after which no kind or capacity try is started (recorded as skipped)."""
 
     device: str = "cuda"
     quick: bool = False
@@ -73,27 +79,43 @@ class Settings:
     cpu_budget: int = 64 << 20
     #: the capacity search stops here (``--quick``: 16)
     max_batch: int = 4096
+    points: tuple[tuple[str, int, int], ...] | None = None
+    capacity_kinds: tuple[str, ...] = CAPACITY_KINDS
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "rounds"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.compile_mode not in ("reduce-overhead", "default", "eager-backend", None):
-            raise ValueError(f"compile_mode must be 'reduce-overhead', 'default', 'eager-backend' or None, got "
-                             f"{self.compile_mode!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         known = HF_NAMES + tuple(f"kvslim-{m}" for m in METHOD_NAMES)
-        bad = [k for k in self.kinds if k not in known]
-        if bad or not self.kinds:
-            raise ValueError(f"kinds: unknown {bad or self.kinds!r}; choose from {', '.join(known)}")
+        for name, kinds in (("kinds", self.kinds), ("capacity_kinds", self.capacity_kinds)):
+            bad = [k for k in kinds if k not in known]
+            if bad or (name == "kinds" and not kinds):
+                raise ValueError(f"{name}: unknown {bad or kinds!r}; choose from {', '.join(known)}")
+        for point in self.points or ():
+            if (not isinstance(point, tuple) or len(point) != 3 or point[0] not in SHAPES
+                    or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in point[1:])):
+                raise ValueError(f"points: each must be (shape in {', '.join(SHAPES)}, context > 0, batch > 0), "
+                                 f"got {point!r}")
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
     """A random-weight Llama of ``shape`` (:data:`SHAPES`) on ``device`` in ``dtype``, SDPA attention."""
     torch.manual_seed(0)
     cfg = LlamaConfig(max_position_embeddings=65536, attn_implementation="sdpa", **SHAPES[shape])
-    with torch.device(device):
-        return LlamaForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype: an 8B model never exists in fp32 (32 GB) on the way
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def quanto_available() -> str | None:
@@ -148,13 +170,16 @@ def fill(model, kind: str, batch: int, context: int, room: int):
 
 
 def _fill_kv(model, cache, batch: int, context: int, device) -> object:
+    """Random keys (values: a copy) through ``cache.update``, :data:`FILL_CHUNK` tokens per call."""
     shape = shape_from_config(model.config)
     dtype = next(model.parameters()).dtype
     g = torch.Generator(device=device).manual_seed(0)
     for i in range(shape.num_layers):
-        k = torch.randn(batch, shape.num_kv_heads, context, shape.head_dim, generator=g, device=device).to(dtype)
-        cache.update(k, k.clone(), i)
-        del k
+        for start in range(0, context, FILL_CHUNK):
+            n = min(FILL_CHUNK, context - start)
+            k = torch.randn(batch, shape.num_kv_heads, n, shape.head_dim, generator=g, device=device).to(dtype)
+            cache.update(k, k.clone(), i)
+            del k
     return cache
 
 
@@ -167,6 +192,8 @@ def compiled(model, mode: str):
     """``model`` under ``torch.compile(fullgraph=True)`` in ``mode`` (see :class:`Settings`)."""
     if mode == "eager-backend":
         return torch.compile(model, backend="eager", fullgraph=True)
+    if mode == "cudagraphs":
+        return torch.compile(model, backend="cudagraphs", fullgraph=True)
     return torch.compile(model, mode=mode, fullgraph=True)
 
 
@@ -251,13 +278,14 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
         return [{**base, "kind": kind, "error": _error(e), "where": traceback.format_exc()[-600:]}]
     stored = cache_bytes(cache, context)
     runs, records, pos = {}, [], context
-    graphs = device.type == "cuda" and s.compile_mode == "reduce-overhead"
+    graphs = device.type == "cuda" and s.compile_mode in ("reduce-overhead", "cudagraphs")
     for name, fn in variants:
         label = kind if name == "eager" else f"{kind}+compiled"
         t0 = time.perf_counter()
         try:
             if fn is None:
                 torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
                 fn = compiled(model, s.compile_mode)
             first = run_steps(fn, cache, batch, pos, s.warmup, device, graphs and name != "eager")
             pos += s.warmup
@@ -274,6 +302,7 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
                 records.append({**base, "kind": label, "error": _error(e), "where": traceback.format_exc()[-600:]})
                 runs.pop(label)
     peak = _peak(device)
+    graphs_compiled = compile_counts()
     for label, run in runs.items():
         step = statistics.median(run["times"])
         read = weights + stored
@@ -282,11 +311,22 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
                         "bytes_read_per_step": read, "read_gbps": read / step / 1e9,
                         "fraction_of_copy_bandwidth": read / step / 1e9 / copy_gbps,
                         "peak_bytes": peak, "warmup_s": run["warmup_s"], "first_step_s": run["first_step_s"]})
+        if label != kind:  # compiled: how many graphs dynamo made over all its steps (1 = no recompilation)
+            records[-1]["compile_counts"] = graphs_compiled
     del cache, runs
     api.restore(model)
     torch._dynamo.reset()
     _peak_reset(device)
     return records
+
+
+def compile_counts() -> dict:
+    """Dynamo's counters since the last clear: graphs and frames compiled (1 each: no recompilation), graph breaks,
+    CUDA-graph skips (counted under their reason)."""
+    c = torch._dynamo.utils.counters
+    return {"unique_graphs": int(c["stats"]["unique_graphs"]), "frames_compiled": int(c["frames"]["total"]),
+            "graph_breaks": int(sum(c["graph_break"].values())),
+            "cudagraph_skips": {str(k): int(v) for k, v in c["inductor"].items() if "cudagraph" in str(k)}}
 
 
 def _fits(model, kind: str, batch: int, context: int, s: Settings) -> tuple[bool, float | None]:
@@ -320,13 +360,16 @@ def capacity(model, kind: str, context: int, s: Settings) -> dict:
     lo, lo_tps, hi = 0, None, 1
     try:
         while True:  # doubling: lo fits, hi is the next try
+            if s.out_of_time():
+                return {"kind": kind, "context": context, "largest_batch": lo, "tokens_per_s": lo_tps,
+                        "stopped": "budget: the deadline passed during the search (largest_batch is a lower bound)"}
             ok, tps = _fits(model, kind, hi, context, s)
             if not ok:
                 break
             lo, lo_tps, hi = hi, tps, hi * 2
             if hi > s.max_batch:
                 break
-        while hi - lo > max(1, lo // 16):  # bisection to ~6 %
+        while hi - lo > max(1, lo // 16) and not s.out_of_time():  # bisection to ~6 %
             mid = (lo + hi) // 2
             ok, tps = _fits(model, kind, mid, context, s)
             lo, lo_tps, hi = (mid, tps, hi) if ok else (lo, lo_tps, mid)
@@ -346,10 +389,19 @@ def run(s: Settings, progress=print) -> dict:
                            trials=10 if not s.quick else 3)
     progress(f"copy bandwidth (read + write) {bw['copy_gbps']:.0f} GB/s")
     records, cap = [], []
-    for shape, context, batch in (QUICK_POINTS if s.quick else POINTS):
+    for shape, context, batch in s.points or (QUICK_POINTS if s.quick else POINTS):
+        if s.out_of_time():
+            records.append({"point": shape, "context": context, "batch": batch, "kind": "*",
+                            "skipped": "budget: the deadline passed before this point"})
+            continue
         model = build_model(shape, s.device)
         weights = decode.weight_bytes(model)
         for kind in s.kinds:
+            if s.out_of_time():
+                records.append({"point": shape, "context": context, "batch": batch, "kind": kind,
+                                "skipped": "budget: the deadline passed before this kind"})
+                progress(_line(records[-1]))
+                continue
             for rec in measure_kind(model, kind, batch, context, s, bw["copy_gbps"], weights):
                 rec.update(point=shape, weights_bytes=weights)
                 records.append(rec)
@@ -360,13 +412,14 @@ def run(s: Settings, progress=print) -> dict:
     if s.capacity:
         shape, context = QUICK_CAPACITY if s.quick else CAPACITY
         model = build_model(shape, s.device)
-        for kind in CAPACITY_KINDS:
+        for kind in s.capacity_kinds:
             rec = {**capacity(model, kind, context, s), "point": shape}
             cap.append(rec)
             progress(f"capacity {shape} ctx {context} {kind}: {rec.get('largest_batch')} sequences, "
                      f"{rec.get('tokens_per_s') or 0:.1f} tok/s {rec.get('skipped') or rec.get('error') or ''}")
         del model
-    return {"bandwidth": bw, "settings": {k: v for k, v in vars(s).items() if k != "kinds"} | {"kinds": s.kinds},
+    return {"bandwidth": bw, "settings": {k: v for k, v in vars(s).items() if k not in ("kinds", "deadline")}
+            | {"kinds": s.kinds},
             "records": records, "capacity": cap, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
             else None}
 

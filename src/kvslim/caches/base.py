@@ -152,6 +152,8 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
             while store is not None:
                 raise_deferred(store)
                 store = getattr(store, "inner", None)
+        if hasattr(self, "raise_overflow"):
+            self.raise_overflow()  # a graph step refused past max_length (caches/capture.py)
 
     # -- HF protocol -----------------------------------------------------------------------------------------
     def _fused_step(self, key_states: torch.Tensor) -> bool:

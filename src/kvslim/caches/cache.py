@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .capture import graph_step
 from .storage import ScratchPool
 
 
@@ -41,10 +42,36 @@ class KVSlimCache(Cache):
             if hasattr(layer, "fused_decode"):
                 layer.fused_decode = True
 
+    @property
+    def is_compileable(self) -> bool:
+        """HF's flag (all layers compileable: ``generate`` may compile, masks are always built). Also ``True`` while a
+        step is traced or captured when any layer takes the static path of ``caches/capture.py``: its reads are the
+        whole buffer, so HF must build the causal mask for that step (it skips it for one query token otherwise)."""
+        if self.layers and all(getattr(layer, "is_compileable", False) for layer in self.layers):
+            return True
+        return graph_step() and any(getattr(layer, "is_compileable", False) for layer in self.layers)
+
+    def set_capturable(self, capturable: bool = True) -> None:
+        """Every call of the layers that can (append layers built with ``max_length``, plain or per-token quantized)
+        takes the static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all
+        layers can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError``
+        when no layer can."""
+        if not isinstance(capturable, bool):
+            raise ValueError(f"capturable must be True or False, got {capturable!r}")
+        able = [layer for layer in self.layers if hasattr(layer, "_static_format") and layer._static_format()]
+        if capturable and not able:
+            raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
+                             "append layers, plain or per-token quantized: dense, int8, or int4/int3/int2 with "
+                             "residual=0 and key_channel_group=0 and sink=0)")
+        for layer in able:
+            layer.capturable = capturable
+
     def check_finite(self) -> None:
         """``ValueError`` when a decode step since the last check wrote inf/nan into a quantized layer: decode steps
         check their keys and values on the device, without a host synchronisation (docs/gpu.md); this reads the
-        flags (one host read per store). A multi-token update of a layer (a prefill) checks that layer too."""
+        flags (one host read per store). A multi-token update of a layer (a prefill) checks that layer too. Also
+        ``ValueError`` naming ``max_length`` when a compiled or captured step was refused past it
+        (``caches/capture.py``)."""
         for layer in self.layers:
             if hasattr(layer, "raise_deferred"):
                 layer.raise_deferred()

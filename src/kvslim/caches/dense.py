@@ -12,11 +12,14 @@ import torch
 
 from . import fused
 from .base import KVStoreLayer, check_crop
+from .capture import CapturableMixin, graph_step
 from .storage import StoreSpec
 
 
-class AppendLayer(KVStoreLayer):
-    """Grows by whole chunks of ``chunk`` tokens (or to ``max_length`` at once when known)."""
+class AppendLayer(CapturableMixin, KVStoreLayer):
+    """Grows by whole chunks of ``chunk`` tokens (or to ``max_length`` at once when known). With ``max_length``, a
+    step traced by dynamo or captured by a CUDA graph (or any step of a ``capturable`` cache) takes the static path
+    of :mod:`kvslim.caches.capture`."""
 
     is_croppable = True
 
@@ -28,10 +31,17 @@ class AppendLayer(KVStoreLayer):
                                        or max_length <= 0):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.chunk, self.max_length = chunk, max_length
+        self.length_t = None  # (B,) int64 on the device, with max_length (caches/capture.py)
+        self.overflow = None
 
     def _initial_capacity(self, incoming: int) -> int:
         want = max(incoming, self.max_length or 0)
         return -(-want // self.chunk) * self.chunk
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self._static_format():
+            self._init_static()
 
     def _ensure_capacity(self, needed: int) -> None:
         cap = self.k_store.capacity
@@ -47,14 +57,18 @@ class AppendLayer(KVStoreLayer):
             store.set_tensors(grown)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._static_now():
+            return self._static_update(key_states, value_states)
         self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._sync_host()
         start, end = self.cumulative_length, self.cumulative_length + key_states.shape[2]
         self._ensure_capacity(end)
         self.k_store.write(start, key_states)
         self.v_store.write(start, value_states)
         self.cumulative_length = end
+        self._note_length()
         if self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
             reads = functools.partial(self._reads, start, key_states, value_states)
             return fused.markers(fused.append_handle(self.k_store, self.v_store, start, key_states, value_states,
@@ -90,16 +104,44 @@ class AppendLayer(KVStoreLayer):
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._static_now():
+            return self.max_length, 0
+        self._sync_host()
         return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self):
+        if graph_step() and self._static_format() and self.length_t is not None:
+            return self.length_t[0]  # a 0-dim device tensor (HF's StaticLayer does the same)
+        self._sync_host()
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_stale = False
+        for t in (self.length_t, self.overflow):
+            if t is not None:
+                t.zero_()
+        if self.length_t is not None:
+            for store in self._stores():  # stores reset their flags to None: graph steps need them allocated
+                if hasattr(store, "nonfinite"):
+                    store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def _map_batch(self, fn) -> None:
+        super()._map_batch(fn)
+        if self.length_t is not None:
+            self.length_t = fn(self.length_t)
 
     def get_max_length(self) -> int:
         return -1
 
     def stored_tokens(self) -> int:
+        self._sync_host()
         return self.cumulative_length
 
     def crop(self, tokens_to_remove: int) -> None:
         """HF ``DynamicLayer.crop``: ``-n`` removes the last n tokens (all of them if n ≥ length), 0 removes
         nothing, a positive value raises ``ValueError`` (as HF does). Buffers are kept; later writes overwrite."""
         check_crop(tokens_to_remove)
+        self._sync_host()
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        self._note_length()

@@ -57,6 +57,10 @@ class FusedKV:
     visible: int | None = None
     v_tail_rotated: bool = False
     k_tail_rotated: bool = False
+    #: the static path of ``caches/capture.py``: slots ``[0, n)`` are the whole buffer, ``lengths`` (B,) the coded
+    #: tokens to read (the step's own token is the tail), HF's mask covers the ``n`` slots; the tail is attended
+    lengths: torch.Tensor | None = None
+    static: bool = False
 
     @property
     def tokens(self) -> int:
@@ -70,6 +74,10 @@ class FusedKV:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
         device = self.k_tail.device  # every index below is built there: no host read, no device mix
+        if self.static:  # mask over the n slots, then the tail (the step's own token: attended)
+            if mask is None:
+                return None
+            return torch.cat((mask.float(), mask.new_zeros(mask.shape[0], self.k_tail.shape[2]).float()), dim=1)
         if self.columns is not None:
             cols = self.columns.to(device)  # (n + r,), −1: not attended (built on the device by the layer)
             live = (cols >= 0)[None]  # (1, n + r)

@@ -27,6 +27,9 @@ class LatentLayer(AppendLayer):
     def __repr__(self) -> str:
         return f"LatentLayer(c_kv bits={self.spec.bits}, seen={self.cumulative_length})"
 
+    def _static_format(self) -> bool:
+        return False  # MLA attention reads the latents up to the Python-int length (not capturable yet)
+
     def value_spec(self) -> StoreSpec:
         """``k_pe`` is always kept plain, in the model dtype."""
         return StoreSpec()

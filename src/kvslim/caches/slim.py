@@ -40,6 +40,9 @@ class SlimLayer(AppendLayer):
     def __repr__(self) -> str:
         return f"SlimLayer({self.technique}, width={self.width}, bits={self.spec.bits}, seen={self.cumulative_length})"
 
+    def _static_format(self) -> bool:
+        return False  # slim attention reads its rows up to the Python-int length (not capturable yet)
+
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError(f"SlimLayer({self.technique}) stores one tensor per token and is filled by slim "
                            "attention; it was called by unpatched attention (apply the 'slim' method first)")

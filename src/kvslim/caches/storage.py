@@ -223,6 +223,11 @@ def raise_deferred(owner: object) -> None:
                          "(dense, window, slim, mla without bits)")
 
 
+def _kept(buf: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``new``, or where ``keep`` (1-element bool, on the device) is true what ``buf`` holds at slots ``pos``."""
+    return new if keep is None else torch.where(keep, buf.index_select(2, pos), new)
+
+
 class ScratchPool:
     """Reusable float32 buffers for dequantized reads, shared by the layers of one cache.
 
@@ -278,6 +283,12 @@ class TensorStore:
     def write(self, start: int, x: torch.Tensor) -> None:
         """Write ``x`` (B, H, S, D) into slots [start, start+S)."""
         self.data[:, :, start:start + x.shape[2]] = x
+
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Write ``x`` (B, H, S, D) into slots ``pos`` (S,) int64, a device tensor (the static path of
+        ``caches/capture.py``: the shapes of the write do not depend on where it goes). ``keep`` (a 1-element bool
+        tensor): when true, the slots are rewritten with what they hold (a refused write, decided on the device)."""
+        self.data.index_copy_(2, pos, _kept(self.data, pos, x.to(self.data.dtype), keep))
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         """Slots [start, end) as (B, H, end-start, D) in the model dtype (a view when possible).
@@ -402,6 +413,17 @@ class QuantizedStore(TensorStore):
         self.scale[:, :, start:end] = scale
         if zero is not None:
             self.zero[:, :, start:end] = zero
+
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Quantize ``x`` (B, H, S, D) into slots ``pos`` (S,) int64 on the device (``caches/capture.py``); the
+        checks of :meth:`write` (a one-token write: the device-side non-finite flag); ``keep`` as
+        :meth:`TensorStore.write_at`."""
+        check_finite(x, self)
+        codes, scale, zero = self._encode(x, self._channel_for(x))
+        self.data.index_copy_(2, pos, _kept(self.data, pos, codes, keep))
+        self.scale.index_copy_(2, pos, _kept(self.scale, pos, scale, keep))
+        if zero is not None:
+            self.zero.index_copy_(2, pos, _kept(self.zero, pos, zero, keep))
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
         codes, scale = self.data[:, :, start:end], self.scale[:, :, start:end]

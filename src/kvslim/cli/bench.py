@@ -52,12 +52,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="base name of the output files (bench_decode; the GPU table: "
                    "bench_gpu, --quick: bench_gpu_quick)")
     p.add_argument("--quick", action="store_true", help="the GPU table on tiny shapes (runs on --device cpu too)")
-    p.add_argument("--compile", default=None, choices=("reduce-overhead", "default", "eager-backend", "none"),
+    p.add_argument("--compile", default=None, choices=("reduce-overhead", "cudagraphs", "default", "eager-backend",
+                                                       "none"),
                    help="GPU table: how compiled kinds are compiled (reduce-overhead: CUDA graphs, the default on "
                         "CUDA; eager-backend: dynamo tracing only, the default of --quick on CPU; none)")
     p.add_argument("--no-capacity", action="store_true", help="GPU table: skip the capacity search")
     p.add_argument("--kinds", default=None, help="GPU table: comma-separated kinds (default all: "
                    "hf-static,hf-dynamic,hf-quanto4,kvslim-<method>)")
+    p.add_argument("--points", default=None, help="GPU table: comma-separated points (default all: mha-1b (8k x 8), "
+                   "llama3.2-1b (8k x 8), llama3-8b (32k x 4); --quick: tiny-mha, tiny-gqa)")
+    p.add_argument("--budget", default=None, help="GPU table: seconds; no kind or capacity try starts after them "
+                   "(recorded as skipped)")
+    p.add_argument("--capacity-kinds", default=None, help="GPU table: kinds of the capacity search (default "
+                   "hf-static,kvslim-dense,kvslim-int8,kvslim-int4,kvslim-int2)")
 
 
 def load_model(name: str, dtype, device: str):
@@ -130,8 +137,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_seconds(text, name: str) -> float:
+    """``text`` as a positive, finite number of seconds; ``ValueError`` naming ``name`` otherwise."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def gpu_settings(args: argparse.Namespace):
     """The :class:`kvslim.bench.cuda.Settings` the flags ask for (``ValueError`` naming a bad flag)."""
+    import time
+
     from ..bench import cuda
 
     compile_mode = args.compile or ("reduce-overhead" if args.device.startswith("cuda") else "eager-backend")
@@ -139,10 +159,20 @@ def gpu_settings(args: argparse.Namespace):
                                                                             "--kinds"))
     if args.steps <= 0 or args.rounds <= 0:
         raise ValueError(f"--steps and --rounds must be positive ints, got {args.steps}, {args.rounds}")
+    table = cuda.QUICK_POINTS if args.quick else cuda.POINTS
+    points = None
+    if getattr(args, "points", None) is not None:
+        names = _names(args.points, tuple(p[0] for p in table), "--points")
+        points = tuple(p for p in table if p[0] in names)
+    budget = getattr(args, "budget", None)
+    deadline = None if budget is None else time.monotonic() + positive_seconds(budget, "--budget")
+    cap_kinds = cuda.CAPACITY_KINDS
+    if getattr(args, "capacity_kinds", None) is not None:
+        cap_kinds = tuple(_names(args.capacity_kinds, cuda.Settings().kinds, "--capacity-kinds"))
     return cuda.Settings(device=args.device, quick=args.quick, steps=args.steps, rounds=args.rounds,
                          compile_mode=None if compile_mode == "none" else compile_mode,
-                         capacity=not args.no_capacity, kinds=kinds,
-                         **({"max_batch": 16, "cpu_budget": 256 << 10} if args.quick else {}))
+                         capacity=not args.no_capacity, kinds=kinds, points=points, deadline=deadline,
+                         capacity_kinds=cap_kinds, **({"max_batch": 16, "cpu_budget": 256 << 10} if args.quick else {}))
 
 
 def run_gpu_table(args: argparse.Namespace) -> int:

@@ -1,0 +1,151 @@
+"""Append layers that CUDA graphs can capture (issue 33): fixed buffers, the stored length on the device.
+
+An :class:`~kvslim.caches.dense.AppendLayer` built with ``max_length`` (``kvslim.make_cache(model, max_length=N)``)
+keeps capacity-sized buffers (zeroed: every slot finite) and, beside its Python-int length, the length as a (B,)
+int64 tensor on the device. Its *static path* is HF's ``StaticLayer`` layout: a write goes to slots given by that
+tensor (``index_copy_``), reads return the first ``max_length`` slots whatever the length, ``get_mask_sizes`` is
+``(max_length, 0)`` (HF's mask then covers the whole buffer: a slot past the length is a future position, masked
+by the causal rule) and ``get_seq_length`` the device length. A decode step's shapes then never depend on the
+length: ``torch.compile(fullgraph=True)`` compiles once, and a CUDA graph replays the same step at every length.
+
+When the static path runs:
+
+* inside a step being traced by dynamo or captured by a CUDA graph (:func:`graph_step`), always, whatever the layer
+  did eagerly before (its eager steps keep today's growing views and exact reads; the device length is kept current
+  by one in-place fill per eager update, and after graph steps the Python int is read back once, at the next eager
+  call: one host synchronisation at that boundary);
+* in every call, eager included, once the cache is made ``capturable`` (``kvslim.make_cache(...,
+  capturable=True)``): then ``is_compileable`` is ``True``, so HF's ``generate`` builds whole-buffer masks and may
+  compile its decode step (``generation_config.compile_config``), as with a ``StaticCache``.
+
+Formats: plain stores and per-token quantized stores (int8; int4/int3/int2 with ``residual=0``, no KIVI keys, no
+sinks). A layer whose stores keep a full-precision residual window (the int4/int3/int2 defaults) is not capturable:
+its flushes depend on the length; it keeps today's path (``is_compileable`` ``False``).
+
+Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
+step writes nothing (the last slot is rewritten with what it holds, the length stays; that step's output is void)
+and sets a device flag; the next host boundary (a multi-token update, ``KVSlimCache.check_finite``) raises a
+``ValueError`` naming ``max_length``. A ``capturable`` cache refuses an eager write past ``max_length`` at once
+(nothing written).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import fused
+from .storage import QuantizedStore
+
+
+def graph_step() -> bool:
+    """Whether the running code is being traced by dynamo or captured into a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def overflow_error(max_length: int) -> ValueError:
+    return ValueError(f"a compiled or captured decode step would have written past max_length={max_length} tokens; "
+                      "it wrote nothing (graph steps cannot grow the buffers). Build the cache with a larger "
+                      "max_length (kvslim.make_cache(model, max_length=...)) or decode past it eagerly")
+
+
+class CapturableMixin:
+    """The static path of :class:`~kvslim.caches.dense.AppendLayer` (see the module docstring)."""
+
+    capturable = False
+
+    def _static_format(self) -> bool:
+        sp = self.spec
+        return self.max_length is not None and not (sp.residual or sp.channel_group or sp.sink)
+
+    def _static_now(self) -> bool:
+        return self._static_format() and (self.capturable or graph_step())
+
+    @property
+    def is_compileable(self) -> bool:
+        return self._static_now()
+
+    def _init_static(self) -> None:
+        """At lazy initialization with ``max_length``: zeroed buffers, device length and overflow flag; their
+        addresses marked static (CUDA graphs replay in place)."""
+        b = self.k_store.data.shape[0]
+        self.length_t = torch.zeros(b, dtype=torch.int64, device=self.device)
+        self.overflow = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.host_stale = False
+        held = [self.length_t, self.overflow]
+        for store in self._stores():
+            for t in store.tensors():
+                t.zero_()
+                held.append(t)
+            if isinstance(store, QuantizedStore):
+                store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+                held.append(store.nonfinite)
+        if not torch.compiler.is_compiling():
+            for t in held:
+                torch._dynamo.mark_static_address(t)
+
+    def _sync_host(self) -> None:
+        """After graph steps: the Python-int length from the device (one host read, at an eager boundary)."""
+        if getattr(self, "host_stale", False):
+            self.cumulative_length = int(self.length_t[0])
+            self.host_stale = False
+
+    def _note_length(self) -> None:
+        """Eager update: keep the device length current (one in-place fill; no host read)."""
+        if getattr(self, "length_t", None) is not None:
+            self.length_t.fill_(self.cumulative_length)
+
+    def raise_overflow(self) -> None:
+        flag = getattr(self, "overflow", None)
+        if flag is not None and bool(flag):
+            raise overflow_error(self.max_length)
+
+    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        s = key_states.shape[2]
+        in_graph = graph_step()
+        self._check_update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if getattr(self, "length_t", None) is None:  # initialized before max_length took effect: cannot happen
+            raise ValueError("max_length: this layer was built without a device length")
+        old, keep = self.length_t.clone(), None
+        if in_graph:
+            ok = old[:1] + s <= self.max_length  # (1,) bool, on the device
+            pos = (old[:1] + torch.arange(s, device=old.device)).clamp(max=self.max_length - 1)
+            keep = ~ok  # refused: the slots are written with what they hold (nothing changes)
+            self.length_t.add_(ok.to(torch.int64) * s)
+            self.overflow.logical_or_(~ok[0])
+            self.host_stale = True
+        else:
+            self._sync_host()
+            start = self.cumulative_length
+            if start + s > self.max_length:
+                raise ValueError(f"max_length={self.max_length}: this capturable cache holds {start} tokens and "
+                                 f"cannot take {s} more (nothing written); build it with a larger max_length")
+            pos = torch.arange(start, start + s, device=self.device)
+            self.cumulative_length = start + s
+            self.length_t.fill_(start + s)
+        for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
+            store.write_at(pos, x, keep)
+        reads = functools.partial(self._static_reads, pos, key_states, value_states)
+        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
+                and fused.fusable(self.v_store):
+            h = fused.FusedKV(self.k_store, self.v_store, self.max_length, key_states, value_states, reads,
+                              visible=self.max_length, lengths=old, static=True)
+            return fused.markers(h, key_states)
+        return reads()
+
+    def _static_reads(self, pos: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``max_length`` slots; a quantized store's decoded slots hold the call's own tokens exactly."""
+        out = []
+        for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
+            if not store.spec.bits:
+                out.append(store.data[:, :, :self.max_length])
+                continue
+            full = store.read(0, self.max_length)
+            out.append(full.index_copy(2, pos, x.to(full.dtype)))
+        return out[0], out[1]
