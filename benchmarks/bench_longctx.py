@@ -143,6 +143,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096,8192", help="comma-separated context lengths (tokens)")
     p.add_argument("--trials", type=int, default=3, help="haystacks per length (each asks every task once)")
+    p.add_argument("--first-trial", type=int, default=0, help="start at this trial (another process, another --stem)")
     p.add_argument("--methods", default=",".join(m for m in METHOD_ROWS if m != "window 1024"),
                    help=f"comma-separated rows of {list(METHOD_ROWS)}")
     p.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack")
@@ -183,7 +184,7 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv)}
     RESULTS.mkdir(exist_ok=True)
     run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
-        tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta)
+        tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial)
     print(markdown(report(stem)))
 
 

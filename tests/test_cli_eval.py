@@ -68,7 +68,10 @@ def test_eval_perplexity_end_to_end(capsys, text_file):
 
 
 def test_eval_retrieval_end_to_end(capsys):
-    assert main(["eval", "--model", "tiny-mha", "--task", "passkey", "--context", "200", "--trials", "1",
+    from kvslim.models.tiny_mha import tiny_mha_path
+
+    # a local Hugging Face folder (the built-in tiny model's own files) as --model
+    assert main(["eval", "--model", str(tiny_mha_path()), "--task", "passkey", "--context", "200", "--trials", "1",
                  "--methods", "int4"]) == 0
     out = capsys.readouterr().out
     assert "passkey at 200 tokens, 1 haystacks" in out

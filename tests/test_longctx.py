@@ -127,13 +127,13 @@ def test_run_appends_per_cell_and_resumes(tiny_mha, tmp_path, monkeypatch):
     out = tmp_path / "cells.jsonl"
     units = filler_units()
     caches = {"dense": make_cache_fn(model, "dense"), "int4": make_cache_fn(model, "int4")}
-    kw = dict(lengths=[200], trials=2, tasks=["passkey", "multikey"], units=units, out=out, progress=False,
-              max_new=2)
+    kw = dict(lengths=[200], trials=2, tasks=["passkey", "vartrack"], units=units, out=out, progress=False,
+              max_new=1)
     first = run(model, tok, caches, meta={"model": "tiny"}, **kw)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(first) == len(lines) == 2 * 2 * 2
     assert {(r["trial"], r["method"], r["task"]) for r in lines} == {
-        (t, m, k) for t in (0, 1) for m in caches for k in ("passkey", "multikey")}
+        (t, m, k) for t in (0, 1) for m in caches for k in ("passkey", "vartrack")}
     r = lines[0]
     assert r["model"] == "tiny" and r["length"] == 200 and isinstance(r["correct"], bool)
     assert r["bytes_per_token"] > 0 and r["new_tokens"] >= 1

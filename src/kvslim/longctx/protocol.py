@@ -12,7 +12,7 @@ Per haystack (one ``(length, trial)``):
    (``tests/test_longctx.py`` checks codes and answers token for token on a tiny model);
 3. the question is fed in one call (it reads the compressed haystack), then the answer is decoded greedily token
    by token (:func:`answer`) until it is settled: every expected item found (correct), an item that is not
-   expected (wrong), the end of the turn or ``max_new`` tokens.
+   expected (wrong), the end of the turn or ``max_new`` tokens (twice the expected answer's tokens + 16).
 
 Results are appended to a JSONL file, one line per ``(length, trial, method, task)``, after each cache's
 questions: :func:`run` skips the lines already there, so an interrupted run resumes where it stopped.
@@ -56,18 +56,20 @@ def fill(cache, kv: list[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def make_cache_fn(model, method: str, **options) -> Callable[[], object]:
-    """A function building an empty cache: a kvslim method's ``KVSlimCache`` (``apply()`` options), or
+    """A function building an empty cache: a kvslim method's ``KVSlimCache`` (``apply()`` options) as
+    ``kvslim.make_cache`` builds it (decode steps read the codes through the fused ops when ``model`` runs kvslim's
+    attention and the ops are built), or
     ``method="quanto"`` with ``nbits``: HF ``QuantizedCache`` (quanto, groups of 64, a 128-token residual)."""
     if method == "quanto":
         from transformers import QuantizedCache
 
         nbits = options["nbits"]
         return lambda: QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=64, residual_length=128)
-    from ..caches import KVSlimCache
+    from ..adapters.generate import build_cache
     from ..methods import METHODS
 
     plan = METHODS[method].plan_model(model, **options)
-    return lambda: KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)
+    return lambda: build_cache(model, plan, None)  # what kvslim.make_cache builds: fused decode where it applies
 
 
 def settled(text: str, inst: Instance) -> bool | None:
@@ -92,8 +94,8 @@ def answer(model, tokenizer, cache, question: hs.Question, max_new: int | None =
     token per call until :func:`settled` decides, the turn ends (EOS) or ``max_new`` tokens.
     Returns (answer text, tokens generated)."""
     inst = question.instance
-    if max_new is None:  # the items, their separators and a few spare tokens
-        max_new = len(tokenizer(", ".join(inst.expected), add_special_tokens=False).input_ids) + 8
+    if max_new is None:  # twice the items and their separators, and 16 more: room for a list or a sentence
+        max_new = 2 * len(tokenizer(", ".join(inst.expected), add_special_tokens=False).input_ids) + 16
     stops = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
     if im_end is not None:
@@ -142,11 +144,12 @@ def _key(r: dict) -> tuple:
 
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
         tasks=TASKS, units: list[str], out: Path | None = None, meta: dict | None = None,
-        progress: bool = True, max_new: int | None = None) -> list[dict]:
+        progress: bool = True, max_new: int | None = None, first_trial: int = 0) -> list[dict]:
     """Every ``(length, trial)`` haystack, every cache of ``caches`` (label -> builds an empty cache) and every task:
     one JSONL line each, appended to ``out`` after each cache's questions; lines already in ``out`` are skipped
     (a haystack whose lines are all there is not even built). Returns all records (old and new).
-    ``max_new`` caps each answer (default: :func:`answer`'s).
+    ``max_new`` caps each answer (default: :func:`answer`'s). Trials run from ``first_trial`` to ``trials − 1``
+    (a second process can take later trials into its own file).
 
     ``meta`` (e.g. model, filler, commit) is copied into every new record."""
     tasks = check_tasks(tasks)
@@ -155,7 +158,7 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
         with open(out, "a") as f:  # a line cut by a killed run: the next records start on their own line
             f.write("\n")
     done = {_key(r) for r in records}
-    todo = [(n, t) for n in lengths for t in range(trials)
+    todo = [(n, t) for n in lengths for t in range(first_trial, trials)
             if any((n, t, m, k) not in done for m in caches for k in tasks)]
     bar = _bar(len(todo) * len(caches), progress)
     for length, trial in todo:
