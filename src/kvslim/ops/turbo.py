@@ -22,7 +22,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.special import ndtr, ndtri
 
 from .quant_formats import hadamard, pack_codes, unpack_codes
 
@@ -34,6 +33,16 @@ GAUSSIAN_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 
 def _pdf(x: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def ndtr(x: np.ndarray) -> np.ndarray:
+    """Φ(x), the N(0, 1) distribution function, float64 (torch's: scipy may be absent, e.g. on a GPU machine)."""
+    return torch.special.ndtr(torch.as_tensor(x, dtype=torch.float64)).numpy()
+
+
+def ndtri(p: np.ndarray) -> np.ndarray:
+    """Φ⁻¹(p), float64 (torch's)."""
+    return torch.special.ndtri(torch.as_tensor(p, dtype=torch.float64)).numpy()
 
 
 @functools.cache
