@@ -16,7 +16,6 @@ process (:func:`warn_fallback`).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import warnings
@@ -27,10 +26,14 @@ ENV = "KVSLIM_BACKEND"
 BACKENDS = ("triton", "cpp", "torch")
 
 
-@functools.cache
+#: whether the triton package is present (a lookup, nothing imported); a module constant, not an ``lru_cache``d
+#: call, so that dynamo reads it as a constant inside a compiled decode step (and does not warn)
+_TRITON_PRESENT = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
     """Whether ``import triton`` can work here (the package is present; nothing is imported)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_PRESENT
 
 
 def interpreting() -> bool:
