@@ -248,23 +248,17 @@ class StoreSpec:
             parts = [f"turbo{self.bits}", self.rotation, str(self.scale_dtype).replace("torch.float", "fp")]
             if self.outliers:
                 parts.append(f"o{self.outliers}@{self.bits + 1}")
-            if self.smooth:
-                parts.append("smooth-k")
-            if self.center:
-                parts.append("center-k")
-            if self.residual:
-                parts.append(f"r{self.residual}/{self.flush}")
-            if self.sink:
-                parts.append(f"sink{self.sink}")
-            return " ".join(parts)
-        parts = [f"int{self.bits}", "asym" if self.asymmetric else "sym", f"g{self.group_size}",
-                 str(self.scale_dtype).replace("torch.float", "fp").replace("torch.", "")]
-        if self.channel_group:
-            parts.append(f"kivi-k{self.channel_group}")
-        if self.rotation:
-            parts.append(self.rotation)
+        else:
+            parts = [f"int{self.bits}", "asym" if self.asymmetric else "sym", f"g{self.group_size}",
+                     str(self.scale_dtype).replace("torch.float", "fp").replace("torch.", "")]
+            if self.channel_group:
+                parts.append(f"kivi-k{self.channel_group}")
+            if self.rotation:
+                parts.append(self.rotation)
         if self.smooth:
             parts.append("smooth-k")
+        if self.codec == "turbo" and self.center:
+            parts.append("center-k")
         if self.residual:
             parts.append(f"r{self.residual}/{self.flush}")
         if self.sink:
