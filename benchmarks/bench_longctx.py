@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import platform
 import subprocess
@@ -27,6 +26,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from kvslim.optional import quanto_missing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEM = "bench_longctx"
@@ -163,8 +164,8 @@ def main() -> None:
     bad = [m for m in labels if m not in METHOD_ROWS]
     if bad:
         p.error(f"--methods: unknown {bad}; expected some of {list(METHOD_ROWS)}")
-    if any(METHOD_ROWS[m][0] == "quanto" for m in labels) and importlib.util.find_spec("optimum.quanto") is None:
-        print("optimum-quanto is not installed: quanto rows left out (pip install --no-deps optimum-quanto==0.2.7)")
+    if any(METHOD_ROWS[m][0] == "quanto" for m in labels) and quanto_missing():
+        print(f"quanto rows left out: {quanto_missing()}")
         labels = [m for m in labels if METHOD_ROWS[m][0] != "quanto"]
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")

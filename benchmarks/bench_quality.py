@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import platform
 import subprocess
@@ -52,6 +51,7 @@ from kvslim.caches.sink import SinkStore
 from kvslim.evaluate import compare_caches, greedy_agreement, text_ids
 from kvslim.methods import METHODS
 from kvslim.ops.rope import rotate, unrotate
+from kvslim.optional import quanto_missing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 F16 = torch.float16
@@ -359,8 +359,8 @@ def main() -> None:
         rows = [r for r in rows if any(r[0] == k[:-1] if k.endswith("$") else k in r[0] for k in keys)]
     if args.engine == "one-pass":  # --texts: quanto rows run call by call beside them
         rows = [r for r in rows if (args.texts or r[1] != "quanto") and not r[2].get("prerope")]
-    if any(r[1] == "quanto" for r in rows) and importlib.util.find_spec("optimum.quanto") is None:
-        print("optimum-quanto is not installed: quanto rows left out (pip install --no-deps optimum-quanto==0.2.7)")
+    if any(r[1] == "quanto" for r in rows) and quanto_missing():
+        print(f"quanto rows left out: {quanto_missing()}")
         rows = [r for r in rows if r[1] != "quanto"]
     makers, facts = {}, {}
     for label, method, opts in rows:

@@ -4,7 +4,6 @@ to a real prefill through each cache (codes and answers token for token), resume
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
@@ -18,8 +17,9 @@ from kvslim.longctx import filler_units, instances, protocol, wilson
 from kvslim.longctx import haystack as hs
 from kvslim.longctx.protocol import answer, fill, make_cache_fn, prefill_kv, run, settled
 from kvslim.models import load_tiny_mha
+from kvslim.optional import quanto_missing
 
-QUANTO = importlib.util.find_spec("optimum.quanto") is not None
+QUANTO = quanto_missing() is None
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from .. import api
 from ..adapters.compat import CACHE_KW
 from ..adapters.shape import shape_from_config
 from ..methods import METHODS
+from ..optional import quanto_missing
 from ..units import human_bytes
 from . import decode
 
@@ -118,15 +119,6 @@ def build_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16) ->
         torch.set_default_dtype(default)
 
 
-def quanto_available() -> str | None:
-    """``None`` when HF's quanto-backed ``QuantizedCache`` can run here, else why not."""
-    try:
-        import optimum.quanto  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means the kind is skipped, with its reason
-        return f"optimum-quanto does not import ({type(e).__name__}: {e})"
-    return None
-
-
 def _method_options(method: str, context: int) -> dict:
     """``kvslim.apply`` options of a table kind: each method's defaults; ``window`` (a Llama has no sliding window
     of its own) attends the last context/4 tokens; ``slim`` keeps K only."""
@@ -136,7 +128,7 @@ def _method_options(method: str, context: int) -> dict:
 def not_applicable(model, kind: str) -> str | None:
     """Why ``kind`` cannot run on ``model`` here (a method that does not apply, quanto missing), or ``None``."""
     if kind == "hf-quanto4":
-        return quanto_available()
+        return quanto_missing()
     if kind.startswith("kvslim-"):
         return METHODS[kind.removeprefix("kvslim-")].not_applicable(shape_from_config(model.config))
     return None

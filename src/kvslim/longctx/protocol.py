@@ -63,6 +63,11 @@ def make_cache_fn(model, method: str, **options) -> Callable[[], object]:
     if method == "quanto":
         from transformers import QuantizedCache
 
+        from ..optional import quanto_missing
+
+        if quanto_missing():
+            raise ValueError(f"method='quanto': HF's QuantizedCache cannot run here: {quanto_missing()}")
+
         nbits = options["nbits"]
         return lambda: QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=64, residual_length=128)
     from ..adapters.generate import build_cache
