@@ -114,6 +114,27 @@ def markdown(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def readme_table(rec: dict) -> str:
+    """The README's table: one row per context, one column per method (accuracy over all tasks [Wilson 95 %]
+    (correct/asked)), and the bytes per token at the longest context (``tests/test_docs.py`` checks it)."""
+    cell = {(r["method"], r["length"]): r for r in rec["rows"] if r["task"] == "all"}
+    methods = rec["methods"]
+    label = {m: m if m.startswith("quanto") else f"kvslim {m}" for m in methods}
+    out = ["| context | " + " | ".join(label[m] for m in methods) + " |", "|---|" + "---|" * len(methods)]
+    for n in rec["lengths"]:
+        cells = []
+        for m in methods:
+            r = cell.get((m, n))
+            lo, hi = r["wilson95"] if r else (0, 0)
+            cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})"
+                         if r else "—")
+        out.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    top = max(rec["lengths"])
+    out.append(f"| bytes/token at {top:,} | " + " | ".join(
+        f"{cell[(m, top)]['bytes_per_token']:,.0f}" if (m, top) in cell else "—" for m in methods) + " |")
+    return "\n".join(out) + "\n"
+
+
 def plot(rec: dict, path: Path) -> None:
     import matplotlib
 
@@ -159,7 +180,8 @@ def main() -> None:
     args = p.parse_args()
     stem = RESULTS / args.stem
     if args.report:
-        print(markdown(report(stem)))
+        rec = report(stem)
+        print(markdown(rec) + "\nREADME:\n\n" + readme_table(rec))
         return
     lengths = [int(x) for x in args.lengths.split(",")]
     labels = args.methods.split(",")
