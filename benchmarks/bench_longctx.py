@@ -119,7 +119,7 @@ def markdown(rec: dict) -> str:
     out = [f"{rec['model']}; filler {rec['filler']}; seed {rec['seed']}; commits {', '.join(rec['commits'])}. "
            f"Accuracy over all tasks with its Wilson 95 % interval (correct/trials), bytes per token measured "
            f"from the filled cache (fp32 model).", "",
-           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token |",
+           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token (longest context) |",
            "|---|" + "---|" * (len(lengths) + 1)]
     for m in methods:
         cells, bpt = [], None
@@ -128,7 +128,7 @@ def markdown(rec: dict) -> str:
             if r is None:
                 cells.append("-")
                 continue
-            bpt = r["bytes_per_token"] if bpt is None else bpt
+            bpt = r["bytes_per_token"]  # the longest context's
             lo, hi = r["wilson95"]
             cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})")
         out.append(f"| {m} | " + " | ".join(cells) + f" | {bpt:,.0f} |")
@@ -136,7 +136,8 @@ def markdown(rec: dict) -> str:
         f"{int(n):,}: {k}" for n, k in rec["haystacks"].items()) + ".", "",
         "Paired with dense (same questions, all lengths): same verdict / questions; lost = dense right, this wrong; "
         "gained = the reverse.", "", "| cache | same verdict | lost | gained |", "|---|---|---|---|"]
-    out += [f"| {m} | {a['same']}/{a['n']} | {a['lost']} | {a['gained']} |" for m, a in rec["agreement"].items()]
+    out += [f"| {m} | {a['same']}/{a['n']} | {a['lost']} | {a['gained']} |" for m in methods
+            if (a := rec["agreement"].get(m))]
     out += ["", "Per task (correct/trials):", "",
             "| cache | length | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
     for m in methods:
@@ -176,7 +177,7 @@ def plot(rec: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     rows = [r for r in rec["rows"] if r["task"] == "all"]
     for i, m in enumerate(rec["methods"]):
         pts = sorted((r["length"], r["accuracy"], *r["wilson95"]) for r in rows if r["method"] == m)
@@ -186,12 +187,12 @@ def plot(rec: dict, path: Path) -> None:
         ax.errorbar(x, y, yerr=err, marker="s" if m.startswith("quanto") else "o", capsize=3, label=m,
                     ls="--" if m.startswith("quanto") else "-")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(rec["lengths"], [f"{n:,}" for n in rec["lengths"]])
+    ax.set_xticks(rec["lengths"], [f"{n:,}\n({rec['haystacks'].get(str(n), 0)} haystacks)" for n in rec["lengths"]])
     ax.set_ylim(-5, 105)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("accuracy, all tasks (%), Wilson 95 % interval")
     ax.set_title(f"{(rec['model'] or '').split(' (')[0]}: retrieval through the cache")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
