@@ -70,12 +70,13 @@ def test_compiles_once_and_decodes_64_steps_with_eager_tokens(method):
     assert int(layer.length_t[0]) == PROMPT + STEPS and not bool(layer.overflow)
 
 
-def test_residual_window_formats_say_they_are_not_capturable():
-    model = _model("int4", residual=16, key_channel_group=8, sink=2)
-    cache = kvslim.make_cache(model, max_length=64)
-    with pytest.raises(ValueError, match="capturable=True: no layer"):
-        cache.set_capturable(True)
+def test_a_residual_window_is_capturable_only_when_asked():
+    """Without ``capturable=True`` a default int4 cache keeps the eager layout (tests/test_capturable_residual.py
+    has the capturable one); turbo codes have no capturable layout."""
+    cache = kvslim.make_cache(_model("int4", residual=16, key_channel_group=8, sink=2), max_length=64)
     assert cache.is_compileable is False
+    with pytest.raises(ValueError, match="capturable=True: no layer"):
+        kvslim.make_cache(_model("turbo4"), max_length=64, capturable=True)
 
 
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():

@@ -70,8 +70,12 @@ def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
     assert torch.equal(eager, compiled)
 
 
-#: capturable formats (caches/capture.py): plain and per-token codes
-CAPTURABLE = {"dense": {}, "int8": {}, "int4": {"residual": 0, "key_channel_group": 0, "sink": 0}}
+#: capturable formats: plain and per-token codes (caches/capture.py) with ``max_length``; the int4/int2 defaults
+#: (sinks, residual window, KIVI keys; caches/capture_residual.py) with ``capturable=True`` and a 120-token prompt,
+#: so that the 16 steps cross the first flush (position 128)
+CAPTURABLE = {"dense": ("dense", {}), "int8": ("int8", {}),
+              "int4": ("int4", {"residual": 0, "key_channel_group": 0, "sink": 0}),
+              "int4-default": ("int4", None), "int2-default": ("int2", None)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (tests/test_capturable.py "
@@ -83,28 +87,31 @@ def test_capturable_steps_under_cuda_graphs_on_cuda(method):
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama", kv_heads=2, dtype=torch.bfloat16).to("cuda")
+    name, opts = CAPTURABLE[method]
+    default = opts is None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kvslim.apply(model, method, **CAPTURABLE[method])
-    ids = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0)).to("cuda")
+        kvslim.apply(model, name, **(opts or {}))
+    prompt = 120 if default else 24
+    ids = torch.randint(1, 128, (2, prompt), generator=torch.Generator().manual_seed(0)).to("cuda")
 
-    def run(step):
-        cache = kvslim.make_cache(model, max_length=48)
+    def run(step, capturable):
+        cache = kvslim.make_cache(model, max_length=prompt + 24, capturable=capturable)
         out = []
         with torch.no_grad():
             tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
             for i in range(16):
                 torch.compiler.cudagraph_mark_step_begin()
-                pos = torch.full((2, 1), 24 + i, dtype=torch.long, device="cuda")
+                pos = torch.full((2, 1), prompt + i, dtype=torch.long, device="cuda")
                 tok = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True,
                            **{CACHE_KW: cache}).logits[:, -1:].argmax(-1).clone()
                 out.append(tok)
         return torch.cat(out, dim=1)
 
-    eager = run(model)
+    eager = run(model, False)  # the default formats: their eager layout
     torch._dynamo.reset()
     counters.clear()
-    got = run(torch.compile(model, backend="cudagraphs", fullgraph=True, dynamic=False))
+    got = run(torch.compile(model, backend="cudagraphs", fullgraph=True, dynamic=False), default)
     graphs, skips = counters["stats"]["unique_graphs"], dict(counters["inductor"])
     torch._dynamo.reset()
     assert graphs == 1, f"{graphs} graphs ({skips})"

@@ -262,3 +262,35 @@ def test_unsealed_or_corrupt_build_is_rebuilt_never_loaded(fresh, monkeypatch):
     assert len(compiled) == 2 and loaded == []
     (d / build.STAMP).write_text("{not json")
     assert build.sealed(d) is None
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int3", "int2", "turbo3", "turbo2", "slim", "window"])
+def test_load_for_names_every_family_a_methods_decode_reaches(monkeypatch, method):
+    """Every op family a method's decode steps ask for (each op checks ``available()`` before it runs) is one
+    ``load_for`` preloads: otherwise the demo's warm-up misses it and its first build lands in a timing."""
+    import importlib
+
+    from conftest import tiny_model
+
+    from kvslim import api, kernels
+    from kvslim.adapters.compat import CACHE_KW
+
+    asked = set()
+    for family in ("encdec_decode", "quant_decode", "quant_decode_lowbit", "quant_write", "slim_decode",
+                   "turbo_decode"):
+        mod = importlib.import_module(f"kvslim.kernels.{family}")
+        monkeypatch.setattr(mod, "available", lambda family=family, real=mod.available: asked.add(family) or real())
+    # MHA, so slim applies; window needs a model with sliding layers, the append-only methods one without
+    model = tiny_model("mistral" if method == "window" else "llama", kv_heads=4)
+    api.apply(model, method)
+    try:
+        ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+        cache = api.make_cache(model)
+        with torch.inference_mode():
+            out = model(ids, use_cache=True, **{CACHE_KW: cache})
+            for _ in range(3):
+                out = model(out.logits[:, -1:].argmax(-1), use_cache=True, **{CACHE_KW: cache})
+    finally:
+        api.restore(model)
+    assert asked or method == "window", f"{method}: no op family asked; the probe no longer reaches the decode path"
+    assert asked <= set(kernels.FAMILIES.get(method, ())), (method, sorted(asked), kernels.FAMILIES.get(method))

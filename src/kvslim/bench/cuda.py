@@ -134,9 +134,15 @@ def not_applicable(model, kind: str) -> str | None:
     return None
 
 
-def fill(model, kind: str, batch: int, context: int, room: int):
+#: kvslim methods whose caches are built ``capturable=True`` for the compiled rows (CUDA graphs replay one step at
+#: every length; the int4/int3/int2 defaults keep their window as a ring, caches/capture_residual.py)
+CAPTURABLE = ("dense", "int8", "int4", "int3", "int2")
+
+
+def fill(model, kind: str, batch: int, context: int, room: int, capturable: bool = False):
     """A cache of ``kind`` holding ``context`` random tokens per sequence (through its own ``update``), room for
-    ``room`` more; the model is applied (kvslim kinds) or restored (HF kinds) to match."""
+    ``room`` more; the model is applied (kvslim kinds) or restored (HF kinds) to match. ``capturable``: a kvslim
+    cache of a :data:`CAPTURABLE` method built with ``capturable=True`` (the layout the compiled rows use)."""
     device = next(model.parameters()).device
     if kind in ("hf-static", "hf-dynamic"):
         return decode.make_filled_cache(model, kind, batch, context, room)
@@ -150,7 +156,7 @@ def fill(model, kind: str, batch: int, context: int, room: int):
     with warnings.catch_warnings():  # random weights: slim's measured error warns
         warnings.simplefilter("ignore")
         api.apply(model, method, **_method_options(method, context))
-    cache = api.make_cache(model, max_length=context + room + 1)
+    cache = api.make_cache(model, max_length=context + room + 1, capturable=capturable and method in CAPTURABLE)
     if method == "slim":  # slim layers store one row per token (K), written directly
         pos = torch.arange(context, device=device)[None].expand(batch, -1)
         g = torch.Generator(device=device).manual_seed(0)
@@ -265,11 +271,15 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
     _peak_reset(device)
     try:
         cache = fill(model, kind, batch, context, room)
+        # compiled rows of a capturable method: a cache of its own, built capturable=True (filled the same way)
+        own = len(variants) > 1 and kind.removeprefix("kvslim-") in CAPTURABLE and kind.startswith("kvslim-")
+        caches = {kind: cache, f"{kind}+compiled": fill(model, kind, batch, context, room, True) if own else cache}
     except Exception as e:  # noqa: BLE001 - a kind that cannot be built is a record, not the end of the run
         api.restore(model)
         return [{**base, "kind": kind, "error": _error(e), "where": traceback.format_exc()[-600:]}]
     stored = cache_bytes(cache, context)
-    runs, records, pos = {}, [], context
+    runs, records = {}, []
+    at = {id(c): context for c in caches.values()}  # each cache's next position (a shared cache: one count)
     graphs = device.type == "cuda" and s.compile_mode in ("reduce-overhead", "cudagraphs")
     for name, fn in variants:
         label = kind if name == "eager" else f"{kind}+compiled"
@@ -279,8 +289,9 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 fn = compiled(model, s.compile_mode)
-            first = run_steps(fn, cache, batch, pos, s.warmup, device, graphs and name != "eager")
-            pos += s.warmup
+            first = run_steps(fn, caches[label], batch, at[id(caches[label])], s.warmup, device,
+                              graphs and name != "eager")
+            at[id(caches[label])] += s.warmup
             runs[label] = {"fn": fn, "times": [], "graphs": graphs and name != "eager",
                            "warmup_s": time.perf_counter() - t0, "first_step_s": first[0]}
         except Exception as e:  # noqa: BLE001
@@ -288,8 +299,9 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
     for _ in range(s.rounds):
         for label, run in list(runs.items()):
             try:
-                run["times"] += run_steps(run["fn"], cache, batch, pos, s.steps, device, run["graphs"])
-                pos += s.steps
+                c = caches[label]
+                run["times"] += run_steps(run["fn"], c, batch, at[id(c)], s.steps, device, run["graphs"])
+                at[id(c)] += s.steps
             except Exception as e:  # noqa: BLE001
                 records.append({**base, "kind": label, "error": _error(e), "where": traceback.format_exc()[-600:]})
                 runs.pop(label)
@@ -305,7 +317,8 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
                         "peak_bytes": peak, "warmup_s": run["warmup_s"], "first_step_s": run["first_step_s"]})
         if label != kind:  # compiled: how many graphs dynamo made over all its steps (1 = no recompilation)
             records[-1]["compile_counts"] = graphs_compiled
-    del cache, runs
+            records[-1]["capturable"] = caches[label] is not cache
+    del cache, caches, runs
     api.restore(model)
     torch._dynamo.reset()
     _peak_reset(device)

@@ -52,17 +52,25 @@ class KVSlimCache(Cache):
         return graph_step() and any(getattr(layer, "is_compileable", False) for layer in self.layers)
 
     def set_capturable(self, capturable: bool = True) -> None:
-        """Every call of the layers that can (append layers built with ``max_length``, plain or per-token quantized)
-        takes the static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all
-        layers can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError``
-        when no layer can."""
+        """Every call of the layers that can (append layers built with ``max_length``: plain, per-token quantized, or
+        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``) takes the
+        static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all layers
+        can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError`` when no
+        layer can, or when a layer with a residual window already holds tokens (its layout is chosen at its first
+        update)."""
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be True or False, got {capturable!r}")
-        able = [layer for layer in self.layers if hasattr(layer, "_static_format") and layer._static_format()]
+        able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
-                             "append layers, plain or per-token quantized: dense, int8, or int4/int3/int2 with "
-                             "residual=0 and key_channel_group=0 and sink=0)")
+                             "append layers: dense, int8, int4/int3/int2 with their defaults or per-token; not "
+                             "turbo codes, smoothed keys with a residual window, ring windows or slim/mla layers)")
+        late = [i for i, layer in enumerate(self.layers) if layer in able and layer.is_initialized
+                and (layer.spec.residual or layer.spec.sink) and layer.capturable != capturable]
+        if late:
+            raise ValueError(f"capturable={capturable}: layers {late} already hold tokens in the other layout (a "
+                             "residual window's layout is chosen at the first update); set it on a fresh cache "
+                             "(kvslim.make_cache(model, max_length=..., capturable=True))")
         for layer in able:
             layer.capturable = capturable
 

@@ -19,8 +19,10 @@ When the static path runs:
   compile its decode step (``generation_config.compile_config``), as with a ``StaticCache``.
 
 Formats: plain stores and per-token quantized stores (int8; int4/int3/int2 with ``residual=0``, no KIVI keys, no
-sinks). A layer whose stores keep a full-precision residual window (the int4/int3/int2 defaults) is not capturable:
-its flushes depend on the length; it keeps today's path (``is_compileable`` ``False``).
+sinks) with ``max_length``. A layer whose stores keep a full-precision residual window (the int4/int3/int2 defaults)
+takes the static path only when made ``capturable`` before its first update: its stores are then
+:class:`~kvslim.caches.capture_residual.StaticResidualStore` s (sinks + a ring window, flushes decided on the device);
+otherwise it keeps today's path (``is_compileable`` ``False``).
 
 Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
 step writes nothing (the last slot is rewritten with what it holds, the length stays; that step's output is void)
@@ -36,6 +38,7 @@ import functools
 import torch
 
 from . import fused
+from .capture_residual import StaticResidualStore, supported
 from .storage import QuantizedStore
 
 
@@ -58,8 +61,28 @@ class CapturableMixin:
     capturable = False
 
     def _static_format(self) -> bool:
+        """Whether this layer's buffers have the static layout: per-token formats with ``max_length``; formats with
+        a residual window (the int4/int3/int2 defaults) once made ``capturable`` before their first update
+        (``caches/capture_residual.py``)."""
         sp = self.spec
-        return self.max_length is not None and not (sp.residual or sp.channel_group or sp.sink)
+        if self.max_length is None:
+            return False
+        if not (sp.residual or sp.channel_group or sp.sink):
+            return True
+        return self.capturable and supported(sp) and (not self.is_initialized or self._residual_static())
+
+    def can_capture(self) -> bool:
+        """Whether ``capturable=True`` can apply to this layer (``KVSlimCache.set_capturable``)."""
+        sp = self.spec
+        return self.max_length is not None and (not (sp.residual or sp.channel_group or sp.sink) or supported(sp))
+
+    def _residual_static(self) -> bool:
+        return isinstance(self.k_store, StaticResidualStore)
+
+    def make_static_stores(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """Lazy initialization of a capturable layer with a residual window: :class:`StaticResidualStore` s."""
+        self.k_store = StaticResidualStore(self.spec, key_states, capacity)
+        self.v_store = StaticResidualStore(self.value_spec(), value_states, capacity)
 
     def _static_now(self) -> bool:
         return self._static_format() and (self.capturable or graph_step())
@@ -83,6 +106,8 @@ class CapturableMixin:
             if isinstance(store, QuantizedStore):
                 store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
                 held.append(store.nonfinite)
+            if isinstance(store, StaticResidualStore):
+                held += store.device_state()
         if not torch.compiler.is_compiling():
             for t in held:
                 torch._dynamo.mark_static_address(t)
@@ -92,6 +117,9 @@ class CapturableMixin:
         if getattr(self, "host_stale", False):
             self.cumulative_length = int(self.length_t[0])
             self.host_stale = False
+            for store in self._stores():
+                if isinstance(store, StaticResidualStore):
+                    store.sync_host(self.cumulative_length)
 
     def _note_length(self) -> None:
         """Eager update: keep the device length current (one in-place fill; no host read)."""
@@ -111,6 +139,11 @@ class CapturableMixin:
             self.lazy_initialization(key_states, value_states)
         if getattr(self, "length_t", None) is None:  # initialized before max_length took effect: cannot happen
             raise ValueError("max_length: this layer was built without a device length")
+        residual = self._residual_static()
+        if residual and in_graph and s > 1:
+            raise ValueError(f"key_states hold {s} tokens: a compiled or captured step of a capturable cache with a "
+                             "residual window (int4/int3/int2 defaults) takes one token per sequence; run multi-token "
+                             "updates (a prefill) eagerly")
         old, keep = self.length_t.clone(), None
         if in_graph:
             ok = old[:1] + s <= self.max_length  # (1,) bool, on the device
@@ -128,6 +161,8 @@ class CapturableMixin:
             pos = torch.arange(start, start + s, device=self.device)
             self.cumulative_length = start + s
             self.length_t.fill_(start + s)
+        if residual:
+            return self._static_residual(key_states, value_states, old, pos, keep, in_graph)
         for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
             store.write_at(pos, x, keep)
         reads = functools.partial(self._static_reads, pos, key_states, value_states)
@@ -148,4 +183,34 @@ class CapturableMixin:
                 continue
             full = store.read(0, self.max_length)
             out.append(full.index_copy(2, pos, x.to(full.dtype)))
+        return out[0], out[1]
+
+    def _static_residual(self, key_states: torch.Tensor, value_states: torch.Tensor, old: torch.Tensor,
+                         pos: torch.Tensor, keep: torch.Tensor | None, in_graph: bool):
+        """The write and reads of a layer with :class:`StaticResidualStore` s (``caches/capture_residual.py``);
+        ``old``: the device length before the call, ``keep``: a refused graph step (nothing changes)."""
+        k, v = self.k_store, self.v_store
+        s = key_states.shape[2]
+        for store, x in ((k, key_states), (v, value_states)):
+            if s == 1:
+                store.step(old[:1], x, None if keep is None else ~keep, host=not in_graph)
+            else:
+                store.append(int(self.cumulative_length) - s, x)
+        reads = functools.partial(self._static_residual_reads, pos, key_states, value_states)
+        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(k.inner) \
+                and fused.fusable(v.inner):
+            b = key_states.shape[0]
+            h = fused.FusedKV(k.inner, v.inner, k.capacity, k.fp, v.fp, reads, columns=k.columns(self.length_t[0]),
+                              visible=self.max_length, lengths=k.flushed_t.expand(b).clone())
+            return fused.markers(h, key_states)
+        return reads()
+
+    def _static_residual_reads(self, pos: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position up to ``max_length``; a multi-token call attends to its own tokens as given (the eager
+        layout's reads do the same)."""
+        out = []
+        for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
+            full = store.read_positions(self.max_length)
+            out.append(full if x.shape[2] == 1 else full.index_copy(2, pos, x.to(full.dtype)))
         return out[0], out[1]

@@ -39,7 +39,12 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         return -(-want // self.chunk) * self.chunk
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        if self._static_format() and (self.spec.residual or self.spec.sink):  # caches/capture_residual.py
+            self.make_static_stores(key_states, value_states, self._initial_capacity(key_states.shape[2]))
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        else:
+            super().lazy_initialization(key_states, value_states)
         if self._static_format():
             self._init_static()
 
@@ -142,6 +147,9 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         """HF ``DynamicLayer.crop``: ``-n`` removes the last n tokens (all of them if n ≥ length), 0 removes
         nothing, a positive value raises ``ValueError`` (as HF does). Buffers are kept; later writes overwrite."""
         check_crop(tokens_to_remove)
+        if tokens_to_remove and self._residual_static():
+            raise ValueError(f"tokens_to_remove={tokens_to_remove}: a capturable cache with a residual window "
+                             "(caches/capture_residual.py) cannot rewind; build it without capturable=True")
         self._sync_host()
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         self._note_length()

@@ -524,11 +524,14 @@ class QuantizedStore(TensorStore):
         if zero is not None:
             self.zero[:, :, start:end] = zero
 
-    def write_at(self, pos: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 checked: bool = False) -> None:
         """Quantize ``x`` (B, H, S, D) into slots ``pos`` (S,) int64 on the device (``caches/capture.py``); the
-        checks of :meth:`write` (a one-token write: the device-side non-finite flag); ``keep`` as
+        checks of :meth:`write` (a one-token write: the device-side non-finite flag) unless ``checked`` (a flush of
+        tokens checked when they were written, ``caches/capture_residual.py``); ``keep`` as
         :meth:`TensorStore.write_at`."""
-        check_finite(x, self)
+        if not checked:
+            check_finite(x, self)
         codes, scale, zero = self._encode(x, self._channel_for(x))
         self.data.index_copy_(2, pos, _kept(self.data, pos, codes, keep))
         self.scale.index_copy_(2, pos, _kept(self.scale, pos, scale, keep))

@@ -7,7 +7,8 @@ import importlib
 #: the op families a method's decode steps may call (kernels/<family>.py; ``quant_write``: symmetric int8/int4
 #: stores); the others never run for it
 FAMILIES = {"slim": ("slim_decode", "encdec_decode"), "int8": ("quant_decode", "quant_write"),
-            "int4": ("quant_decode", "quant_write"), "int2": ("quant_decode_lowbit",)}
+            "int4": ("quant_decode", "quant_write"), "int3": ("quant_decode_lowbit",), "int2": ("quant_decode_lowbit",),
+            **{f"turbo{b}": ("turbo_decode",) for b in (2, 3, 4)}}
 
 
 def load_for(method: str) -> None:

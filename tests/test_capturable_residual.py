@@ -1,0 +1,199 @@
+"""The shipped int4/int3/int2 defaults made capturable (issue 33, caches/capture_residual.py): full-precision sinks
+and residual window as a ring, flushes decided on the device. Under ``torch.compile(fullgraph=True, dynamic=False)``
+(CPU: ``backend="eager"``, tracing and guards without code generation) each default compiles once and decodes 64
+steps across window flushes with the greedy tokens of the eager default cache (logits: fp32 summation-order
+tolerance, tests/tolerances.py); past ``max_length`` a graph step is refused by name with nothing written, an eager
+step of an ordinary cache grows as before."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+from tolerances import assert_rel_close
+from torch._dynamo.utils import counters
+
+import kvslim
+from kvslim.adapters.compat import CACHE_KW
+from kvslim.attention import quant
+from kvslim.caches import fused
+from kvslim.caches.capture_residual import StaticResidualStore
+
+STEPS = 64
+#: 100 prompt tokens + 64 steps cross the defaults' first flush (4 sinks + 124 window tokens = position 128)
+PROMPT = 100
+#: a small window: a flush every 4 steps (sinks, KIVI key groups of 4)
+SMALL = dict(residual=8, flush=4, key_channel_group=4, sink=2)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(method: str, **opts):
+    model = tiny_model("llama", kv_heads=2, num_hidden_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kvslim.apply(model, method, **opts)
+    return model
+
+
+def _decode(model, step, cache, prompt: int = PROMPT, steps: int = STEPS, batch: int = 2):
+    """Eager prefill of a random prompt, then ``steps`` greedy steps through ``step``: (tokens, logits)."""
+    ids = torch.randint(1, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    toks, logits = [], []
+    with torch.no_grad():
+        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            pos = torch.full((batch, 1), prompt + i, dtype=torch.long)
+            out = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True, **{CACHE_KW: cache}).logits
+            tok = out[:, -1:].argmax(-1).clone()
+            toks.append(tok)
+            logits.append(out[:, -1].clone())
+    return torch.cat(toks, dim=1), torch.stack(logits, dim=1)
+
+
+def _compiled(model):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+
+
+@pytest.mark.parametrize("method", ["int4", "int3", "int2"])
+def test_shipped_defaults_compile_once_and_decode_64_steps_across_flushes(method):
+    model = _model(method)
+    n = PROMPT + STEPS + 8
+    eager_cache = kvslim.make_cache(model, max_length=n)
+    eager, eager_logits = _decode(model, model, eager_cache)
+    cache = kvslim.make_cache(model, max_length=n, capturable=True)
+    assert cache.is_compileable is True
+    got, logits = _decode(model, _compiled(model), cache)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1, f"{method}: {graphs} graphs over {STEPS} steps ({dict(counters['recompiles'])})"
+    assert torch.equal(eager, got)
+    assert_rel_close(logits, eager_logits, torch.float32, f"{method} compiled vs eager default")
+    layer, ref = cache.layers[0], eager_cache.layers[0]
+    assert isinstance(layer.k_store, StaticResidualStore) and layer.k_store.spec.sink == 4
+    assert cache.get_seq_length() == PROMPT + STEPS  # host copies read back once after the graph steps
+    assert layer.k_store.flushed == ref.k_store.inner.flushed > 0  # the graph steps flushed, as eagerly
+    assert cache.nbytes == eager_cache.nbytes  # the same bytes as the eager layout
+
+
+def test_small_window_state_equals_the_eager_layout_step_by_step():
+    """The same keys and values through both layouts (a 24-token prefill, then 40 single-token updates: the graph's
+    ops, run eagerly): after every update each stored position decodes to the same values, bit for bit (same codes,
+    same window), and as many tokens are coded (10 flushes of 4)."""
+    model = _model("int4", **SMALL)
+    n = 24 + 40 + 4
+    ref, cache = kvslim.make_cache(model, max_length=n), kvslim.make_cache(model, max_length=n, capturable=True)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for i, s in enumerate([24] + [1] * 40):
+            k, v = torch.randn(2, 2, s, 16, generator=g), torch.randn(2, 2, s, 16, generator=g)
+            ref.update(k, v, 0)
+            cache.update(k, v, 0)
+            length = ref.get_seq_length()
+            mine, theirs = cache.layers[0], ref.layers[0]
+            assert cache.get_seq_length() == length
+            for a, b in ((mine.k_store, theirs.k_store), (mine.v_store, theirs.v_store)):
+                assert torch.equal(a.read_positions(n)[:, :, :length], b.read(0, length)), f"update {i}"
+                assert a.flushed == b.inner.flushed == 4 * max(0, (length - 2 - 8 + 3) // 4)
+    assert cache.nbytes == ref.nbytes
+
+
+def test_a_capturable_decode_step_hands_attention_the_codes():
+    """The fused path (``FusedKV`` with ``columns`` and ``lengths``) attends as its unfused reads do."""
+    model = _model("int2", **SMALL)
+    cache = kvslim.make_cache(model, max_length=48, capturable=True)
+    _decode(model, model, cache, prompt=24, steps=6)
+    layer = cache.layers[1]
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
+    with torch.no_grad():
+        km, _ = layer.update(k, v)
+    h = fused.fused_of(km)
+    assert h is not None and h.columns is not None and h.lengths is not None
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    mask = torch.zeros(1, 1, 1, 48).masked_fill_(torch.arange(48) > 30, float("-inf"))  # position 30: this step
+    got = quant.decode(h, q, mask, None)
+    assert got is not None
+    assert_rel_close(got, quant.reference(h, q, mask, None), torch.float32, "fused vs unfused static reads")
+
+
+def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
+    model = _model("int4", **SMALL)
+    cache = kvslim.make_cache(model, max_length=24 + 3, capturable=True)
+    step = _compiled(model)
+    _decode(model, step, cache, prompt=24, steps=3)  # fills the cache to max_length (a flush on the way)
+    layer = cache.layers[0]
+    before = [t.clone() for s in layer._stores() for t in s.tensors() + [s.flushed_t]]
+    with torch.no_grad():
+        pos = torch.full((2, 1), 27, dtype=torch.long)
+        step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
+             **{CACHE_KW: cache})
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    after = [t for s in layer._stores() for t in s.tensors() + [s.flushed_t]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(layer.length_t[0]) == 27 and graphs == 1
+    with pytest.raises(ValueError, match="max_length=27"):
+        cache.check_finite()
+
+
+def test_eager_default_cache_past_max_length_grows_with_unchanged_tokens():
+    model = _model("int4", **SMALL)
+    short = _decode(model, model, kvslim.make_cache(model, max_length=24 + 8), prompt=24, steps=20)[0]
+    assert torch.equal(short, _decode(model, model, kvslim.make_cache(model), prompt=24, steps=20)[0])
+
+
+def test_capturable_default_refuses_an_eager_step_past_max_length_by_name():
+    model = _model("int4", **SMALL)
+    cache = kvslim.make_cache(model, max_length=24 + 2, capturable=True)
+    _decode(model, model, cache, prompt=24, steps=2)
+    kept = [t.clone() for t in cache.layers[0].k_store.tensors()]
+    pos = torch.full((2, 1), 26, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_length=26"), torch.no_grad():
+        model(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
+              **{CACHE_KW: cache})
+    assert all(torch.equal(a, b) for a, b in zip(kept, cache.layers[0].k_store.tensors(), strict=True))
+    assert cache.get_seq_length() == 26
+
+
+def test_what_stays_uncapturable_is_refused_by_name():
+    model = _model("int4", residual=8, flush=4, key_channel_group=0, sink=0)  # smoothed per-token keys + window
+    with pytest.raises(ValueError, match="capturable=True: no layer"):
+        kvslim.make_cache(model, max_length=64, capturable=True)
+    model = _model("int4", **SMALL)
+    cache = kvslim.make_cache(model, max_length=64)
+    _decode(model, model, cache, prompt=8, steps=1)
+    with pytest.raises(ValueError, match="already hold tokens"):
+        cache.set_capturable(True)
+    cache = kvslim.make_cache(model, max_length=64, capturable=True)
+    _decode(model, model, cache, prompt=8, steps=1)
+    with pytest.raises(ValueError, match="tokens_to_remove=-2"):
+        cache.layers[0].crop(-2)
+
+
+def test_hf_generate_compile_path_with_the_int4_default():
+    """``model.generate`` with HF's compile path (``compile_config``) and a capturable int4 default cache: one graph
+    for every decode step (a flush at position 128 among them), tokens equal eager generation's."""
+    from transformers import CompileConfig, GenerationConfig
+
+    model = _model("int4")
+    ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+        compile_config._compile_all_devices = True
+        cfg = GenerationConfig(compile_config=compile_config, **kw)
+        cache = kvslim.make_cache(model, max_length=110 + 32, capturable=True)
+        torch._dynamo.reset()
+        counters.clear()
+        got = model.generate(ids, generation_config=cfg, **{CACHE_KW: cache})
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert torch.equal(eager, got)
+    assert graphs == 1, f"{graphs} graphs for 23 compiled decode steps"
+    assert cache.layers[0].k_store.flushed > 0
