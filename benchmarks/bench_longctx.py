@@ -36,10 +36,10 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "dense": ("dense", {}),
     "int4": ("int4", {}),
     "int2": ("int2", {}),
-    "quanto 4-bit": ("quanto", {"nbits": 4}),
-    "quanto 2-bit": ("quanto", {"nbits": 2}),
     "int3": ("int3", {}),
     "int8": ("int8", {}),
+    "quanto 4-bit": ("quanto", {"nbits": 4}),
+    "quanto 2-bit": ("quanto", {"nbits": 2}),
     "window 1024": ("window", {"window": 1024}),
 }
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
@@ -114,6 +114,27 @@ def markdown(rec: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def readme_table(rec: dict) -> str:
+    """The README's table: one row per context, one column per method (accuracy over all tasks [Wilson 95 %]
+    (correct/asked)), and the bytes per token at the longest context (``tests/test_docs.py`` checks it)."""
+    cell = {(r["method"], r["length"]): r for r in rec["rows"] if r["task"] == "all"}
+    methods = rec["methods"]
+    label = {m: m if m.startswith("quanto") else f"kvslim {m}" for m in methods}
+    out = ["| context | " + " | ".join(label[m] for m in methods) + " |", "|---|" + "---|" * len(methods)]
+    for n in rec["lengths"]:
+        cells = []
+        for m in methods:
+            r = cell.get((m, n))
+            lo, hi = r["wilson95"] if r else (0, 0)
+            cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})"
+                         if r else "—")
+        out.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    top = max(rec["lengths"])
+    out.append(f"| bytes/token at {top:,} | " + " | ".join(
+        f"{cell[(m, top)]['bytes_per_token']:,.0f}" if (m, top) in cell else "—" for m in methods) + " |")
+    return "\n".join(out) + "\n"
+
+
 def plot(rec: dict, path: Path) -> None:
     import matplotlib
 
@@ -145,19 +166,22 @@ def main() -> None:
     p.add_argument("--lengths", default="4096,8192", help="comma-separated context lengths (tokens)")
     p.add_argument("--trials", type=int, default=3, help="haystacks per length (each asks every task once)")
     p.add_argument("--first-trial", type=int, default=0, help="start at this trial (another process, another --stem)")
-    p.add_argument("--methods", default=",".join(m for m in METHOD_ROWS if m != "window 1024"),
+    p.add_argument("--methods", default=",".join(METHOD_ROWS),
                    help=f"comma-separated rows of {list(METHOD_ROWS)}")
     p.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen25")
     p.add_argument("--filler", default="stdlib-docs")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kv-dir", default=None, help="save each haystack's prefill here until its cells are written "
+                                                   "(a killed run resumes without prefilling it again)")
     p.add_argument("--stem", default=STEM, help="result file stem under benchmarks/results/")
     p.add_argument("--report", action="store_true", help="only rewrite .json/.md/.png from the .jsonl")
     args = p.parse_args()
     stem = RESULTS / args.stem
     if args.report:
-        print(markdown(report(stem)))
+        rec = report(stem)
+        print(markdown(rec) + "\nREADME:\n\n" + readme_table(rec))
         return
     lengths = [int(x) for x in args.lengths.split(",")]
     labels = args.methods.split(",")
@@ -185,7 +209,8 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv)}
     RESULTS.mkdir(exist_ok=True)
     run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
-        tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial)
+        tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial,
+        kv_dir=args.kv_dir)
     print(markdown(report(stem)))
 
 

@@ -139,6 +139,10 @@ def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
     assert int(layer.length_t[0]) == 27 and graphs == 1
     with pytest.raises(ValueError, match="max_length=27"):
         cache.check_finite()
+    with pytest.raises(ValueError, match="max_length=27"):  # any eager call after the refused step, until reset
+        cache.get_seq_length()
+    cache.reset()
+    assert cache.get_seq_length() == 0
 
 
 def test_eager_default_cache_past_max_length_grows_with_unchanged_tokens():

@@ -46,6 +46,8 @@ def test_bad_input_refused_by_name(capsys, tmp_path, monkeypatch, text_file):
              "--text", "fewer than --tokens 200")
     _refused(capsys, tmp_path, monkeypatch, [*m, "--task", "passkey", "--context", "4096"], "--context 4096",
              "max_position_embeddings (1024)")
+    _refused(capsys, tmp_path, monkeypatch, [*m, "--text", str(text_file), "--tokens", "2048", "--steps", "32"],
+             "--tokens 2048", "max_position_embeddings (1024)")
 
 
 def test_context_that_does_not_fit_is_refused_before_prefill(capsys, tmp_path, monkeypatch):
@@ -53,6 +55,13 @@ def test_context_that_does_not_fit_is_refused_before_prefill(capsys, tmp_path, m
     monkeypatch.setattr("kvslim.longctx.protocol.prefill_kv", lambda *a: pytest.fail("prefill ran"))
     _refused(capsys, tmp_path, monkeypatch, ["--model", "tiny-mha", "--task", "passkey", "--context", "1024"],
              "--context 1024 needs about", "MiB is available", "tokens would fit")
+
+
+def test_text_that_does_not_fit_is_refused_before_prefill(capsys, tmp_path, monkeypatch, text_file):
+    monkeypatch.setattr(cli_eval, "memory_available", lambda: 2**20)
+    monkeypatch.setattr("kvslim.stepwise.compare_specs_steps", lambda *a, **k: pytest.fail("model ran"))
+    _refused(capsys, tmp_path, monkeypatch, ["--model", "tiny-mha", "--text", str(text_file), "--tokens", "1000",
+                                             "--steps", "32"], "--tokens 1000 needs about", "tokens would fit")
 
 
 def test_eval_perplexity_end_to_end(capsys, text_file):

@@ -108,7 +108,7 @@ def test_capturable_steps_under_cuda_graphs_on_cuda(method):
                 out.append(tok)
         return torch.cat(out, dim=1)
 
-    eager = run(model, False)  # the default formats: their eager layout
+    eager = run(model, default)  # the same layout eagerly (tests/test_capturable_residual.py: equal to the eager one)
     torch._dynamo.reset()
     counters.clear()
     got = run(torch.compile(model, backend="cudagraphs", fullgraph=True, dynamic=False), default)

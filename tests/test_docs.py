@@ -278,3 +278,105 @@ def test_citation_patterns():
     text = "`a_s24b{,_repeat}.md`, `b_run1..3.md`, `c_*.json`, `d_x.*`; the old way"
     assert uncited_results(names, text) == [Path("old.json")]
     assert _expand_citation("w_run0/3.json") == ["w_run0.json", "w_run3.json"]
+
+
+#: a session or run suffix (``_s24b``, ``_run2``, ``_repeat2``): a results file is named by what it measures
+RUN_SUFFIX = re.compile(r"_s\d+[a-z]?(?=_|$)|_run\d+|_repeat\d+")
+
+
+def misnamed_results(stems: set[str]) -> list[str]:
+    """Stems that carry a session/run suffix, or a ``_repeat`` / ``_repeats`` whose record (the stem without it) is
+    not beside it."""
+    bad = [s for s in stems if RUN_SUFFIX.search(s)]
+    for s in stems:
+        base = re.sub(r"_repeats?$", "", s)
+        if base != s and base not in stems:
+            bad.append(s)
+    return sorted(bad)
+
+
+def test_results_are_named_by_what_they_measure():
+    stems = {p.name.split(".", 1)[0] for p in (ROOT / "benchmarks/results").rglob("*") if p.is_file()}
+    bad = misnamed_results(stems)
+    assert not bad, f"results named by when, not what (rename; a run kept as evidence is <record>_repeat[s]): {bad}"
+
+
+def test_misnamed_results_catches_suffixes():
+    stems = {"bench_decode", "bench_decode_s24b", "bench_decode_s24b_1k", "w_run0", "w_repeat2", "slim_8k_repeat",
+             "bench_whisper_repeats", "bench_whisper", "quality_dev_2026-11-26_turbo", "bench_decode_8k_b8",
+             "bench_longctx_v1", "bench_ops"}
+    assert misnamed_results(stems) == ["bench_decode_s24b", "bench_decode_s24b_1k", "slim_8k_repeat", "w_repeat2",
+                                       "w_run0"]
+
+
+#: a backticked citation of a results file (``bench_x.md``, ``bench_x{,_y}.*``, ``bench_x*``), optionally followed
+#: by "at <commit>" for a record that has left the tree
+_CITED = r"`(?:benchmarks/results/)?({prefix}[\w.{{}},*/-]*(?:\.(?:json|jsonl|md|png|\*|\{{[\w,]+\}})|\*))`(?:\s+at\s+(?:commit\s+)?([0-9a-f]{{7,40}})\b)?"
+
+
+def stale_citations(text: str, here: list[str], prefixes: set[str], at_commit) -> list[str]:
+    """Citations in ``text`` of a results file (a name starting with one of ``prefixes``) that match nothing in
+    ``here`` and name no commit, or name a commit where ``at_commit(commit)`` (its file names) holds no match.
+    "writes `x.json`" says what a command writes and cites no record (the GPU table where no GPU has run it)."""
+    import fnmatch
+
+    pattern = re.compile(_CITED.format(prefix="(?:" + "|".join(map(re.escape, sorted(prefixes))) + ")"))
+    bad = []
+    for m in pattern.finditer(text):
+        if re.search(r"\bwrites\s+$", text[max(0, m.start() - 12):m.start()]):
+            continue
+        names = [n for t in _expand_citation(m.group(1)) for n in [t[:-2] + "*" if t.endswith(".*") else t]]
+        pool = at_commit(m.group(2)) if m.group(2) else here
+        missing = [n for n in names if not fnmatch.filter(pool, n)]
+        if missing:
+            bad.append(m.group(0).replace("\n", " ") + f" -> {missing}")
+    return bad
+
+
+@needs_git
+def test_cited_results_are_here_or_in_the_commit_named():
+    """A results file the docs cite is in benchmarks/results, or the citation names the commit that holds it
+    ("`bench_decode_s20.md` at b39d33c"): history stays checkable with ``git show`` and nothing cited is stale."""
+    if _git("rev-parse", "--is-shallow-repository").strip() == "true":
+        pytest.skip("shallow clone: old commits are not here")
+    results = ROOT / "benchmarks/results"
+    here = [str(p.relative_to(results)) for p in results.rglob("*") if p.is_file()]
+    here += [p.rsplit("/", 1)[-1] for p in here if "/" in p]
+    prefixes = {p.rsplit("/", 1)[-1].split("_", 1)[0] + "_" for p in here}
+
+    def at_commit(commit: str) -> list[str]:
+        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", "benchmarks/results/"], cwd=ROOT,
+                             capture_output=True, text=True)
+        return [p.removeprefix("benchmarks/results/") for p in out.stdout.splitlines()]
+
+    bad = []
+    for path in [README, ROOT / "CHANGELOG.md", ROOT / "benchmarks/README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        bad += [f"{path.relative_to(ROOT)}: {b}" for b in stale_citations(path.read_text(), here, prefixes, at_commit)]
+    assert not bad, "results cited that are neither here nor at the commit named after them:\n" + "\n".join(bad)
+
+
+def test_stale_citations_reads_commits():
+    held = {"abc1234": ["old_s20.md", "old_s20.json"]}
+    text = ("`old_s20.md` at abc1234, `old_s20{,_repeat}.md` at abc1234, `benchmarks/results/new.json`, "
+            "`old_s20.md`, `old_s2*` at commit abc1234, `new.*`, `gone.png` at fffffff, `old_s20.py`, "
+            "`new.{json,md}`, `new.{png}`, writes `new_gpu.json`")
+    got = stale_citations(text, ["new.json", "new.md"], {"old_", "new", "gone"}, lambda c: held.get(c, []))
+    assert [b.split(" -> ")[0] for b in got] == ["`old_s20{,_repeat}.md` at abc1234", "`old_s20.md`",
+                                                 "`gone.png` at fffffff", "`new.{png}`"]
+
+
+def test_results_records_name_their_commit():
+    """Each JSON record stores the commit it was measured at (anywhere in it: ``environment.commit``, ``commit``, a
+    ``runs`` list's); the older ones that do not are listed as such in benchmarks/README.md."""
+    import json
+
+    def has_commit(obj) -> bool:
+        if isinstance(obj, dict):
+            return bool({"commit", "commits"} & obj.keys()) or any(has_commit(v) for v in obj.values())
+        return isinstance(obj, list) and any(has_commit(v) for v in obj)
+
+    listed = (ROOT / "benchmarks/README.md").read_text().split("Older records that do not store", 1)[1]
+    listed = listed.split("\n\n", 1)[0]
+    bad = [p.name for p in sorted((ROOT / "benchmarks/results").glob("*.json"))
+           if not has_commit(json.loads(p.read_text())) and f"`{p.name}`" not in listed]
+    assert not bad, f"records without a commit, not listed in benchmarks/README.md: {bad}"

@@ -13,7 +13,7 @@ from conftest import tiny_model
 
 from kvslim import api
 from kvslim.adapters.compat import CACHE_KW
-from kvslim.longctx import filler_units, instances, protocol, wilson
+from kvslim.longctx import DEPTHS, filler_units, instances, protocol, wilson
 from kvslim.longctx import haystack as hs
 from kvslim.longctx.protocol import answer, fill, make_cache_fn, prefill_kv, run, settled
 from kvslim.models import load_tiny_mha
@@ -30,13 +30,18 @@ def tiny_mha():
     api.restore(model)
 
 
-def test_tasks_deterministic_from_seed():
+def test_tasks_deterministic_from_seed_one_per_haystack():
     a, b = instances(0, 512, 3), instances(0, 512, 3)
-    assert a == b and [i.task for i in a] == ["passkey", "multikey", "multivalue", "vartrack"]
-    assert instances(1, 512, 3) != a and instances(0, 512, 4) != a
-    assert len({i.depth for i in a}) == 4  # four depths in one haystack
-    depths = {inst.depth for t in range(5) for inst in instances(0, 512, t) if inst.task == "passkey"}
-    assert len(depths) == 5  # five trials: every depth once
+    assert a == b and len(a) == 1
+    assert instances(1, 512, 3) != a and instances(0, 512, 7) != a
+    firsts = [instances(0, 512, t)[0] for t in range(4)]
+    assert [i.task for i in firsts] == ["passkey", "multikey", "multivalue", "vartrack"]  # in turn
+    assert len({i.depth for i in firsts}) == 4  # the first four haystacks: four depths
+    for task in ("passkey", "vartrack"):  # twenty haystacks: every task at every depth once
+        got = [i.depth for t in range(20) for i in instances(0, 512, t) if i.task == task]
+        assert sorted(got) == sorted(DEPTHS), (task, got)
+    assert [i.task for t in range(4) for i in instances(0, 512, t, ["vartrack", "passkey"])] == [
+        "vartrack", "passkey", "vartrack", "passkey"]
     with pytest.raises(ValueError, match="tasks"):
         instances(0, 512, 0, ["passkey", "needle"])
 
@@ -45,7 +50,7 @@ def test_needles_at_their_stated_positions(tiny_mha):
     _, tok = tiny_mha
     units = filler_units()
     assert len(units) > 500 and not any(c.isdigit() for u in units for c in u)  # numbers only in the needles
-    insts = instances(7, 600, 2)
+    insts = [instances(7, 600, t)[0] for t in range(4)]  # every task, in one haystack as build() allows
     h1 = hs.build(tok, insts, 600, units, random.Random(1))
     h2 = hs.build(tok, insts, 600, units, random.Random(1))
     assert h1.ids.shape == (1, 600) and torch.equal(h1.ids, h2.ids)
@@ -60,7 +65,7 @@ def test_needles_at_their_stated_positions(tiny_mha):
 
 
 def test_settled_and_wilson():
-    inst = instances(0, 512, 0)[2]  # multivalue: three values, any order
+    inst = instances(0, 512, 2)[0]  # multivalue: three values, any order
     a, b, c = inst.expected
     assert settled(f" {a}, {b}", inst) is None  # b may still grow
     assert settled(f" {c}, {a}, {b}.", inst) is True
@@ -127,13 +132,15 @@ def test_run_appends_per_cell_and_resumes(tiny_mha, tmp_path, monkeypatch):
     out = tmp_path / "cells.jsonl"
     units = filler_units()
     caches = {"dense": make_cache_fn(model, "dense"), "int4": make_cache_fn(model, "int4")}
-    kw = dict(lengths=[200], trials=2, tasks=["passkey", "vartrack"], units=units, out=out, progress=False,
+    kw = dict(lengths=[200, 240], trials=2, tasks=["passkey", "vartrack"], units=units, out=out, progress=False,
               max_new=1)
     first = run(model, tok, caches, meta={"model": "tiny"}, **kw)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(first) == len(lines) == 2 * 2 * 2
-    assert {(r["trial"], r["method"], r["task"]) for r in lines} == {
-        (t, m, k) for t in (0, 1) for m in caches for k in ("passkey", "vartrack")}
+    assert len(first) == len(lines) == 2 * 2 * 2  # (2 lengths x 2 haystacks, one task each) x 2 caches
+    assert {(r["length"], r["trial"], r["method"], r["task"]) for r in lines} == {
+        (n, t, m, ("passkey", "vartrack")[t]) for n in (200, 240) for t in (0, 1) for m in caches}
+    order = list(dict.fromkeys((r["trial"], r["length"]) for r in lines))
+    assert order == [(0, 200), (0, 240), (1, 200), (1, 240)]  # trial-major: a cut run holds every length
     r = lines[0]
     assert r["model"] == "tiny" and r["length"] == 200 and isinstance(r["correct"], bool)
     assert r["bytes_per_token"] > 0 and r["new_tokens"] >= 1
@@ -144,7 +151,7 @@ def test_run_appends_per_cell_and_resumes(tiny_mha, tmp_path, monkeypatch):
     with open(out, "a") as f:
         f.write('{"length": 200, "trial"')  # a line cut by a killed run is ignored
     run(model, tok, {**caches, "int2": make_cache_fn(model, "int2")}, **kw)
-    assert len(calls) == 2  # one prefill per haystack, only for the missing cache
+    assert len(calls) == 4  # one prefill per haystack, only for the missing cache
     new = [json.loads(x) for x in out.read_text().splitlines()[9:]]  # after the 8 lines and the cut one
     assert {r["method"] for r in new} == {"int2"} and len(new) == 4
 

@@ -268,7 +268,9 @@ for d, bits, asym, gs, kcg, sdt, tail in ((128, 8, False, 64, 0, "fp32", False),
     block_n, warps = tq.tile_config(block_d)
     const = dict(D=d, BITS=bits, ASYM=asym, GROUP=gs, KCG=kcg, KW=d // kcg if kcg else 1, VGROUP=gs, HAS_LEN=True,
                  HAS_MASK=True, TAIL=tail, NHB=1, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d)
-    build(tq._quant_stage1, types, const, warps)
+    # the shipped "ieee"; the other operand precisions of gpu_check's variant sweep (merge.DOT_CHOICES) on one config
+    for dot in tq.DOT_CHOICES if kcg else ("ieee",):
+        build(tq._quant_stage1, types, {**const, "DOT": dot}, warps)
     for unrot in (False, True):
         build(tq._quant_stage2, dict(PO="*fp32", PL="*fp32", M="*fp32", OUT="*fp32", LSE="*fp32"),
               dict(D=d, HAS_TAIL=tail, UNROT=unrot, NHB=1, BLOCK_H=16, BLOCK_D=block_d, BLOCK_K=min(64, block_d)),

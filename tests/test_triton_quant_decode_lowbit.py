@@ -225,8 +225,9 @@ for d, gs, kivi, sdt in ((64, 64, 64, "fp16"), (80, 80, 8, "bf16")):  # one KIVI
     types = dict(Q="*fp32", KC="*u8", VC="*u8", LENGTHS="*i64", KT="*fp32", VT="*fp32", MASK="*fp32", PO="*fp32",
                  PL="*fp32", KS="*" + sdt, KZ="*" + sdt, VS="*" + sdt, VZ="*" + sdt, scaling="fp32")
     d_pad = triton.next_power_of_2(d)
-    build(tq._lowbit_stage1, types, dict(D=d, D_PAD=d_pad, G_PAD=16, BLOCK_N=tq.block_size(d, kivi), KB=3, VB=2,
-          GS=gs, GS_POW2=gs & (gs - 1) == 0, KIVI=kivi, HAS_LENGTHS=True, HAS_TAIL=True, HAS_MASK=True), 8)
+    for dot in tq.DOT_CHOICES if d == 64 else ("ieee",):  # gpu_check's operand precisions (merge.DOT_CHOICES)
+        build(tq._lowbit_stage1, types, dict(D=d, D_PAD=d_pad, G_PAD=16, BLOCK_N=tq.block_size(d, kivi), KB=3, VB=2,
+              GS=gs, GS_POW2=gs & (gs - 1) == 0, KIVI=kivi, HAS_LENGTHS=True, HAS_TAIL=True, HAS_MASK=True, DOT=dot), 8)
 '''
 
 

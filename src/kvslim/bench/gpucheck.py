@@ -13,8 +13,9 @@ command turns one call of at most ~8 minutes into the figures that matter, most 
    (largest batch) against dense's;
 4. ``encdec-mla``: slim on a Whisper-large-v3-shaped decoder at batch 64 vs HF; MLA on the V2-Lite shape at 32k x 1
    vs HF (:mod:`kvslim.bench.gpucheck_models`);
-5. ``variants``: with the time left, a sweep of the int4 and int2 decode kernels at point 2 (block sizes, splits;
-   each variant's error against float64 beside its time).
+5. ``variants``: with the time left, a sweep of the int4 and int2 decode kernels at point 2 (operand precision of
+   their ``tl.dot``: fp32 ``ieee`` / ``tf32x3`` / bf16 operands first, then block sizes and splits; each variant's
+   error against float64 beside its time).
 
 Each stage writes ``gpu_check_<stage>.json`` and ``.md`` under every output folder (``$OUT`` when set, and
 ``benchmarks/results/gpu/``) as soon as it finishes, and the index ``gpu_check.json`` / ``.md`` (all stages so far and
@@ -43,7 +44,7 @@ STAGES = ("correctness", "mha-1b", "llama3-8b", "encdec-mla", "variants")
 #: seconds per stage on an H100 with cold caches (compiles included): the arithmetic is in docs/gpu.md §gpu_check
 ESTIMATE_S = {"correctness": 170, "mha-1b": 150, "llama3-8b": 120, "encdec-mla": 90, "variants": 30}
 #: ``--quick`` (tiny shapes, CPU)
-QUICK_ESTIMATE_S = {"correctness": 40, "mha-1b": 20, "llama3-8b": 15, "encdec-mla": 15, "variants": 5}
+QUICK_ESTIMATE_S = {"correctness": 40, "mha-1b": 20, "llama3-8b": 15, "encdec-mla": 15, "variants": 10}
 DEFAULT_BUDGET = 450.0
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: src/kvslim/bench/gpucheck.py
 
@@ -89,11 +90,20 @@ def _cleanup(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its finished children (stage 1's pytest runs)."""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
 def run_stage(name: str, ctx: Context) -> dict:
-    """Run one stage; its record (``status``: ok / failed / error, ``seconds``, the stage's own fields)."""
+    """Run one stage; its record (``status``: ok / failed / error, ``seconds``, ``cpu_s``: CPU seconds of this
+    process and its children, the stage's own fields)."""
     from . import gpucheck_stages
 
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), cpu_seconds()
     try:
         rec = getattr(gpucheck_stages, "stage_" + name.replace("-", "_"))(ctx)
         rec.setdefault("status", "ok")
@@ -104,7 +114,7 @@ def run_stage(name: str, ctx: Context) -> dict:
                "out_of_memory": isinstance(e, torch.OutOfMemoryError)}
     finally:
         _cleanup(ctx.device)
-    return {"stage": name, **rec, "seconds": time.monotonic() - t0}
+    return {"stage": name, **rec, "seconds": time.monotonic() - t0, "cpu_s": cpu_seconds() - c0}
 
 
 def environment(device: str) -> dict:
@@ -150,9 +160,22 @@ def write(out_dirs: list[Path], doc: dict, stage: dict | None) -> None:
 def run(stages: tuple[str, ...] = STAGES, budget: float = DEFAULT_BUDGET, quick: bool = False, device: str = "cuda",
         out_dirs: list[Path] | None = None, progress=print) -> dict:
     """Run ``stages`` in order within ``budget`` seconds; the index document (also written after every stage)."""
-    from .gpucheck_targets import targets
+    import torch
 
     start = time.monotonic()
+
+    threads = torch.get_num_threads()
+    if quick and device == "cpu":  # tiny shapes: one intra-op thread (two spin against each other on 2 shared cores)
+        torch.set_num_threads(1)
+    try:
+        return _run(stages, budget, quick, device, out_dirs, progress, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(stages, budget, quick, device, out_dirs, progress, start) -> dict:
+    from .gpucheck_targets import targets
+
     ctx = Context(device=device, quick=quick, deadline=start + budget, progress=progress)
     estimates = QUICK_ESTIMATE_S if quick else ESTIMATE_S
     out_dirs = out_dirs or []
@@ -171,6 +194,7 @@ def run(stages: tuple[str, ...] = STAGES, budget: float = DEFAULT_BUDGET, quick:
         ctx.results[name] = rec
         doc["stages"].append(rec)
         doc["elapsed_s"] = time.monotonic() - start
+        doc["cpu_s"] = cpu_seconds()  # since the process started (imports included)
         doc["targets"] = targets(ctx.results)
         write(out_dirs, doc, rec)
         progress(f"== stage {name}: {rec['status']} {rec.get('error') or rec.get('reason') or ''} "
@@ -198,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda (default when torch sees one) or cpu (with --quick)")
     p.add_argument("--out", default=None, help="another output folder (beside $OUT and benchmarks/results/gpu/)")
     args = p.parse_args(argv)
+    if args.quick and args.device == "cpu" and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # stage 5's one tiny Triton variant runs interpreted (CPU)
     from ..cli.bench import positive_seconds
 
     budget = positive_seconds(args.budget, "--budget")

@@ -222,15 +222,46 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _interpreting_triton() -> bool:
+    """Whether Triton's kernels run through its interpreter in this process (``TRITON_INTERPRET=1`` was set before
+    Triton was imported: ``gpucheck.main --quick`` on a CPU sets it first)."""
+    import importlib.util
+
+    from ..kernels import backend
+
+    if not backend.interpreting() or importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(triton.language.zeros, JITFunction)
+
+
+def variant_plan(fam: str, cuda: bool, interpreting: bool) -> list[tuple[str, object, int, str]]:
+    """``(backend, tile, splits, dot)`` rows, most important first (the budget may stop the sweep): on a GPU the
+    operand precisions (``dot``: fp32 ``ieee`` / ``tf32x3`` / bf16 operands) at the launcher's own tile and splits,
+    then tiles x splits in ``ieee``; on a CPU the torch twin and, under Triton's interpreter, one tiny ``ieee``
+    variant (the interpreter ignores the precision and multiplies bf16 operands wrongly: no other ``dot``).
+    ``tile``: int4 (tokens per step, warps), int2 a block size, ``None`` the launcher's choice."""
+    from ..kernels.triton.merge import DOT_CHOICES
+
+    if not cuda:
+        return [("twin", None, 0, "ieee")] + ([("triton-interpreter", None, 0, "ieee")] if interpreting else [])
+    rows = [("triton", None, 0, dot) for dot in DOT_CHOICES]
+    tiles = [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)] if fam == "int4" else [16, 32, 64]
+    return rows + [("triton", t, sp, "ieee") for t in tiles for sp in (0, 8, 16, 32, 64)]
+
+
 def kernel_variants(ctx) -> dict:
     """int4 (stage-1 tile: tokens per step x warps; splits) and int2 (block size; splits) at point 2's attention
-    shape (8 sequences x 16 KV heads x 8,192 tokens, D 128); per variant the median time, GB/s of codes and
-    parameters read, and max |out - float64|. ``input_precision`` is ``"ieee"`` inside the kernels (a constant):
-    tf32x3 and bf16 operands are not swept (that needs a constexpr in the kernels)."""
+    shape (8 sequences x 16 KV heads x 8,192 tokens, D 128), and the operand precision of their ``tl.dot`` (fp32
+    ``ieee``, ``tf32x3``, bf16 operands; :func:`variant_plan`); per variant the median time (the first call, which
+    compiles, is not timed), GB/s of codes and parameters read, and max |out - float64| beside it."""
     from ..kernels import quant_decode as qd
     from ..kernels import quant_decode_lowbit as ql
 
     cuda = ctx.device == "cuda"
+    interp = not cuda and _interpreting_triton()
     b, h, n, d = (2, 2, 256, 64) if ctx.quick else (8, 16, 8192, 128)
     q = torch.randn(b, h, 1, d, generator=torch.Generator(ctx.device).manual_seed(1), device=ctx.device)
     scaling = d ** -0.5
@@ -241,36 +272,30 @@ def kernel_variants(ctx) -> dict:
         ref = _oracle(q, k64, v64, scaling)
         nbytes = sum(t.numel() * t.element_size() for t in (kc, ks, kz, vc, vs, vz))
         del k64, v64
-        if not cuda:  # no GPU: the twin stands in, so the sweep's path (and its error column) still runs
-            tile_opts, split_opts = [None], [0]
-        elif fam == "int4":
-            tile_opts, split_opts = [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)], [0, 8, 16, 32, 64]
-        else:
-            tile_opts, split_opts = [16, 32, 64], [0, 8, 16, 32, 64]
-        for tile in tile_opts:
-            for splits in split_opts:
-                if time.monotonic() > ctx.deadline - 5:
-                    rows.append({"family": fam, "tile": tile, "splits": splits, "skipped": "budget"})
-                    continue
-                row = {"family": fam, "tile": tile, "splits": splits}
-                try:
-                    fn = _launcher(fam, cuda, tile, q, (kc, ks, kz, vc, vs, vz), kb, vb, n, scaling, splits, qd, ql)
-                    out = fn()[0]
-                    row.update(max_abs_err_vs_float64=float((out.double() - ref).abs().max()),
-                               seconds=_time(fn, ctx.device, 20 if cuda else 1))
+        for kind, tile, splits, dot in variant_plan(fam, cuda, interp):
+            row = {"family": fam, "backend": kind, "tile": tile, "splits": splits, "dot": dot}
+            if time.monotonic() > ctx.deadline - 5:
+                rows.append({**row, "skipped": "budget"})
+                continue
+            try:
+                fn = _launcher(fam, kind, tile, q, (kc, ks, kz, vc, vs, vz), kb, vb, n, scaling, splits, dot, qd, ql)
+                out = fn()[0]  # the first call compiles (GPU): never timed
+                row["max_abs_err_vs_float64"] = float((out.double() - ref).abs().max())
+                if kind != "triton-interpreter":  # an interpreted kernel's time means nothing
+                    row["seconds"] = _time(fn, ctx.device, 20 if cuda else 1)
                     row["codes_gbps"] = nbytes / row["seconds"] / 1e9
-                except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
     failed = [r for r in rows if "error" in r]
+    backend = "triton" if cuda else "torch twin" + (" + one Triton-interpreter variant" if interp else "") + " (no GPU)"
     return {"status": "failed" if failed else "ok", "shape": {"batch": b, "kv_heads": h, "tokens": n, "head_dim": d},
-            "backend": "triton" if cuda else "torch twin (no GPU)", "input_precision": "ieee (fixed)",
-            "variants": rows}
+            "backend": backend, "input_precision": "per row (dot)", "variants": rows}
 
 
-def _launcher(fam, cuda, tile, q, codes, kb, vb, n, scaling, splits, qd, ql):
+def _launcher(fam, kind, tile, q, codes, kb, vb, n, scaling, splits, dot, qd, ql):
     kc, ks, kz, vc, vs, vz = codes
-    if not cuda:
+    if kind == "twin":
         if fam == "int4":
             return lambda: qd.reference(q, kc, ks, kz, vc, vs, vz, 4, 64, 0, n, scaling=scaling, scores="exact",
                                         values="exact")
@@ -280,9 +305,10 @@ def _launcher(fam, cuda, tile, q, codes, kb, vb, n, scaling, splits, qd, ql):
 
         def run():
             saved = tq.tile_config
-            tq.tile_config = lambda block_d: tile
+            if tile is not None:
+                tq.tile_config = lambda block_d: tile
             try:
-                return tq.launch(q, kc, ks, kz, vc, vs, vz, 4, 64, 0, n, scaling=scaling, splits=splits)
+                return tq.launch(q, kc, ks, kz, vc, vs, vz, 4, 64, 0, n, scaling=scaling, splits=splits, dot=dot)
             finally:
                 tq.tile_config = saved
         return run
@@ -290,10 +316,11 @@ def _launcher(fam, cuda, tile, q, codes, kb, vb, n, scaling, splits, qd, ql):
 
     def run2():
         saved = tl2.block_size
-        tl2.block_size = lambda d, kcg: tile
+        if tile is not None:
+            tl2.block_size = lambda d, kcg: tile
         try:
             return tl2.launch(q, kc, ks, kz, vc, vs, vz, kb, vb, 64, 0, n, None, None, None, None, scaling,
-                              splits=splits)
+                              splits=splits, dot=dot)
         finally:
             tl2.block_size = saved
     return run2

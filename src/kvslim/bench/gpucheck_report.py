@@ -54,15 +54,18 @@ def stage_markdown(stage: dict) -> str:
                          f"{_fmt(r['tokens_equal'])} |")
         return "\n".join(head + lines)
     if name == "variants":
-        lines = [f"backend {stage['backend']}, input precision {stage['input_precision']}, shape {stage['shape']}", "",
-                 "| family | tile | splits | µs | codes GB/s | max abs err vs fp64 |", "|---|---|---|---|---|---|"]
+        lines = [f"backend {stage['backend']}, shape {stage['shape']}", "",
+                 "| family | backend | tile | splits | dot operands | µs | codes GB/s | max abs err vs fp64 |",
+                 "|---|---|---|---|---|---|---|---|"]
         for r in stage["variants"]:
-            if "seconds" not in r:
-                lines.append(f"| {r['family']} | {r['tile']} | {r['splits']} | {r.get('error') or r.get('skipped')} "
-                             "| | |")
+            key = (f"| {r['family']} | {r.get('backend', '')} | {r['tile'] or 'default'} | {r['splits'] or 'auto'} | "
+                   f"{r.get('dot', 'ieee')} |")
+            if "max_abs_err_vs_float64" not in r:
+                lines.append(f"{key} {r.get('error') or r.get('skipped')} | | |")
                 continue
-            lines.append(f"| {r['family']} | {r['tile']} | {r['splits']} | {1e6 * r['seconds']:.1f} | "
-                         f"{r['codes_gbps']:.0f} | {r['max_abs_err_vs_float64']:.2e} |")
+            us = f"{1e6 * r['seconds']:.1f}" if "seconds" in r else "-"
+            gbps = f"{r['codes_gbps']:.0f}" if "codes_gbps" in r else "-"
+            lines.append(f"{key} {us} | {gbps} | {r['max_abs_err_vs_float64']:.2e} |")
         return "\n".join(head + lines)
     return "\n".join(head)
 
@@ -71,12 +74,14 @@ def index_markdown(doc: dict) -> str:
     env = doc["environment"]
     lines = [f"# gpu_check on {env.get('gpu') or env.get('device')} (commit {env.get('commit') or '?'}, torch "
              f"{env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')})", "",
-             f"`{doc['command']}`: budget {doc['budget_s']:.0f} s, elapsed {doc.get('elapsed_s', 0):.0f} s"
+             f"`{doc['command']}`: budget {doc['budget_s']:.0f} s, elapsed {doc.get('elapsed_s', 0):.0f} s, "
+             f"{doc.get('cpu_s', 0):.0f} CPU s"
              f"{' (--quick: tiny shapes, not figures)' if doc['quick'] else ''}", "",
-             "| stage | status | seconds | estimate s | note |", "|---|---|---|---|---|"]
+             "| stage | status | seconds | CPU s | estimate s | note |", "|---|---|---|---|---|---|"]
     for s in doc["stages"]:
         note = s.get("reason") or s.get("error") or ", ".join(s.get("failed") or s.get("failed_tests") or [])
-        lines.append(f"| {s['stage']} | {s['status']} | {s.get('seconds', 0):.0f} | {s.get('estimate_s')} | "
+        lines.append(f"| {s['stage']} | {s['status']} | {s.get('seconds', 0):.0f} | {s.get('cpu_s', 0):.0f} | "
+                     f"{s.get('estimate_s')} | "
                      f"{note} |")
     if doc.get("targets"):
         lines += ["", "| target | goal | measured | met | read from |", "|---|---|---|---|---|"]

@@ -26,9 +26,10 @@ otherwise it keeps today's path (``is_compileable`` ``False``).
 
 Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
 step writes nothing (the last slot is rewritten with what it holds, the length stays; that step's output is void)
-and sets a device flag; the next host boundary (a multi-token update, ``KVSlimCache.check_finite``) raises a
-``ValueError`` naming ``max_length``. A ``capturable`` cache refuses an eager write past ``max_length`` at once
-(nothing written).
+and sets a device flag (a CUDA graph cannot raise); the next eager call of the layer after graph steps
+(``get_seq_length``, ``nbytes``, an update) or ``KVSlimCache.check_finite`` reads it and raises a ``ValueError``
+naming ``max_length``, as does every later eager call until ``reset``. A ``capturable`` cache refuses an eager write
+past ``max_length`` at once (nothing written).
 """
 
 from __future__ import annotations
@@ -113,13 +114,18 @@ class CapturableMixin:
                 torch._dynamo.mark_static_address(t)
 
     def _sync_host(self) -> None:
-        """After graph steps: the Python-int length from the device (one host read, at an eager boundary)."""
+        """After graph steps: the Python-int length and the overflow flag from the device (host reads at an eager
+        boundary only, never per eager step); a graph step refused past ``max_length`` makes every later eager call
+        raise ``ValueError`` naming it, until :meth:`reset`."""
         if getattr(self, "host_stale", False):
             self.cumulative_length = int(self.length_t[0])
             self.host_stale = False
             for store in self._stores():
                 if isinstance(store, StaticResidualStore):
                     store.sync_host(self.cumulative_length)
+            self.refused = bool(self.overflow)
+        if getattr(self, "refused", False):
+            raise overflow_error(self.max_length)
 
     def _note_length(self) -> None:
         """Eager update: keep the device length current (one in-place fill; no host read)."""

@@ -122,7 +122,7 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.host_stale = False
+        self.host_stale = self.refused = False
         for t in (self.length_t, self.overflow):
             if t is not None:
                 t.zero_()

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                          "(default 512)")
     p.add_argument("--task", default=None, help=f"a retrieval check instead: one of {list(TASKS)}")
     p.add_argument("--context", type=int, default=4096, help="--task: haystack tokens (default 4096)")
-    p.add_argument("--trials", type=int, default=5, help="--task: haystacks (default 5; depths spread)")
+    p.add_argument("--trials", type=int, default=5, help="--task: haystacks, one task each (--task all: the four "
+                                                        "in turn), depths spread (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
@@ -114,14 +115,14 @@ def memory_estimate(model, methods: list[str], context: int) -> int:
     return caches + context * 4 * (3 * inter + 8 * cfg.hidden_size)
 
 
-def check_memory(model, methods: list[str], context: int) -> None:
+def check_memory(model, methods: list[str], context: int, flag: str = "--context") -> None:
     """``ValueError`` before any prefill when :func:`memory_estimate` exceeds the memory available, with the
     estimate and the longest context that would fit."""
     avail = memory_available()
     need = memory_estimate(model, methods, context)
     if avail is not None and need > avail:
         fits = int(context * avail / need) // 256 * 256
-        raise ValueError(f"--context {context} needs about {need / 2**20:,.0f} MiB (caches as kvslim plan counts "
+        raise ValueError(f"{flag} {context} needs about {need / 2**20:,.0f} MiB (caches as kvslim plan counts "
                          f"them, plus prefill activations) but {avail / 2**20:,.0f} MiB is available; about "
                          f"{fits} tokens would fit")
 
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tok(text, return_tensors="pt", verbose=False).input_ids
         if ids.shape[1] < args.tokens:
             raise ValueError(f"--text: {args.text!r} has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
-        check_memory(model, methods, args.tokens)
+        check_memory(model, methods, args.tokens, "--tokens")
         api.apply(model, "dense")
         print(perplexity_table(model, ids[:, :args.tokens], methods, args))
         return 0

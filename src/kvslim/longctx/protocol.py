@@ -149,31 +149,31 @@ def _key(r: dict) -> tuple:
 
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
         tasks=TASKS, units: list[str], out: Path | None = None, meta: dict | None = None,
-        progress: bool = True, max_new: int | None = None, first_trial: int = 0) -> list[dict]:
+        progress: bool = True, max_new: int | None = None, first_trial: int = 0,
+        kv_dir: Path | None = None) -> list[dict]:
     """Every ``(length, trial)`` haystack, every cache of ``caches`` (label -> builds an empty cache) and every task:
     one JSONL line each, appended to ``out`` after each cache's questions; lines already in ``out`` are skipped
     (a haystack whose lines are all there is not even built). Returns all records (old and new).
     ``max_new`` caps each answer (default: :func:`answer`'s). Trials run from ``first_trial`` to ``trials − 1``
     (a second process can take later trials into its own file).
 
-    ``meta`` (e.g. model, filler, commit) is copied into every new record."""
+    ``meta`` (e.g. model, filler, commit) is copied into every new record. ``kv_dir``: each haystack's prefill is
+    saved there until all its cells are written, so a run killed mid-haystack does not prefill it again."""
     tasks = check_tasks(tasks)
     records = read_jsonl(out) if out is not None else []
     if out is not None and Path(out).is_file() and not Path(out).read_bytes().endswith(b"\n"):
         with open(out, "a") as f:  # a line cut by a killed run: the next records start on their own line
             f.write("\n")
     done = {_key(r) for r in records}
-    todo = [(n, t) for n in lengths for t in range(first_trial, trials)
-            if any((n, t, m, k) not in done for m in caches for k in tasks)]
+    todo = [(n, t) for t in range(first_trial, trials) for n in lengths  # trial-major: a cut run has every length
+            if any((n, t, m, inst.task) not in done for m in caches for inst in instances(seed, n, t, tasks))]
     bar = _bar(len(todo) * len(caches), progress)
     for length, trial in todo:
         insts = instances(seed, length, trial, tasks)
         hay = hs.build(tokenizer, insts, length, units, random.Random(f"kvslim-filler:{seed}:{length}:{trial}"))
-        t0 = time.perf_counter()
-        kv = prefill_kv(model, hay.ids)
-        prefill_s = time.perf_counter() - t0
+        kv, prefill_s, saved = _prefill_saved(model, hay.ids, kv_dir, f"{seed}-{length}-{trial}")
         for label, make in caches.items():
-            if all((length, trial, label, k) in done for k in tasks):
+            if all((length, trial, label, q.task) in done for q in hay.questions):
                 bar.update(1)
                 continue
             lines = []
@@ -191,14 +191,38 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
                               "bytes_per_token": nbytes / length, "prefill_seconds": prefill_s,
                               "seconds": time.perf_counter() - t1})
             if out is not None:
-                with open(out, "a") as f:
-                    f.writelines(json.dumps(line) + "\n" for line in lines)
+                with open(out, "a") as f:  # one write: processes running other lengths may append beside
+                    f.write("".join(json.dumps(line) + "\n" for line in lines))
             records += lines
             bar.set_postfix_str(f"{length} #{trial} {label}: {sum(x['correct'] for x in lines)}/{len(lines)}")
             bar.update(1)
         del kv
+        if saved is not None:
+            saved.unlink(missing_ok=True)
     bar.close()
     return records
+
+
+def _prefill_saved(model, ids: torch.Tensor, kv_dir: Path | None, name: str):
+    """(per-layer keys and values, prefill seconds, the file they are saved in or None): read back from
+    ``kv_dir`` when an earlier run saved this haystack's prefill (same ids), else prefilled (and saved)."""
+    path = None if kv_dir is None else Path(kv_dir) / f"kv-{name}.pt"
+    if path is not None and path.is_file():
+        try:
+            saved = torch.load(path, weights_only=True)
+            if torch.equal(saved["ids"], ids):
+                return saved["kv"], saved["seconds"], path
+        except Exception:  # noqa: BLE001 - a file cut by a killed run: prefill again
+            pass
+    t0 = time.perf_counter()
+    kv = prefill_kv(model, ids)
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"ids": ids, "kv": kv, "seconds": seconds}, tmp)
+        tmp.replace(path)
+    return kv, seconds, path
 
 
 def summarize(records: list[dict]) -> list[dict]:

@@ -28,6 +28,28 @@ def softmax_step(s, m_i, l_i):
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
+#: operand precisions of the decode kernels' ``tl.dot`` (the ``dot=`` of their launchers; the shipped ops use
+#: ``"ieee"``): fp32 operands as IEEE products or as three TF32 products (``tf32x3``; both spellings accepted by
+#: triton 3.0 through 3.9), or the operands rounded to bf16 (fp32 accumulation; no ``input_precision`` needed).
+#: Triton's interpreter ignores the precision and multiplies bf16 operands wrongly (docs/gpu.md): CPU runs "ieee".
+DOT_CHOICES = ("ieee", "tf32x3", "bf16")
+
+
+def check_dot(dot: str) -> str:
+    if dot not in DOT_CHOICES:
+        raise ValueError(f"dot must be one of {DOT_CHOICES}, got {dot!r}")
+    return dot
+
+
+@triton.jit
+def mm(a, b, DOT: tl.constexpr):
+    """``tl.dot(a, b)`` in fp32 with the operand precision ``DOT`` (:data:`DOT_CHOICES`)."""
+    if DOT == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=DOT)
+
+
 @triton.jit
 def finish(acc, m_i, l_i):
     """``(out, lse)`` of an online softmax's accumulator: zeros and −inf for a row that attended nothing."""

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, softmax_step, unit_last
+from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
+from .merge import check_dot, finish, mm, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -73,7 +74,7 @@ def _quant_stage1(
     st_b, st_h, st_t, sm_b,
     D: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr, GROUP: tl.constexpr, KCG: tl.constexpr,
     KW: tl.constexpr, VGROUP: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
-    NHB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NHB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 bytes
     h = (tl.program_id(1) // NHB).to(tl.int64)
@@ -114,7 +115,7 @@ def _quant_stage1(
             k = _dequant(KC + b * skc_b + h * skc_h, KS + b * sks_b + h * sks_h, KZ + b * sks_b + h * sks_h,
                          t[None, :], offs_d[:, None], d_ok[:, None] & live[None, :], skc_t, sks_t,
                          BITS, ASYM, GROUP, KCG, KW)
-        s = tl.dot(q, k, input_precision="ieee") * scaling  # (BLOCK_H, BLOCK_N)
+        s = mm(q, k, DOT) * scaling  # (BLOCK_H, BLOCK_N)
         if HAS_MASK:
             s += tl.load(MASK + b * sm_b + col0 + t, mask=live, other=0.0).to(tl.float32)[None, :]
         s = tl.where(live[None, :], s, float("-inf"))
@@ -126,7 +127,7 @@ def _quant_stage1(
             v = _dequant(VC + b * svc_b + h * svc_h, VS + b * svs_b + h * svs_h, VZ + b * svs_b + h * svs_h,
                          t[:, None], offs_d[None, :], live[:, None] & d_ok[None, :], svc_t, svs_t,
                          BITS, ASYM, VGROUP, 0, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + mm(p, v, DOT)
         m_i = m_new
 
     out, lse = finish(acc, m_i, l_i)
@@ -266,15 +267,17 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int, group_size: int,
            key_channel_group: int, n: int, lengths: torch.Tensor | None = None, k_tail: torch.Tensor | None = None,
            v_tail: torch.Tensor | None = None, mask: torch.Tensor | None = None, scaling: float = 1.0,
-           splits: int = 0, v_unrot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           splits: int = 0, v_unrot: torch.Tensor | None = None, dot: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 of the twin's exact paths; shapes as in
-    :func:`kvslim.kernels.quant_decode.reference`. ``splits`` > 0 forces the split count (0: :func:`choose_splits`).
+    :func:`kvslim.kernels.quant_decode.reference`. ``splits`` > 0 forces the split count (0: :func:`choose_splits`);
+    ``dot``: the operand precision of the scores and weighted sums (``merge.DOT_CHOICES``; the op uses ``"ieee"``).
 
     Raises:
         ValueError: a shape, dtype or size that does not fit, naming the argument.
     """
     _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
            k_tail, v_tail, mask, v_unrot)
+    check_dot(dot)
     b, hk, g, d = q.shape
     asym = k_zero is not None
     q = unit_last(q.float())
@@ -310,7 +313,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     block_n, warps = tile_config(block_d)
     consts = dict(D=d, BITS=int(bits), ASYM=asym, GROUP=int(group_size), KCG=kcg,
                   KW=(d // kcg if kcg else 1), VGROUP=int(group_size), HAS_LEN=lengths is not None,
-                  HAS_MASK=mask is not None, NHB=nhb, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+                  HAS_MASK=mask is not None, NHB=nhb, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT=dot,
                   num_warps=warps)
     args = (q, k_codes, k_scale, kz, v_codes, v_scale, vz, kt, vt, m, lens, po, pl, n, r, g, per, slots,
             float(scaling), q.stride(0), q.stride(1), q.stride(2),

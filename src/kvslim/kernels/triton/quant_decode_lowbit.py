@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .merge import finish, merge_splits, softmax_step, unit_last
+from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
+from .merge import check_dot, finish, merge_splits, mm, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -68,12 +69,13 @@ def _per_token(rows, t_ok, cols, GS: tl.constexpr, D: tl.constexpr, D_PAD: tl.co
 
 
 @triton.jit
-def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
-    """One block of the online softmax: scores q·kᵀ + s_add ((G_PAD, BLOCK_N); −inf where not ``t_ok``)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") + s_add  # (G_PAD, BLOCK_N)
+def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc, DOT: tl.constexpr):
+    """One block of the online softmax: scores q·kᵀ + s_add ((G_PAD, BLOCK_N); −inf where not ``t_ok``); operand
+    precision ``DOT`` (``merge.DOT_CHOICES``)."""
+    s = mm(q, tl.trans(k), DOT) + s_add  # (G_PAD, BLOCK_N)
     s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + mm(p, v, DOT)
     return m_new, l_i, acc
 
 
@@ -87,7 +89,7 @@ def _lowbit_stage1(
     Hk, G, n, r, chunk, scaling,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, GS_POW2: tl.constexpr, KIVI: tl.constexpr,
-    HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -152,7 +154,7 @@ def _lowbit_stage1(
         s_add = tl.zeros((BLOCK_N,), tl.float32)
         if HAS_MASK:
             s_add = tl.load(m_base + t, mask=t_ok, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
+        m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc, DOT)
 
     if HAS_TAIL:
         tail_end = tl.where(split == splits - 1, r, 0)  # the last split attends the fp32 tail
@@ -167,7 +169,7 @@ def _lowbit_stage1(
             s_add = tl.zeros((BLOCK_N,), tl.float32)
             if HAS_MASK:
                 s_add = tl.load(m_base + n + t, mask=t_ok, other=0.0)
-            m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
+            m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc, DOT)
 
     out, lse = finish(acc, m_i, l_i)
     part = (bh.to(tl.int64) * splits + split) * G
@@ -267,11 +269,13 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
            group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None,
            k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None, scaling: float,
-           splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           splits: int = 0, dot: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32; arguments as :func:`kvslim.kernels.quant_decode_lowbit.reference`
-    (``q``, the tail and the mask fp32; ``splits`` > 0 forces the number of splits of the coded tokens)."""
+    (``q``, the tail and the mask fp32; ``splits`` > 0 forces the number of splits of the coded tokens; ``dot``: the
+    operand precision of the products, ``merge.DOT_CHOICES``; the op uses ``"ieee"``)."""
     check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
           lengths, k_tail, v_tail, mask)
+    check_dot(dot)
     b, hk, g, d = q.shape
     out = q.new_empty(b, hk, g, d)
     lse = q.new_empty(b, hk, g)
@@ -305,7 +309,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
         hk, g, n, r, chunk, float(scaling),
         D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
         GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
-        HAS_MASK=mask is not None, num_warps=8)
+        HAS_MASK=mask is not None, DOT=dot, num_warps=8)
     if s > 1:
         merge_splits(part_o, part_l, out.view(b * hk, g, d), lse.view(b * hk, g))
     return out, lse
