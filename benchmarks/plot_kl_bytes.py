@@ -90,7 +90,11 @@ def main() -> None:
     fig.tight_layout()
     stem = RESULTS / args.out
     fig.savefig(stem.with_suffix(".png"), dpi=110)
-    stem.with_suffix(".json").write_text(json.dumps({"records": RECORDS, "texts": HELDOUT, "rows": summary}, indent=1))
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stem.with_suffix(".json").write_text(json.dumps({"records": RECORDS, "texts": HELDOUT, "rows": summary,
+                                                     "commit": commit or "unknown"}, indent=1))
     for model, rows in summary.items():
         print(model)
         for label, r in rows.items():
