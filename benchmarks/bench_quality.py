@@ -198,7 +198,18 @@ TURBO_HELDOUT = [  # issue 35: the turbo rows on the held-out texts (kvslim int 
     ("turbo3 centred K o16 r123 (<= int3's bytes)", "turbo3", {**_TC, "residual": 123}),
     ("turbo2 centred K3 o16 V2 r123 (<= int2's bytes)", "turbo2", {**_TC, "key_bits": 3, "residual": 123}),
 ]
-SUITES = {"ablation": ABLATION, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
+_PR = dict(prerope_keys=True)  # keys coded before RoPE (KVQuant's lever; the store un-rotates by the slot's angles)
+TURBO_LEVERS = [  # issue 35 point 2: the KVQuant levers on the turbo formats, decided on --texts dev
+    ("turbo3 pre-RoPE keys", "turbo3", _PR),
+    ("turbo2 pre-RoPE keys", "turbo2", _PR),
+    ("turbo3 pre-RoPE keys, no outliers (3.25 bits)", "turbo3", {**_PR, "outliers": 0}),
+    ("turbo3 pre-RoPE keys, not centred", "turbo3", {**_PR, "center_keys": False}),
+]
+TURBO_LEVERS_HELDOUT = [  # the levers that won on the development text of both models, at int3's / int2's bytes
+    ("turbo3 pre-RoPE K r123 (<= int3's bytes)", "turbo3", {**_PR, "residual": 123}),
+    ("turbo2 pre-RoPE K r123 (<= int2's bytes)", "turbo2", {**_PR, "residual": 123}),
+]
+SUITES = {"ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_levers_heldout": TURBO_LEVERS_HELDOUT, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
           "turbo": TURBO, "turbo_heldout": TURBO_HELDOUT}
 FUSED_DECODE = False  # set by --fused-decode
 MODELS = {  # --model: (loader name in kvslim.models, label)
@@ -206,6 +217,33 @@ MODELS = {  # --model: (loader name in kvslim.models, label)
     "gemma3": ("load_gemma3_270m", "Gemma-3-270M (GGUF Q4_K_M dequantized, fp32)"),
     "qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
 }
+
+
+def load_model(loader: str):
+    """The model of ``--model`` in fp32. When its weight packages are gone but an earlier run left the converted
+    Hugging Face folder in the kvslim cache (``<cache>/models/<name>-<fingerprint>``, one such folder), that folder
+    is loaded instead (the same weights; the script says so)."""
+    import kvslim.models
+    from kvslim.kernels.build import cache_root
+
+    try:
+        return getattr(kvslim.models, loader)(torch.float32)
+    except FileNotFoundError as e:
+        name = {"load_qwen25_coder": "qwen2.5-coder-0.5b-instruct", "load_smollm2": "smollm2-135m-instruct",
+                "load_gemma3_270m": "gemma-3-270m"}[loader]
+        found = sorted(p for p in (cache_root() / "models").glob(f"{name}-*") if (p / "config.json").is_file())
+        if len(found) != 1:
+            raise
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"{e}\nloading the converted folder {found[0]} instead", flush=True)
+        model = AutoModelForCausalLM.from_pretrained(found[0], dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(found[0], local_files_only=True)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        tok.model_max_length = getattr(model.config, "max_position_embeddings", None) or tok.model_max_length
+        return model, tok
 
 
 class PreRopeStore:
@@ -348,10 +386,9 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    import kvslim.models
 
     loader, model_label = MODELS[args.model]
-    model, tok = getattr(kvslim.models, loader)(torch.float32)
+    model, tok = load_model(loader)
     api.apply(model, "dense")  # the storage methods' attention (packed GQA SDPA); caches differ per row
     rows = SUITES[args.suite]
     if args.only:

@@ -45,7 +45,9 @@ def _compare(model, ids, plans, steps, reference=DynamicCache):
 def test_one_pass_steps_equal_call_by_call_append_only():
     model = tiny_model("llama", dtype=torch.float64, max_position_embeddings=1024).eval()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
-    _compare(model, ids, {k: METHODS[k].plan_model(model, **o) for k, o in PLANS.items()}, steps=60)
+    plans = {k: METHODS[k].plan_model(model, **o) for k, o in PLANS.items()}
+    plans["turbo3 pre-RoPE keys"] = METHODS["turbo3"].plan_model(model, prerope_keys=True, **PLANS["turbo3"])
+    _compare(model, ids, plans, steps=60)
 
 
 @torch.inference_mode()

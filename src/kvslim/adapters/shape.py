@@ -104,4 +104,17 @@ def shape_from_config(config) -> ModelShape:
     types = _layer_types(config, n, sliding)
     if "sliding_attention" not in types:
         sliding = None
-    return ModelShape(mt, family, n, d, h, hkv, dk, types, sliding_window=sliding)
+    return ModelShape(mt, family, n, d, h, hkv, dk, types, sliding_window=sliding, extras=_rope_extras(config))
+
+
+def _rope_extras(config) -> dict:
+    """``{"rope": {"rope_type", "rope_theta", "partial_rotary_factor"}}`` when the config names a RoPE base (what
+    a plan from the config alone needs for pre-RoPE keys), else ``{}``."""
+    params = getattr(config, "rope_parameters", None)
+    params = dict(params) if isinstance(params, dict) else {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        return {}
+    return {"rope": {"rope_type": params.get("rope_type", "default"), "rope_theta": float(theta),
+                     "partial_rotary_factor": float(params.get("partial_rotary_factor",
+                                                               getattr(config, "partial_rotary_factor", 1.0) or 1.0))}}

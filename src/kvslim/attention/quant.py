@@ -97,8 +97,9 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
         return None
     b, hk, g, d = q.shape
     q = k.to_coded_basis(q, scale_by_channel=True)  # scores: (q ⊙ c)·k̃ in the coded basis
-    if kt is not None:
-        kt, vt = k.to_coded_basis(kt), v.to_coded_basis(vt)
+    if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
+        kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
+        vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
                           h.kernel_mask(mask), scaling)
     out = out.reshape(b * hk * g, d) @ v.rotations[0].T

@@ -6,6 +6,8 @@ from __future__ import annotations
 #: what ``apply(model, "int4")`` gives a user)
 #: ``kvslim-slim`` is slim attention option 2 (K-only cache, V rebuilt after the softmax-weighted sum; MHA only).
 KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {}),
-                "kvslim-int3": ("int3", {}), "kvslim-int2": ("int2", {}), "kvslim-slim": ("slim", {"cache": "k", "rank": 0})}
+                "kvslim-int3": ("int3", {}), "kvslim-int2": ("int2", {}), "kvslim-slim": ("slim", {"cache": "k", "rank": 0}),
+                "kvslim-turbo3": ("turbo3", {}), "kvslim-turbo2": ("turbo2", {}),
+                "kvslim-turbo3-prerope": ("turbo3", {"prerope_keys": True})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)

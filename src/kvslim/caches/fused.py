@@ -43,7 +43,8 @@ class FusedKV:
     or −1 for a row that must not be attended (a token that has left the window, a slot not yet written).
     ``materialize``: the unfused reads (the cache layer's own code path). ``v_tail_rotated``: ``v_tail`` is
     already in the value store's rotated basis (``v·R``, kept across steps by :func:`rotated_tail`);
-    ``k_tail_rotated``: the same for ``k_tail`` (a rotated, unsmoothed key store: ``k·R``).
+    ``k_tail_rotated``: the same for ``k_tail`` (a rotated, unsmoothed key store: ``k·R``). Turbo stores: both tails
+    in their coded bases (:func:`turbo_tail`).
     """
 
     k: QuantizedStore
@@ -110,8 +111,8 @@ def fusable(store: TensorStore | None) -> bool:
     """Whether the fused kernel reads this store's codes: int8/int4, per-token or KIVI, optional residual
     window and sinks."""
     inner = store.coded if isinstance(store, SinkStore) else store.inner if isinstance(store, ResidualStore) else store
-    if isinstance(inner, TurboStore):  # turbo codes: kvslim.turbo_decode (attention/quant.py)
-        return True
+    if isinstance(inner, TurboStore):  # turbo codes: kvslim.turbo_decode (attention/quant.py); not pre-RoPE keys
+        return inner.spec.rope is None
     return isinstance(inner, QuantizedStore) and inner.spec.bits in (2, 3, 4, 8)
 
 
@@ -139,7 +140,9 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
 def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
     """The value window for the op that will read it: as stored for int8/int4 codes, else :func:`rotated_tail`."""
     coded = store.coded if isinstance(store, SinkStore) else store.inner
-    if coded.spec.bits in (4, 8) or isinstance(coded, TurboStore):
+    if isinstance(coded, TurboStore):
+        return turbo_tail(store, r)
+    if coded.spec.bits in (4, 8):
         return store.fp[:, :, :r], False
     return rotated_tail(store, r)
 
@@ -149,9 +152,34 @@ def _key_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, b
     not the whole window) when the coded keys are rotated and not smoothed, else as stored (the op then takes
     smoothing and rotation onto the window itself)."""
     coded = store.coded if isinstance(store, SinkStore) else store.inner
-    if coded.spec.smooth or isinstance(coded, TurboStore):
+    if isinstance(coded, TurboStore):
+        return turbo_tail(store, r)
+    if coded.spec.smooth:
         return store.fp[:, :, :r], False
     return rotated_tail(store, r)
+
+
+def _tail_buffer(store: ResidualStore | SinkStore, r: int) -> tuple[tuple, torch.Tensor, int]:
+    """(key, buffer, rows already transformed) of the store's kept transformed tail: the rows of the previous
+    steps when nothing could have changed them, else a fresh buffer with none done (see :func:`rotated_tail`)."""
+    key = (id(store.fp), store.epoch, getattr(store.inner, "epoch", None), store.flushed)
+    saved = store.rotated_copy
+    if saved is None or saved[0] != key or saved[2] > r:
+        return key, torch.empty(store.fp.shape, dtype=torch.float32, device=store.fp.device), 0
+    return key, saved[1], saved[2]
+
+
+def turbo_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
+    """The first ``r`` rows of a turbo store's full-precision tail in its coded basis (centred, permuted, each
+    part rotated: ``TurboStore.to_coded_basis``), fp32: ``(tail, True)``. Kept across decode steps as
+    :func:`rotated_tail` keeps its rows (one new row transformed per step; everything again after a flush, which
+    also fits the store's means and permutation on its first one, or a rewind, reorder or reset)."""
+    coded = store.coded if isinstance(store, SinkStore) else store.inner
+    key, buf, done = _tail_buffer(store, r)
+    if r > done:
+        buf[:, :, done:r] = coded.to_coded_basis(store.fp[:, :, done:r])
+    store.rotated_copy = (key, buf, r)
+    return buf[:, :, :r], True
 
 
 def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
@@ -167,12 +195,7 @@ def rotated_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor
     rot = getattr(coded, "rotation", None)
     if rot is None:
         return tail, False
-    key = (id(store.fp), store.epoch, getattr(store.inner, "epoch", None), store.flushed)
-    saved = store.rotated_copy
-    if saved is None or saved[0] != key or saved[2] > r:
-        buf, done = torch.empty(store.fp.shape, dtype=torch.float32, device=store.fp.device), 0
-    else:
-        buf, done = saved[1], saved[2]
+    key, buf, done = _tail_buffer(store, r)
     # a decode step's one row: one 2-D product into place (eagerly; dynamo refuses a strided out=)
     if r == done + 1 and tail.dtype == torch.float32 and not torch.compiler.is_compiling():
         torch.mm(tail[:, :, done:r].reshape(-1, rot.shape[0]), rot, out=buf[:, :, done:r].view(-1, rot.shape[1]))

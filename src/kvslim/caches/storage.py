@@ -45,7 +45,9 @@ class StoreSpec:
       row; ``bits`` 2, 3 or 4; no groups, no zero-point). ``outliers`` (turbo keys only): that many key channels
       per head, fitted by the first write, coded apart at ``bits + 1``. ``center`` (turbo keys only): the channel
       means of the first write subtracted before the rotation and kept in fp32. ``seed``: the rotations' seed (turbo
-      only; the value store's is ``seed + 1``).
+      only; the value store's is ``seed + 1``). ``rope`` (turbo keys only): the model's RoPE inverse frequencies;
+      keys are coded *before* RoPE (KVQuant's pre-RoPE keys): a row written at slot s is un-rotated by s's angles
+      before coding and rotated back on read (:mod:`kvslim.caches.turbo`).
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -69,6 +71,7 @@ class StoreSpec:
     outliers: int = 0
     seed: int = 0
     center: bool = False
+    rope: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in ("int", "turbo"):
@@ -76,9 +79,10 @@ class StoreSpec:
         if self.codec == "turbo":
             self._check_turbo()
             return
-        if self.outliers or self.seed or self.center:
-            raise ValueError(f"outliers, seed and center are options of turbo codes (codec='turbo'), got outliers="
-                             f"{self.outliers!r}, seed={self.seed!r}, center={self.center!r}")
+        if self.outliers or self.seed or self.center or self.rope is not None:
+            raise ValueError(f"outliers, seed, center and rope are options of turbo codes (codec='turbo'), got "
+                             f"outliers={self.outliers!r}, seed={self.seed!r}, center={self.center!r}, "
+                             f"rope={'set' if self.rope is not None else None}")
         if self.bits not in (0, 2, 3, 4, 8):
             raise ValueError(f"bits must be 0, 2, 3, 4 or 8, got {self.bits!r}")
         if self.value_bits is not None and (self.value_bits not in (2, 3, 4, 8) or not self.bits):
@@ -134,6 +138,10 @@ class StoreSpec:
                              f"got {self.value_rotation!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"center must be True or False, got {self.center!r}")
+        if self.rope is not None and (not isinstance(self.rope, tuple) or not self.rope or not all(
+                isinstance(f, float) and math.isfinite(f) and f > 0 for f in self.rope)):
+            raise ValueError("rope must be None or a non-empty tuple of positive finite floats (RoPE inverse "
+                             f"frequencies), got {self.rope!r}")
         if self.asymmetric or self.channel_group:
             raise ValueError("asymmetric and channel_group (KIVI keys) are options of the grouped integer codes, not "
                              "of turbo codes (one scale per row, no zero-point)")
@@ -201,6 +209,9 @@ class StoreSpec:
 
         if not 0 <= self.outliers < dim:
             raise ValueError(f"outliers={self.outliers} must be below the head dimension {dim}")
+        if self.rope is not None and 2 * len(self.rope) > dim:
+            raise ValueError(f"rope: {len(self.rope)} frequencies rotate {2 * len(self.rope)} channels, more than the "
+                             f"head dimension {dim}")
         for width, bits in self.turbo_parts(dim):
             what = "outlier channels" if bits > self.bits else "channels"
             if not packable(width, bits):
@@ -259,6 +270,8 @@ class StoreSpec:
             parts.append("smooth-k")
         if self.codec == "turbo" and self.center:
             parts.append("center-k")
+        if self.codec == "turbo" and self.rope is not None:
+            parts.append("prerope-k")
         if self.residual:
             parts.append(f"r{self.residual}/{self.flush}")
         if self.sink:
@@ -270,7 +283,7 @@ class StoreSpec:
 def _values_spec(spec: StoreSpec) -> StoreSpec:
     if spec.codec == "turbo":
         return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, value_rotation=None,
-                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False)
+                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False, rope=None)
     rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
     return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
                    rotation=None if rotation == "none" else rotation, value_rotation=None)

@@ -28,6 +28,7 @@ def make_store(spec: StoreSpec, like: torch.Tensor, capacity: int) -> TensorStor
     if spec.sink:  # tokens [sink, …) go to a residual store of their own positions, shifted by sink
         inner = replace(spec, sink=0)
         store = cls(inner, b, h, capacity, d, like.dtype, like.device)
+        store.position_offset = spec.sink  # the coded part's slot 0 is position ``sink`` (pre-RoPE turbo keys)
         return SinkStore(spec, ResidualStore(inner, store, b, h, d, like.dtype, like.device))
     store = cls(spec, b, h, capacity, d, like.dtype, like.device)
     return ResidualStore(spec, store, b, h, d, like.dtype, like.device) if spec.residual else store

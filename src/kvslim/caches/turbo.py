@@ -6,9 +6,18 @@ Lloyd–Max codebook of N(0, 1), one scale per part and row. Which channels are 
 head by the store's first write (the largest mean squares: a prefill's channels, as key smoothing is fitted) and
 kept as a permutation, D int16 per head (``perm``: outliers first, then the rest, each ascending).
 
+With ``spec.rope`` (pre-RoPE keys, KVQuant's lever) a key row written at slot s is un-rotated by RoPE's angles of
+position ``s + position_offset`` before anything else (centring, outliers, codes: all in the pre-RoPE basis, where
+a channel's offset is the same for every token) and rotated back on read. The slot stands for the position: exact
+for one unpadded sequence (``position_offset``: the sink tokens in front of a :class:`~kvslim.caches.sink.SinkStore`'s
+coded part); with left padding every row of a sequence is off by the same angle (its pad count), a fixed
+orthogonal change of basis that the read undoes, so the codes stay consistent. Such keys are not fused
+(``caches/fused.fusable``): RoPE of each decoded row belongs inside the kernel.
+
 Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, then the rest's (kvslim's packing,
-``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. Not read by the fused
-decode kernels (``caches/fused.fusable``: not a ``QuantizedStore``): a decode step reads the dequantized rows.
+``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. The fused decode op
+(``kernels/turbo_decode.py``) reads the codes; the full-precision window goes in through :meth:`to_coded_basis`
+(``caches/fused.turbo_tail``, one new row per decode step).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import turbo
+from ..ops.rope import rotate, unrotate
 from .storage import ScratchPool, StoreSpec, TensorStore, check_finite
 
 
@@ -35,6 +45,19 @@ class TurboStore(TensorStore):
         self.perm: torch.Tensor | None = None  # (B, H, D) int16, fitted by the first write (outliers only)
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 key smoothing, fitted by the first write
         self.mean: torch.Tensor | None = None  # (B, H, 1, D) fp32 channel means (``center``), fitted by the first write
+        self.position_offset = 0  # position of slot 0 (pre-RoPE keys; make_store sets it behind sinks)
+        self._inv_freq = None if spec.rope is None else torch.tensor(spec.rope, dtype=torch.float32, device=device)
+
+    def _rope_table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (end − start, 2·len(rope)) of slots [start, end), computed as HF's rotary embedding does
+        (fp32 position × inverse frequency, both halves)."""
+        pos = torch.arange(start + self.position_offset, end + self.position_offset, device=self._inv_freq.device)
+        freqs = pos[:, None].float() * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _unrope(self, start: int, x: torch.Tensor) -> torch.Tensor:
+        return x if self._inv_freq is None else unrotate(x.float(), *self._rope_table(start, start + x.shape[2]))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
@@ -92,7 +115,10 @@ class TurboStore(TensorStore):
     def to_coded_basis(self, x: torch.Tensor, scale_by_channel: bool = False) -> torch.Tensor:
         """fp32 ``x`` (B, H, S, D) in the basis the codes live in: divided by the smoothing factors (a query:
         ``scale_by_channel``, multiplied, so that ``q·k = (q ⊙ c)·(k / c)``), permuted (outliers first), each
-        part rotated. A query times a coded row there is the query times the decoded row."""
+        part rotated. A query times a coded row there is the query times the decoded row. Not for pre-RoPE keys
+        (``spec.rope``: each row's RoPE differs, no one basis)."""
+        if self._inv_freq is not None:
+            raise ValueError("to_coded_basis: pre-RoPE keys (spec.rope) have no single coded basis; read the rows")
         z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not (a shift of every
         if self.channel is not None:                               # key's score by q·mean leaves the softmax as is)
             z = z * self.channel if scale_by_channel else z / self.channel
@@ -108,17 +134,24 @@ class TurboStore(TensorStore):
         """Code ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan, nothing written."""
         if not checked:
             check_finite(x, self)
+        x = self._unrope(start, x)
         self._fit(x)
         codes, scale = self._encode(x)
         self.data[:, :, start:start + x.shape[2]] = codes
         self.scale[:, :, start:start + x.shape[2]] = scale
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
-        return self._decode(self.data[:, :, start:end], self.scale[:, :, start:end])
+        out = self._decode(self.data[:, :, start:end], self.scale[:, :, start:end])
+        if self._inv_freq is not None:
+            out = rotate(out.float(), *self._rope_table(start, end)).to(self.dtype)
+        return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        self._fit(x)
-        return self._decode(*self._encode(x))
+        """``x`` (B, H, S, D) coded and decoded as if written at slots [0, S) (fits on the first call)."""
+        z = self._unrope(0, x)
+        self._fit(z)
+        out = self._decode(*self._encode(z))
+        return out if self._inv_freq is None else rotate(out.float(), *self._rope_table(0, x.shape[2])).to(self.dtype)
 
     def map_sequences(self, fn) -> None:
         super().map_sequences(fn)

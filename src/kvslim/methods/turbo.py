@@ -7,7 +7,9 @@ codes, kvslim's attention sinks and full-precision recent window (as int4/int3/i
 ``sink``, ``flush``, ``rotation``, ``outliers`` (key channels per head coded at one bit more, fitted by the first
 write; default a quarter of the head dim below 4 bits), ``center_keys`` (the first write's key channel means
 subtracted before the rotation; default on), ``key_bits`` (``turbo2``: 3-bit keys, 2-bit values),
-``smooth_keys``, ``scale_dtype``, ``seed``. Measured against int3/int2 at equal bytes in docs/quantization.md §10.
+``smooth_keys``, ``scale_dtype``, ``seed``, ``prerope_keys`` (keys coded before RoPE, KVQuant's lever: the rotary
+table comes from the model's ``rotary_emb`` under ``apply``, from the config's RoPE base for a plan without
+weights; such keys decode through the layers' reads, not the fused op). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
 """
 
 from __future__ import annotations
@@ -24,7 +26,31 @@ from .storage import StorageMethod, StorageOptions
 
 TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
                  "scale_dtype",
-                 "chunk", "seed", "value_rotation"}
+                 "chunk", "seed", "value_rotation", "prerope_keys"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (a static table)
+
+
+def rope_from_shape(shape: ModelShape) -> tuple[float, ...] | None:
+    """RoPE inverse frequencies of a config's default RoPE (HF's ``compute_default_rope_parameters``, fp32), or
+    ``None`` when the config names another RoPE type or none."""
+    rope = shape.extras.get("rope")
+    if not rope or rope["rope_type"] != "default":
+        return None
+    dim = int(shape.head_dim * rope["partial_rotary_factor"])
+    inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return tuple(float(f) for f in inv)
+
+
+def rope_from_model(model) -> tuple[float, ...] | None:
+    """The model's own RoPE inverse frequencies (``model.model.rotary_emb.inv_freq``) when its RoPE type keeps a
+    static table, else ``None``."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv = getattr(rotary, "inv_freq", None)
+    rope = getattr(model.config, "rope_parameters", None)
+    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if not isinstance(inv, torch.Tensor) or kind not in ROPE_TYPES:
+        return None
+    return tuple(float(f) for f in inv.detach().float().cpu())
 
 
 class TurboMethod(StorageMethod):
@@ -43,10 +69,13 @@ class TurboMethod(StorageMethod):
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(TURBO_OPTIONS)}")
         options = dict(options)
+        prerope = options.pop("prerope_keys", self.defaults.get("prerope_keys", False))
+        if not isinstance(prerope, bool):
+            raise ValueError(f"prerope_keys must be True or False, got {prerope!r}")
         seed = options.pop("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        merged = {**self.defaults, **options}
+        merged = {k: v for k, v in {**self.defaults, **options}.items() if k != "prerope_keys"}
         if merged["outliers"] is None:  # the default: a quarter of the head dim, set by plan() (0 without a shape)
             merged["outliers"] = 0
         if "sink" not in options:  # the default sinks share the 128 full-precision tokens with the window
@@ -55,10 +84,21 @@ class TurboMethod(StorageMethod):
             merged["flush"] = min(merged["flush"], merged["residual"]) or 1
         return StorageOptions(bits=self.bits, **merged)
 
+    def plan_model(self, model, **options) -> Plan:
+        shape = self.check_model(model)
+        return self._plan(shape, next(model.parameters()).dtype, rope_from_model(model), **options)
+
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
+        return self._plan(shape, dtype, rope_from_shape(shape), **options)
+
+    def _plan(self, shape: ModelShape, dtype: torch.dtype, rope: tuple[float, ...] | None, **options) -> Plan:
         seed = options.get("seed", 0)
         self.options(**options)  # every option checked by name before the plan is built
-        base = {k: v for k, v in options.items() if k != "seed"}
+        prerope = options.get("prerope_keys", self.defaults.get("prerope_keys", False))
+        if prerope and rope is None:
+            raise ValueError(f"prerope_keys=True needs the model's RoPE table: this {shape.model_type} model has no "
+                             f"RoPE with a static table ({', '.join(ROPE_TYPES)}); use prerope_keys=False")
+        base = {k: v for k, v in options.items() if k not in ("seed", "prerope_keys")}
         notes = []
         kbits = options.get("key_bits") or self.bits
         if "outliers" not in options and self.defaults.get("outliers", 0) is None and kbits < 4:
@@ -72,7 +112,8 @@ class TurboMethod(StorageMethod):
         layers = []
         for lp in plan.layers:  # a rotation seed per layer: keys 2·(seed·L + i), values that + 1
             spec = lp.factory.keywords["spec"]
-            spec = replace(spec, seed=2 * (seed * len(plan.layers) + lp.index))
+            spec = replace(spec, seed=2 * (seed * len(plan.layers) + lp.index), rope=rope if prerope else None)
+            spec.check_dim(shape.head_dim)
             fixed = shape.num_kv_heads * (spec.fixed_bytes(shape.head_dim)
                                           + spec.for_values().fixed_bytes(shape.head_dim))
             layers.append(replace(lp, fixed_bytes=fixed, factory=append_factory(spec, lp.factory.keywords["chunk"])))

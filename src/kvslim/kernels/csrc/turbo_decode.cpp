@@ -10,7 +10,8 @@
 // (k_scale (B, Hk, T, parts)); k_t[i] = scale[part(i)] · levels[bits(i)][code_i]. A value row: v_bits bits, one
 // scale. Codes: little-endian bit streams per row (kvslim's packing: code i at bits [b·i, b·i + b) of the row; the
 // outlier part first, the rest from byte k_out·(k_bits + 1)/8). levels: (5, 16) fp32, row b the 2^b levels of the
-// b-bit codebook. Scales fp32, fp16 or bf16. Scores use a per-query lookup table (q_i · level) per channel.
+// b-bit codebook. Scales fp32, fp16 or bf16. Each coded row is decoded once into a D-float buffer (level ×
+// its part's scale), then G dot products (keys) or G axpys (values).
 // Parallel over batch × KV heads. Every size comes from tensor metadata and is checked (named ValueErrors).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,11 +35,28 @@ inline void check4(const at::Tensor& t, const char* name, int64_t B, int64_t H, 
                     ": ", name, " must be (B=", B, ", Hk=", H, ", >=", min_t, " tokens, ", w, "), got ", t.sizes());
 }
 
-inline int code_at(const uint8_t* row, int64_t row_bytes, int64_t bit, int bits) {
-  int64_t byte = bit >> 3;
-  uint32_t w = row[byte];
-  if (byte + 1 < row_bytes) w |= static_cast<uint32_t>(row[byte + 1]) << 8;
-  return static_cast<int>((w >> (bit & 7)) & ((1u << bits) - 1));
+// count codes of `bits` bits from the little-endian bit stream at p (count fills whole bytes), as their levels
+// times `scale`: 8 codes per 3 bytes at 3 bits, 4 / 2 codes per byte at 2 / 4 bits
+inline void decode_part(const uint8_t* p, int bits, int64_t count, const float* lev, float scale, float* out) {
+  float l[16];
+  for (int c = 0; c < (1 << bits); ++c) l[c] = lev[c] * scale;
+  if (bits == 3) {
+    for (int64_t i = 0; i < count; i += 8, p += 3) {
+      const uint32_t w = p[0] | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
+      for (int j = 0; j < 8; ++j) out[i + j] = l[(w >> (3 * j)) & 7u];
+    }
+    return;
+  }
+  const int per = 8 / bits;
+  const uint32_t m = (1u << bits) - 1;
+  for (int64_t i = 0; i < count; i += per, ++p)
+    for (int j = 0; j < per; ++j) out[i + j] = l[(p[0] >> (bits * j)) & m];
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
 }
 
 template <class S>
@@ -48,34 +66,23 @@ void run(const float* q, const uint8_t* kc, const S* ks, const uint8_t* vc, cons
          int64_t vbytes, int64_t kparts, const float* kt, const float* vt, at::IntArrayRef kts,
          at::IntArrayRef vts, int64_t r, const float* mask, int64_t mask_bs, float scaling, float* out,
          float* lse) {
+  (void)kbytes;
+  (void)vbytes;
   const int64_t out_bytes = k_out * (kb + 1) / 8;
   at::parallel_for(0, B * Hk, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> table(G * D * 16), scores(G * (n + r)), acc(G * D);
-    std::vector<int> codes(D);
+    std::vector<float> scores(G * (n + r)), acc(G * D), row_f(D);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / Hk, h = bh % Hk;
       const float* qb = q + bh * G * D;
-      for (int64_t g = 0; g < G; ++g)  // table[g][i][c] = q_i · level_c of channel i's codebook
-        for (int64_t i = 0; i < D; ++i) {
-          const int bits = i < k_out ? kb + 1 : kb;
-          const float* l = lev + bits * 16;
-          for (int c = 0; c < (1 << bits); ++c) table[(g * D + i) * 16 + c] = qb[g * D + i] * l[c];
-        }
       const float* mrow = mask ? mask + b * mask_bs : nullptr;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = 0; t < n; ++t) {  // each key row decoded once (levels × its part's scale), then G dots
         const uint8_t* row = kc + b * kcs[0] + h * kcs[1] + t * kcs[2];
         const S* sc = ks + b * kss[0] + h * kss[1] + t * kss[2];
-        for (int64_t i = 0; i < D; ++i)
-          codes[i] = i < k_out ? code_at(row, kbytes, i * (kb + 1), kb + 1)
-                               : code_at(row, kbytes, out_bytes * 8 + (i - k_out) * kb, kb);
-        const float s_out = static_cast<float>(sc[0]), s_rest = static_cast<float>(sc[kparts - 1]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* tg = table.data() + g * D * 16;
-          float a = 0.f, z = 0.f;
-          for (int64_t i = 0; i < k_out; ++i) a += tg[i * 16 + codes[i]];
-          for (int64_t i = k_out; i < D; ++i) z += tg[i * 16 + codes[i]];
-          scores[g * (n + r) + t] = scaling * (s_out * a * (k_out > 0) + s_rest * z) + (mrow ? mrow[t] : 0.f);
-        }
+        if (k_out) decode_part(row, kb + 1, k_out, lev + (kb + 1) * 16, static_cast<float>(sc[0]), row_f.data());
+        decode_part(row + out_bytes, kb, D - k_out, lev + kb * 16, static_cast<float>(sc[kparts - 1]),
+                    row_f.data() + k_out);
+        for (int64_t g = 0; g < G; ++g)
+          scores[g * (n + r) + t] = scaling * dot(qb + g * D, row_f.data(), D) + (mrow ? mrow[t] : 0.f);
       }
       for (int64_t t = 0; t < r; ++t) {
         const float* kr = kt + b * kts[0] + h * kts[1] + t * kts[2];
@@ -99,15 +106,15 @@ void run(const float* q, const uint8_t* kc, const S* ks, const uint8_t* vc, cons
         den[g] = d;
         mx[g] = m;
       }
-      const float* lv = lev + vb * 16;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = 0; t < n; ++t) {  // each value row decoded once, then G axpys
         const uint8_t* row = vc + b * vcs[0] + h * vcs[1] + t * vcs[2];
-        const float s = static_cast<float>(vs[b * vss[0] + h * vss[1] + t * vss[2]]);
-        for (int64_t i = 0; i < D; ++i) codes[i] = code_at(row, vbytes, i * vb, vb);
+        decode_part(row, vb, D, lev + vb * 16, static_cast<float>(vs[b * vss[0] + h * vss[1] + t * vss[2]]),
+                    row_f.data());
         for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * (n + r) + t] * s;
+          const float w = scores[g * (n + r) + t];
           float* o = acc.data() + g * D;
-          for (int64_t i = 0; i < D; ++i) o[i] += w * lv[codes[i]];
+          const float* vr = row_f.data();
+          for (int64_t i = 0; i < D; ++i) o[i] += w * vr[i];
         }
       }
       for (int64_t t = 0; t < r; ++t) {
