@@ -42,6 +42,8 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "quanto 2-bit": ("quanto", {"nbits": 2}),
     "window 1024": ("window", {"window": 1024}),
 }
+#: the order of the tables' rows and columns (dense, then kvslim by bytes, then the peer, then eviction)
+TABLE_ORDER = ["dense", "int8", "int4", "int3", "int2", "quanto 4-bit", "quanto 2-bit", "window 1024"]
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
@@ -74,12 +76,40 @@ def report(stem: Path) -> dict:
            "seed": first.get("seed"), "commits": sorted({r.get("commit", "?") for r in records}),
            "protocol": "one one-call prefill per haystack fills every cache via its update(); question in one call, "
                        "answer greedy token by token through the cache; exact match of the expected items",
-           "lengths": sorted({r["length"] for r in records}), "methods": list(dict.fromkeys(r["method"] for r in records)),
-           "records": len(records), "rows": rows}
+           "lengths": sorted({r["length"] for r in records}),
+           "methods": sorted(dict.fromkeys(r["method"] for r in records), key=lambda m: (TABLE_ORDER + [m]).index(m)),
+           "records": len(records), "rows": rows, "haystacks": haystacks(records),
+           "agreement": agreement(records)}
     stem.with_suffix(".json").write_text(json.dumps(rec, indent=1))
     stem.with_suffix(".md").write_text(markdown(rec))
     plot(rec, stem.with_suffix(".png"))
     return rec
+
+
+def haystacks(records: list[dict]) -> dict[str, int]:
+    """length -> haystacks with a dense record (one question each)."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r["method"] == "dense":
+            out[str(r["length"])] = out.get(str(r["length"]), 0) + 1
+    return dict(sorted(out.items(), key=lambda x: int(x[0])))
+
+
+def agreement(records: list[dict]) -> dict[str, dict]:
+    """Per method, paired with dense on the same questions (all lengths): questions both answered, same verdict,
+    and the questions dense got right that the method got wrong (and the reverse)."""
+    dense = {(r["length"], r["trial"], r["task"]): bool(r["correct"]) for r in records if r["method"] == "dense"}
+    out: dict[str, dict] = {}
+    for r in records:
+        key = (r["length"], r["trial"], r["task"])
+        if r["method"] == "dense" or key not in dense:
+            continue
+        a = out.setdefault(r["method"], {"n": 0, "same": 0, "lost": 0, "gained": 0})
+        a["n"] += 1
+        a["same"] += dense[key] == bool(r["correct"])
+        a["lost"] += dense[key] and not r["correct"]
+        a["gained"] += r["correct"] and not dense[key]
+    return out
 
 
 def markdown(rec: dict) -> str:
@@ -89,7 +119,7 @@ def markdown(rec: dict) -> str:
     out = [f"{rec['model']}; filler {rec['filler']}; seed {rec['seed']}; commits {', '.join(rec['commits'])}. "
            f"Accuracy over all tasks with its Wilson 95 % interval (correct/trials), bytes per token measured "
            f"from the filled cache (fp32 model).", "",
-           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token |",
+           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token (longest context) |",
            "|---|" + "---|" * (len(lengths) + 1)]
     for m in methods:
         cells, bpt = [], None
@@ -98,10 +128,16 @@ def markdown(rec: dict) -> str:
             if r is None:
                 cells.append("-")
                 continue
-            bpt = r["bytes_per_token"] if bpt is None else bpt
+            bpt = r["bytes_per_token"]  # the longest context's
             lo, hi = r["wilson95"]
             cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})")
         out.append(f"| {m} | " + " | ".join(cells) + f" | {bpt:,.0f} |")
+    out += ["", "Haystacks (one question each) per length: " + ", ".join(
+        f"{int(n):,}: {k}" for n, k in rec["haystacks"].items()) + ".", "",
+        "Paired with dense (same questions, all lengths): same verdict / questions; lost = dense right, this wrong; "
+        "gained = the reverse.", "", "| cache | same verdict | lost | gained |", "|---|---|---|---|"]
+    out += [f"| {m} | {a['same']}/{a['n']} | {a['lost']} | {a['gained']} |" for m in methods
+            if (a := rec["agreement"].get(m))]
     out += ["", "Per task (correct/trials):", "",
             "| cache | length | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
     for m in methods:
@@ -141,7 +177,7 @@ def plot(rec: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     rows = [r for r in rec["rows"] if r["task"] == "all"]
     for i, m in enumerate(rec["methods"]):
         pts = sorted((r["length"], r["accuracy"], *r["wilson95"]) for r in rows if r["method"] == m)
@@ -151,12 +187,12 @@ def plot(rec: dict, path: Path) -> None:
         ax.errorbar(x, y, yerr=err, marker="s" if m.startswith("quanto") else "o", capsize=3, label=m,
                     ls="--" if m.startswith("quanto") else "-")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(rec["lengths"], [f"{n:,}" for n in rec["lengths"]])
+    ax.set_xticks(rec["lengths"], [f"{n:,}\n({rec['haystacks'].get(str(n), 0)} haystacks)" for n in rec["lengths"]])
     ax.set_ylim(-5, 105)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("accuracy, all tasks (%), Wilson 95 % interval")
     ax.set_title(f"{(rec['model'] or '').split(' (')[0]}: retrieval through the cache")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

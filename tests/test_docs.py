@@ -380,3 +380,36 @@ def test_results_records_name_their_commit():
     bad = [p.name for p in sorted((ROOT / "benchmarks/results").glob("*.json"))
            if not has_commit(json.loads(p.read_text())) and f"`{p.name}`" not in listed]
     assert not bad, f"records without a commit, not listed in benchmarks/README.md: {bad}"
+
+
+def test_readme_longctx_table_equals_its_result_file():
+    """The README's long-context table (issue 34) equals ``bench_longctx.json``: per context and method the
+    accuracy, its Wilson 95 % interval and correct/asked over all tasks, and the bytes per token at the longest
+    context it names."""
+    import json
+
+    text = README.read_text()
+    rec = json.loads((ROOT / "benchmarks/results/bench_longctx.json").read_text())
+    cell = {(r["method"], r["length"]): r for r in rec["rows"] if r["task"] == "all"}
+    header = next(line for line in text.splitlines() if line.startswith("| context | kvslim dense"))
+    methods = [c.strip().removeprefix("kvslim ") for c in header.strip().strip("|").split("|")[1:]]
+    checked = 0
+    for row in _md_table(text, "| context | kvslim dense"):
+        if row[0].startswith("bytes/token at "):
+            n = int(row[0].removeprefix("bytes/token at ").replace(",", ""))
+            for m, c in zip(methods, row[1:], strict=True):
+                assert c == "—" if (m, n) not in cell else int(c.replace(",", "")) == round(
+                    cell[m, n]["bytes_per_token"]), (m, n)
+                checked += 1
+            continue
+        n = int(row[0].split()[0].replace(",", ""))
+        for m, c in zip(methods, row[1:], strict=True):
+            if c == "—":  # a cell the (partial) run has not reached
+                assert (m, n) not in cell, (m, n)
+                continue
+            r = cell[m, n]
+            got = [int(x) for x in re.findall(r"\d+", c)]
+            lo, hi = r["wilson95"]
+            assert got == [round(100 * r["accuracy"]), round(100 * lo), round(100 * hi), r["correct"], r["n"]], (m, n)
+            checked += 1
+    assert checked >= 3 * 7, checked  # three contexts and the bytes, seven methods at least

@@ -79,7 +79,9 @@ def _methods(model):
     out = {"dense": make_cache_fn(model, "dense"),
            "int8": make_cache_fn(model, "int8"),
            "int4": make_cache_fn(model, "int4", residual=16, sink=2, key_channel_group=16, group_size=16),
-           "int2": make_cache_fn(model, "int2", residual=32, key_channel_group=16, group_size=16)}
+           "int3": make_cache_fn(model, "int3"),
+           "int2": make_cache_fn(model, "int2", residual=32, key_channel_group=16, group_size=16),
+           "window 64": make_cache_fn(model, "window", window=64)}
     if QUANTO:
         out["quanto 2-bit"] = make_cache_fn(model, "quanto", nbits=2)
     return out
