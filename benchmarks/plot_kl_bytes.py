@@ -20,16 +20,20 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 RECORDS = {
     "SmolLM2-135M": ["quality_heldout_2026-11-26.json", "quality_heldout_2026-11-26_defaults.json",
-                     "quality_heldout_2026-11-26_turbo.json", "quality_heldout_2026-11-26_turbo_prerope.json"],
+                     "quality_heldout_2026-11-26_turbo.json", "quality_heldout_2026-11-26_turbo_prerope.json",
+                     "quality_heldout_2026-11-26_turbo_rope_centred.json"],
     "Qwen2.5-Coder-0.5B": ["quality_heldout_2026-11-26_qwen25_quanto.json",
                            "quality_heldout_2026-11-26_qwen25_defaults.json",
                            "quality_heldout_2026-11-26_qwen25_turbo.json",
-                           "quality_heldout_2026-11-26_qwen25_turbo_prerope.json"],
+                           "quality_heldout_2026-11-26_qwen25_turbo_prerope.json",
+                           "quality_heldout_2026-11-26_qwen25_turbo_rope_centred.json"],
 }
 SHORT = {"turbo3 centred K o16 r123 (<= int3's bytes)": "turbo3", "turbo3 pre-RoPE K r123 (<= int3's bytes)":
          "turbo3 pre-RoPE keys", "turbo2 centred K3 o16 V2 r123 (<= int2's bytes)": "turbo2",
          "turbo2 pre-RoPE K r123 (<= int2's bytes)": "turbo2 pre-RoPE keys",
-         "int4 r60 +sink4 (quanto 4-bit's bytes)": "int4, 60-token window"}
+         "int4 r60 +sink4 (quanto 4-bit's bytes)": "int4, 60-token window",
+         "turbo3 RoPE-centred K r123 (<= int3's bytes)": "turbo3 RoPE-centred keys",
+         "turbo2 RoPE-centred K r123 (<= int2's bytes)": "turbo2 RoPE-centred keys"}
 HELDOUT = ("torch-tensor-str", "python-reference", "twelfth-night")
 
 
@@ -79,7 +83,7 @@ def main() -> None:
             style = {"quanto": ("s", "tab:gray"), "turbo": ("D", "tab:red"), "int": ("o", "tab:blue")}[kind]
             ax.errorbar(x, y, yerr=[[y - min(kls)], [max(kls) - y]], fmt=style[0], color=style[1], capsize=3)
             short = SHORT.get(label, label.replace(" (default)", "").replace(" g64 r128", ""))
-            ax.annotate(short, (x, y), fontsize=7, xytext=(6, -9 if "pre-RoPE" in short else 3),
+            ax.annotate(short, (x, y), fontsize=7, xytext=(6, -9 if "pre-RoPE" in short else -18 if "centred" in short else 3),
                         textcoords="offset points")
         ax.set_yscale("log")
         ax.set_xlabel("bytes per token, measured (all layers, window included)")
