@@ -165,3 +165,24 @@ def test_answer_stops_at_max_new(tiny_mha):
     kv = prefill_kv(model, h.ids)
     text, n = answer(model, tok, fill(make_cache_fn(model, "dense")(), kv), h.questions[0], max_new=4)
     assert 1 <= n <= 4 and isinstance(text, str)
+
+
+def test_saved_prefill_is_read_back_and_removed(tiny_mha, tmp_path, monkeypatch):
+    """``kv_dir``: a haystack's prefill saved by a killed run is read back instead of prefilled again, and removed
+    once every cell of the haystack is written."""
+    model, tok = tiny_mha
+    kw = dict(lengths=[200], trials=1, tasks=["passkey"], units=filler_units(), progress=False, max_new=1)
+    caches = {"dense": make_cache_fn(model, "dense")}
+    kv_dir = tmp_path / "kv"
+    saved = {}
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, path: (saved.setdefault("path", path), real_save(obj, path)))
+    first = run(model, tok, caches, out=tmp_path / "a.jsonl", kv_dir=kv_dir, **kw)
+    assert saved and list(kv_dir.iterdir()) == []  # saved while the haystack ran, removed after its cells
+    # a run killed after the prefill: its file is there; the next run reads it back and prefills nothing
+    h = hs.build(tok, instances(0, 200, 0, ["passkey"]), 200, kw["units"], random.Random("kvslim-filler:0:200:0"))
+    real_save({"ids": h.ids, "kv": prefill_kv(model, h.ids), "seconds": 1.5}, kv_dir / "kv-0-200-0.pt")
+    monkeypatch.setattr(protocol, "prefill_kv", lambda *a: pytest.fail("prefilled again"))
+    again = run(model, tok, caches, out=tmp_path / "b.jsonl", kv_dir=kv_dir, **kw)
+    assert [r["answer"] for r in again] == [r["answer"] for r in first] and again[0]["prefill_seconds"] == 1.5
+    assert list(kv_dir.iterdir()) == []
