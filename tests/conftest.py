@@ -82,3 +82,40 @@ def one_thread():
 @pytest.fixture
 def tiny():
     return tiny_model
+
+
+def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_length: int):
+    """``model.generate`` greedily, eagerly and then through HF's own compile path (``compile_config``, backend
+    ``eager``, fullgraph, static shapes; on CPU ``_compile_all_devices``) with a capturable kvslim cache of
+    ``max_length``. Returns (eager tokens, compiled tokens, dynamo's unique graph count, the cache)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig, GenerationConfig
+
+    import kvslim
+    from kvslim.adapters.compat import CACHE_KW
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+        compile_config._compile_all_devices = True
+        cfg = GenerationConfig(compile_config=compile_config, **kw)
+        cache = kvslim.make_cache(model, max_length=max_length, capturable=True)
+        torch._dynamo.reset()
+        counters.clear()
+        got = model.generate(ids, generation_config=cfg, **{CACHE_KW: cache})
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return eager, got, graphs, cache
+
+
+def hide_packages_prelude(absent) -> str:
+    """Python source that, run first in a subprocess, makes every top-level package in ``absent`` unimportable
+    (``find_spec`` returns None for it), as on a machine that lacks them."""
+    return (f"import sys\nABSENT = {tuple(absent)!r}\n"
+            "class Hide:\n"
+            "    def __init__(self, inner): self.inner = inner\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        return None if name.split('.')[0] in ABSENT else self.inner.find_spec(name, path, target)\n"
+            "    def __getattr__(self, a): return getattr(self.inner, a)\n"
+            "sys.meta_path[:] = [Hide(f) for f in sys.meta_path]\n")

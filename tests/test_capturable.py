@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import generate_eager_and_compiled, tiny_model
 from torch._dynamo.utils import counters
 
 import kvslim
@@ -133,21 +133,8 @@ def test_bad_capturable_arguments_are_refused_by_name(bad, match):
 def test_hf_generate_compile_path_with_a_capturable_kvslim_cache(method):
     """``model.generate`` with HF's own compile path (``compile_config``; on CPU ``_compile_all_devices``): the
     decode step is compiled once for all new tokens, and the tokens equal eager generation's."""
-    from transformers import CompileConfig, GenerationConfig
-
     model = _model(method)
     ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(3))
-    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
-        compile_config._compile_all_devices = True
-        cfg = GenerationConfig(compile_config=compile_config, **kw)
-        cache = kvslim.make_cache(model, max_length=PROMPT + 32, capturable=True)
-        torch._dynamo.reset()
-        counters.clear()
-        got = model.generate(ids, generation_config=cfg, **{CACHE_KW: cache})
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
+    eager, got, graphs, _ = generate_eager_and_compiled(model, ids, 24, PROMPT + 32)
     assert torch.equal(eager, got)
     assert graphs == 1, f"{graphs} graphs for 23 compiled decode steps"

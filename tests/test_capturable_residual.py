@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import generate_eager_and_compiled, tiny_model
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
 
@@ -182,22 +182,9 @@ def test_what_stays_uncapturable_is_refused_by_name():
 def test_hf_generate_compile_path_with_the_int4_default():
     """``model.generate`` with HF's compile path (``compile_config``) and a capturable int4 default cache: one graph
     for every decode step (a flush at position 128 among them), tokens equal eager generation's."""
-    from transformers import CompileConfig, GenerationConfig
-
     model = _model("int4")
     ids = torch.randint(1, 128, (2, 110), generator=torch.Generator().manual_seed(3))
-    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
-        compile_config._compile_all_devices = True
-        cfg = GenerationConfig(compile_config=compile_config, **kw)
-        cache = kvslim.make_cache(model, max_length=110 + 32, capturable=True)
-        torch._dynamo.reset()
-        counters.clear()
-        got = model.generate(ids, generation_config=cfg, **{CACHE_KW: cache})
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
+    eager, got, graphs, cache = generate_eager_and_compiled(model, ids, 24, 110 + 32)
     assert torch.equal(eager, got)
     assert graphs == 1, f"{graphs} graphs for 23 compiled decode steps"
     assert cache.layers[0].k_store.flushed > 0

