@@ -121,7 +121,8 @@ def run_llama(path: Path, ids: list[int], steps: int, type_k: str, type_v: str, 
              "n_ctx": llm.n_ctx(), "flash_attn": True, "log_kv": _kv_log(text),
              "log_flash_attn": [x.strip() for x in text.splitlines() if "flash_attn" in x][:2],
              "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
-    llm.close()
+    with contextlib.redirect_stderr(io.StringIO()):
+        llm.close()
     return out, facts
 
 
@@ -164,6 +165,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--resamples", type=int, default=1000)
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers fp32 dense row")
+    p.add_argument("--no-repeat", action="store_true",
+                   help="do not run the f16 reference a second time on the first text (its determinism check)")
     p.add_argument("--tag", default="_llamacpp")
     args = p.parse_args()
     names = args.types.split(",")
@@ -212,6 +215,10 @@ def main() -> None:
                 continue
             if ref is None:
                 ref = logits
+                if not args.no_repeat and not record["texts"]:  # is the reference deterministic? (1 thread: yes)
+                    again, _ = run_llama(path, ids[0].tolist(), args.steps, k, v, args.threads, n_ctx)
+                    record["reference_repeat"] = {"text": name, "max_abs_dlogit": (again - ref).abs().max().item()}
+                    print(f"  reference run again: max |Δlogit| {record['reference_repeat']['max_abs_dlogit']}")
             q = score(label_of(n), logits, ref, targets, held, bpt, facts["seconds"])
             rows.append({**q.to_dict(args.resamples), "type_k": k, "type_v": v, "bits_per_element": bits,
                          "bytes_computed": True, **facts})
