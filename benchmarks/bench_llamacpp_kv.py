@@ -168,7 +168,14 @@ def main() -> None:
     p.add_argument("--no-repeat", action="store_true",
                    help="do not run the f16 reference a second time on the first text (its determinism check)")
     p.add_argument("--tag", default="_llamacpp")
+    p.add_argument("--only-texts", default=None, help="comma-separated text names (runs split by text)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="only concatenate the texts of these records (one model, split by --only-texts) into "
+                        "quality_<set>_<date>[_model]<tag>.{json,md}")
     args = p.parse_args()
+    if args.merge:
+        merge(args)
+        return
     names = args.types.split(",")
     bad = [n for n in names if n not in TYPES]
     if bad or names[0] != REFERENCE:
@@ -197,13 +204,16 @@ def main() -> None:
               "python": platform.python_version(), "machine": platform.machine(), "commit": git_commit(),
               "date": date, "texts": [], "partial": True}
     t0 = time.time()
-    for name in heldout.SETS[args.texts]:
+    texts = heldout.SETS[args.texts] if not args.only_texts else args.only_texts.split(",")
+    for name in texts:
         ids = heldout.text_ids(tok, name, args.tokens)
         segments, first = protocol_segments(args.tokens, "token", steps=args.steps)
         targets = ids[0, first:]
         held = torch.tensor([b for _, b in segments[1:]], dtype=torch.int64)
         print(f"{name}: {len(names)} llama.cpp rows, {args.tokens} tokens, {args.steps} steps", flush=True)
         rows, ref = [], None
+        entry = {**heldout.describe(name), "ref_ppl": None, "rows": rows}
+        record["texts"].append(entry)
         for n in names:
             k, v = TYPES[n]
             bpt, bits = kv_bytes_per_token(cfg, k, v)
@@ -215,7 +225,7 @@ def main() -> None:
                 continue
             if ref is None:
                 ref = logits
-                if not args.no_repeat and not record["texts"]:  # is the reference deterministic? (1 thread: yes)
+                if not args.no_repeat and len(record["texts"]) == 1:  # is the reference deterministic? (1 thread: yes)
                     again, _ = run_llama(path, ids[0].tolist(), args.steps, k, v, args.threads, n_ctx)
                     record["reference_repeat"] = {"text": name, "max_abs_dlogit": (again - ref).abs().max().item()}
                     print(f"  reference run again: max |Δlogit| {record['reference_repeat']['max_abs_dlogit']}")
@@ -223,18 +233,35 @@ def main() -> None:
             rows.append({**q.to_dict(args.resamples), "type_k": k, "type_v": v, "bits_per_element": bits,
                          "bytes_computed": True, **facts})
             _print(rows[-1])
+            entry["ref_ppl"] = rows[0].get("ref_ppl")
+            record["seconds"] = time.time() - t0
+            _write(stem, record)  # after every row: a run cut short keeps what it measured
         if not args.no_hf and ref is not None:
             t1 = time.perf_counter()
             q = score("transformers fp32, dense cache (against llama.cpp f16)", hf_logits(model, ids, args.steps),
                       ref, targets, held, hf_dense_bytes(cfg), time.perf_counter() - t1)
             rows.append({**q.to_dict(args.resamples), "bits_per_element": 32.0, "bytes_computed": True})
             _print(rows[-1])
-        record["texts"].append({**heldout.describe(name), "ref_ppl": rows[0].get("ref_ppl"), "rows": rows})
         record["seconds"] = time.time() - t0
         _write(stem, record)
     record["partial"] = False
     _write(stem, record)
     print(markdown(record))
+
+
+def merge(args) -> None:
+    recs = [json.loads(Path(f).read_text()) for f in args.merge]
+    if len({r["model"] for r in recs}) != 1:
+        raise ValueError(f"--merge needs records of one model, got {sorted({r['model'] for r in recs})}")
+    out = {**recs[0], "texts": [t for r in recs for t in r["texts"]], "merged": [Path(f).name for f in args.merge],
+           "seconds": sum(r["seconds"] for r in recs), "partial": any(r["partial"] for r in recs)}
+    out["command"] = " && ".join(r["command"] for r in recs)
+    for r in recs:
+        out.update({k: v for k, v in r.items() if k == "reference_repeat"})
+    tag = "" if "SmolLM2" in out["model"] else "_qwen25"
+    stem = RESULTS / f"quality_{'dev' if out['texts_set'] == 'dev' else 'heldout'}_{out['date']}{tag}{args.tag}"
+    _write(stem, out)
+    print(markdown(out))
 
 
 def hf_dense_bytes(cfg) -> float:
