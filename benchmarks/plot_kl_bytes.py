@@ -6,6 +6,12 @@ single steps; the later file wins a label) and plots, per model, every row's mea
 from the tensors (window included, averaged over the steps and texts). Rows of superseded formats ("before issue
 29") are left out; the development text (Botchan) is not plotted.
 
+llama.cpp's KV types (``bench_llamacpp_kv.py``: the same GGUF files run by llama.cpp, the same token ids) are scored
+against llama.cpp's own f16 cache, not against the HF fp32 dense cache, and their bytes per token are computed from
+ggml's block sizes (llama.cpp keeps no full-precision window): green triangles. The dashed line is the
+transformers fp32 dense cache scored against that llama.cpp f16 reference (how far apart the two engines are before
+any KV quantization); the f16 reference itself (KL 0) is not drawn.
+
     .venv/bin/python benchmarks/plot_kl_bytes.py
 
 Writes ``benchmarks/results/kl_vs_bytes_heldout.{png,json}``.
@@ -21,12 +27,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RECORDS = {
     "SmolLM2-135M": ["quality_heldout_2026-11-26.json", "quality_heldout_2026-11-26_defaults.json",
                      "quality_heldout_2026-11-26_turbo.json", "quality_heldout_2026-11-26_turbo_prerope.json",
-                     "quality_heldout_2026-11-26_turbo_rope_centred.json"],
+                     "quality_heldout_2026-11-26_turbo_rope_centred.json", "quality_heldout_2026-11-26_llamacpp.json"],
     "Qwen2.5-Coder-0.5B": ["quality_heldout_2026-11-26_qwen25_quanto.json",
                            "quality_heldout_2026-11-26_qwen25_defaults.json",
                            "quality_heldout_2026-11-26_qwen25_turbo.json",
                            "quality_heldout_2026-11-26_qwen25_turbo_prerope.json",
-                           "quality_heldout_2026-11-26_qwen25_turbo_rope_centred.json"],
+                           "quality_heldout_2026-11-26_qwen25_turbo_rope_centred.json",
+                           "quality_heldout_2026-11-26_qwen25_int8.json"],
 }
 SHORT = {"turbo3 centred K o16 r123 (<= int3's bytes)": "turbo3", "turbo3 pre-RoPE K r123 (<= int3's bytes)":
          "turbo3 pre-RoPE keys", "turbo2 centred K3 o16 V2 r123 (<= int2's bytes)": "turbo2",
@@ -49,13 +56,14 @@ def points(files: list[str]) -> dict[str, dict]:
             if t["name"] not in HELDOUT:
                 continue
             for r in t["rows"]:
-                if "before issue 29" in r["label"]:
+                if "before issue 29" in r["label"] or "error" in r:
                     continue
                 row = rows.setdefault(r["label"], {"kl": {}, "bytes": {}, "delta_ppl": {}, "file": name})
                 row["kl"][t["name"]] = r["kl"]
                 row["bytes"][t["name"]] = r["bytes_per_token_avg"]
                 row["delta_ppl"][t["name"]] = r["delta_ppl"]
                 row["file"] = name
+                row["bytes_computed"] = bool(r.get("bytes_computed"))
     return {k: v for k, v in rows.items() if len(v["kl"]) == len(HELDOUT)}
 
 
@@ -72,25 +80,37 @@ def main() -> None:
     summary = {}
     for ax, (model, files) in zip(axes, RECORDS.items()):
         rows = points(files)
-        summary[model] = {}
+        summary[model], gap = {}, None
         for label, r in sorted(rows.items(), key=lambda kv: sum(kv[1]["bytes"].values())):
             kls = [r["kl"][t] for t in HELDOUT]
             x = sum(r["bytes"].values()) / len(HELDOUT)
             y = sum(kls) / len(kls)
             summary[model][label] = {"bytes_per_token": x, "kl_mean": y, "kl": r["kl"], "delta_ppl": r["delta_ppl"],
-                                     "file": r["file"]}
-            kind = "quanto" if label.startswith("quanto") else "turbo" if label.startswith("turbo") else "int"
-            style = {"quanto": ("s", "tab:gray"), "turbo": ("D", "tab:red"), "int": ("o", "tab:blue")}[kind]
+                                     "file": r["file"], "bytes_computed": r["bytes_computed"]}
+            if label.startswith("transformers"):  # the engines' gap: HF fp32 dense against llama.cpp f16
+                gap = y
+                continue
+            if y <= 0:  # llama.cpp's f16 reference against itself
+                continue
+            kind = ("quanto" if label.startswith("quanto") else "turbo" if label.startswith("turbo") else
+                    "llama.cpp" if label.startswith("llama.cpp") else "int")
+            style = {"quanto": ("s", "tab:gray"), "turbo": ("D", "tab:red"), "int": ("o", "tab:blue"),
+                     "llama.cpp": ("^", "tab:green")}[kind]
             ax.errorbar(x, y, yerr=[[y - min(kls)], [max(kls) - y]], fmt=style[0], color=style[1], capsize=3)
-            short = SHORT.get(label, label.replace(" (default)", "").replace(" g64 r128", ""))
+            short = SHORT.get(label, label.replace(" (default)", "").replace(" g64 r128", "").replace(" K/V", ""))
             ax.annotate(short, (x, y), fontsize=7, xytext=(6, -9 if "pre-RoPE" in short else -18 if "centred" in short else 3),
                         textcoords="offset points")
+        if gap is not None:
+            ax.axhline(gap, ls="--", lw=0.8, color="tab:green")
+            ax.annotate("transformers fp32 dense vs llama.cpp f16", (ax.get_xlim()[1], gap), fontsize=7, ha="right",
+                        color="tab:green", xytext=(-4, -9), textcoords="offset points")
         ax.set_yscale("log")
-        ax.set_xlabel("bytes per token, measured (all layers, window included)")
-        ax.set_ylabel("mean KL from the dense cache (nats), held-out texts")
+        ax.set_xlabel("bytes per token, measured (all layers, window included; llama.cpp: computed)")
+        ax.set_ylabel("mean KL from dense (llama.cpp: from its f16), nats")
         ax.set_title(f"{model}, fp32, 3 held-out texts (bar: lowest-highest)", fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle("kvslim caches vs HF quanto: KL against bytes (blue int, red turbo, grey quanto)", fontsize=10)
+    fig.suptitle("KL against bytes per token: kvslim (blue int, red turbo), HF quanto (grey), llama.cpp KV types "
+                 "(green, against llama.cpp's f16 cache)", fontsize=10)
     fig.tight_layout()
     stem = RESULTS / args.out
     fig.savefig(stem.with_suffix(".png"), dpi=110)
