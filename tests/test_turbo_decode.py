@@ -30,13 +30,14 @@ def _format(spec: StoreSpec, b=2, hk=2, n=45, d=64, seed=0):
 
 
 def _oracle(q, keys, values, kt, vt, mask, scaling, bias=None):
+    """float64 attention; ``bias``: the factors (ab (B, Hk, G, W), rows (≥n, W)) of the coded rows' score term."""
     k, v = keys, values
     n = keys.shape[2]
     if kt is not None:
         k, v = torch.cat((k, kt.double()), 2), torch.cat((v, vt.double()), 2)
     s = torch.einsum("bhgd,bhtd->bhgt", q.double(), k)
     if bias is not None:
-        s[..., :n] += bias[..., :n].double()
+        s[..., :n] += torch.einsum("bhgw,tw->bhgt", bias[0].double(), bias[1][:n].double())
     s = s * scaling
     if mask is not None:
         s = s + mask.double()[:, None, None, :]
@@ -74,14 +75,15 @@ def test_op_matches_the_twin_and_a_float64_oracle(spec, tail, masked, biased, is
         mask = torch.zeros(b, n + 7)
         mask[1, :5] = float("-inf")
         mask[0, 130:260] = float("-inf")  # a whole block masked for one sequence
-    if biased:
-        bias = 4 * torch.randn(b, hk, 3, n + 2, generator=g)  # longer than n: only [0, n) is read
+    if biased:  # factors of a score term: W = 24 columns, rows longer than n (only [0, n) is read)
+        bias = (2 * torch.randn(b, hk, 3, 24, generator=g), torch.randn(n + 2, 24, generator=g))
     args = (q, ks.data, ks.scale, vs.data, vs.scale, spec.outliers, spec.bits, spec.for_values().bits, n, kt, vt,
             mask, 0.125)
-    ref = kernel.reference(*args, bias)
+    ref = kernel.reference(*args, *(bias or (None, None)))
     exact = _oracle(q, keys, values, kt, vt, mask, 0.125, bias)
     for splits in (0, 3):  # one task per (sequence, KV head), and the sequence split in three (exact merge)
-        got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:], bias, splits)
+        got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:], *(bias or (None, None)),
+                                            splits)
         for a, r, e in zip(got, ref, exact):
             torch.testing.assert_close(r.double(), e, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
@@ -113,9 +115,12 @@ def test_op_refuses_bad_arguments_by_name():
     with pytest.raises(ValueError, match="mask must be"):
         torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None,
                                       torch.zeros(1, 3), 1.0)
-    with pytest.raises(ValueError, match="k_bias must be"):
+    with pytest.raises(ValueError, match="bias_ab must be"):
         torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None, None,
-                                      1.0, torch.zeros(2, 2, 1, 7))
+                                      1.0, torch.zeros(2, 2, 1, 7), torch.zeros(8, 7))
+    with pytest.raises(ValueError, match="bias_rows must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None, None,
+                                      1.0, torch.zeros(2, 2, 1, 8), torch.zeros(7, 8))
     with pytest.raises(ValueError, match="isa must be"):
         kernel.set_isa("avx512")
 

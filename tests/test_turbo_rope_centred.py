@@ -126,8 +126,8 @@ def test_fused_decode_with_rope_centred_keys_equals_the_unfused_reads(method, op
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
     calls = []
-    original = TurboStore.score_bias
-    monkeypatch.setattr(TurboStore, "score_bias", lambda self, q, n: calls.append(n) or original(self, q, n))
+    original = TurboStore.bias_factors
+    monkeypatch.setattr(TurboStore, "bias_factors", lambda self, q, n: calls.append(n) or original(self, q, n))
     fused = model.generate(ids, **kw)
     assert fused.past_key_values.layers[0].fused_decode and calls and max(calls) > 0
     cache = kvslim.make_cache(model)
@@ -138,3 +138,19 @@ def test_fused_decode_with_rope_centred_keys_equals_the_unfused_reads(method, op
     for a, b in zip(fused.logits, plain.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     kvslim.restore(model)
+
+
+def test_partial_rotary_bias_factors_carry_the_unturned_channels():
+    """RoPE on 32 of 64 channels: the factors hold a·cos, b·sin and the unturned channels' q·μ on a column of ones
+    (W = 40); multiplied out they equal q·RoPE_s(μ) in float64 (1e-4), and the fused op takes them."""
+    rope = tuple(float(10000 ** (-i / 16)) for i in range(16))
+    spec = StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, center=True, rope=rope, rope_centred=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 50, 64, generator=g) + 2
+    s = make_store(spec, x, 64)
+    s.write(0, x)
+    q = torch.randn(1, 2, 3, 64, generator=g)
+    ab, rows = s.bias_factors(q, 50)
+    assert ab.shape == (1, 2, 3, 40) and rows.shape == (50, 40)
+    want = torch.einsum("bhgd,bhtd->bhgt", q.double(), s._rope_mean(0, 50).double())
+    torch.testing.assert_close(s.score_bias(q, 50).double(), want, rtol=1e-4, atol=1e-4)

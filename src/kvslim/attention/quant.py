@@ -97,13 +97,13 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
     if not (isinstance(k, TurboStore) and isinstance(v, TurboStore)) or v.perm is not None or v.channel is not None:
         return None
     b, hk, g, d = q.shape
-    bias = k.score_bias(q, h.n)  # RoPE-centred keys: q·RoPE_t(μ) per coded row (else None)
+    bias = k.bias_factors(q, h.n) or (None, None)  # RoPE-centred keys: q·RoPE_t(μ) = ab·[cos|sin]_t per coded row
     q = k.to_coded_basis(q, scale_by_channel=True)  # scores: (q ⊙ c)·k̃ in the coded basis
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
-                          h.kernel_mask(mask), scaling, bias)
+                          h.kernel_mask(mask), scaling, *bias)
     out = out.reshape(b * hk * g, d) @ v.rotations[0].T
     return out.view(b, 1, hk * g, d).to(dtype)
 

@@ -19,7 +19,7 @@ write are fitted before RoPE (as above), a key at slot s is coded *after* RoPE a
 (outliers, rotations and codes as usual, in one post-RoPE basis) and read as ``RoPE_s(μ) + residual``. Positions and
 padding as for pre-RoPE keys (with left padding the fitted μ is the true one turned by the pad count, and
 ``RoPE_s`` of it is the true row's offset). Fusable: a query's score against slot s gains the bias
-``q·RoPE_s(μ)`` (:meth:`TurboStore.score_bias`, an input of the decode op), the window is not centred.
+``q·RoPE_s(μ)`` (:meth:`TurboStore.bias_factors`, inputs of the decode op), the window is not centred.
 
 Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, then the rest's (kvslim's packing,
 ``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. The fused decode op
@@ -84,23 +84,30 @@ class TurboStore(TensorStore):
             self.mean = unrotate(x.float(), *table).mean(dim=2, keepdim=True)
         return x.float() - self._rope_mean(start, start + x.shape[2])
 
-    def score_bias(self, q: torch.Tensor, n: int) -> torch.Tensor | None:
-        """RoPE-centred keys: ``q·RoPE_s(μ)`` (B, H, G, n) fp32 for queries ``q`` (B, H, G, D) (the model's basis)
-        and slots [0, n): the part of each coded row's score that the residual codes leave out. With h RoPE
-        frequencies θ it is ``a·cos(sθ) + b·sin(sθ)`` + the unrotated channels' ``q·μ``, where
-        ``a = q₁μ₁ + q₂μ₂``, ``b = q₂μ₁ − q₁μ₂`` (halves of h channels): one (n, 2h) table of the slots' positions
-        (:func:`rope_cos_sin`, shared by every layer) times (2h) per query. ``None`` for other keys or before the
-        first coded write."""
+    def bias_factors(self, q: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE-centred keys: the score term ``q·RoPE_s(μ)`` of slots [0, n) that the residual codes leave out,
+        factored as ``ab (B, H, G, W) · rows (n, W)ᵀ`` for queries ``q`` (B, H, G, D) (the model's basis). With h
+        RoPE frequencies θ it is ``a·cos(sθ) + b·sin(sθ)`` with ``a = q₁μ₁ + q₂μ₂``, ``b = q₂μ₁ − q₁μ₂`` (halves of h
+        channels): ``rows`` is one table ``[cos | sin]`` of the slots' positions (:func:`rope_cos_sin`, shared by
+        every layer, sequence and head), W = 2h; with partial rotary the unturned channels' ``q·μ`` rides on a
+        column of ones (W rounded up to a multiple of 8). ``None`` for other keys or before the first coded write."""
         if not self.spec.rope_centred or self.mean is None:
             return None
-        h = self._inv_freq.shape[0]
+        h, d = self._inv_freq.shape[0], q.shape[-1]
         q, m = q.float(), self.mean
         q1, q2, m1, m2 = q[..., :h], q[..., h:2 * h], m[..., :h], m[..., h:2 * h]
-        ab = torch.cat((q1 * m1 + q2 * m2, q2 * m1 - q1 * m2), dim=-1)  # (B, H, G, 2h)
-        bias = ab @ rope_cos_sin(self.spec.rope, self.position_offset, n, q.device).T
-        if q.shape[-1] > 2 * h:  # partial rotary: the rest of the channels is not turned
-            bias = bias + (q[..., 2 * h:] * m[..., 2 * h:]).sum(-1, keepdim=True)
-        return bias
+        parts = [q1 * m1 + q2 * m2, q2 * m1 - q1 * m2]  # (B, H, G, h) each
+        width = 2 * h if d == 2 * h else -(-(2 * h + 1) // 8) * 8
+        if width > 2 * h:  # partial rotary: the unturned channels' q·μ, then zeros
+            const = (q[..., 2 * h:] * m[..., 2 * h:]).sum(-1, keepdim=True)
+            parts += [const, const.new_zeros(*const.shape[:-1], width - 2 * h - 1)]
+        ab = torch.cat(parts, dim=-1)
+        return ab, rope_cos_sin(self.spec.rope, self.position_offset, n, q.device, width)
+
+    def score_bias(self, q: torch.Tensor, n: int) -> torch.Tensor | None:
+        """:meth:`bias_factors` multiplied out: (B, H, G, n) fp32, or ``None``."""
+        f = self.bias_factors(q, n)
+        return None if f is None else f[0] @ f[1].T
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
@@ -229,14 +236,21 @@ class TurboStore(TensorStore):
 
 
 @functools.lru_cache(maxsize=8)
-def _cos_sin(rope: tuple[float, ...], offset: int, rows: int, device: str) -> torch.Tensor:
+def _cos_sin(rope: tuple[float, ...], offset: int, rows: int, device: str, width: int) -> torch.Tensor:
     inv = torch.tensor(rope, dtype=torch.float32, device=device)
     freqs = torch.arange(offset, offset + rows, device=device).float()[:, None] * inv[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    out = torch.zeros(rows, width, dtype=torch.float32, device=device)
+    h = len(rope)
+    out[:, :h], out[:, h:2 * h] = freqs.cos(), freqs.sin()
+    if width > 2 * h:
+        out[:, 2 * h] = 1.0
+    return out
 
 
-def rope_cos_sin(rope: tuple[float, ...], offset: int, n: int, device: torch.device | str) -> torch.Tensor:
-    """(n, 2h) fp32 ``[cos(sθ) | sin(sθ)]`` of positions ``offset … offset + n − 1`` (HF's table: fp32 position ×
-    inverse frequency), kept in blocks of 1,024 rows so that every layer and decode step shares one table."""
+def rope_cos_sin(rope: tuple[float, ...], offset: int, n: int, device: torch.device | str,
+                 width: int | None = None) -> torch.Tensor:
+    """(n, width) fp32 ``[cos(sθ) | sin(sθ)]`` of positions ``offset … offset + n − 1`` (HF's table: fp32 position ×
+    inverse frequency; ``width`` > 2h: a column of ones, then zeros), kept in blocks of 1,024 rows so that every
+    layer and decode step shares one table."""
     rows = max(1024, -(-n // 1024) * 1024)
-    return _cos_sin(rope, offset, rows, str(device))[:n]
+    return _cos_sin(rope, offset, rows, str(device), width or 2 * len(rope))[:n]

@@ -6,10 +6,10 @@ query and the tail in and the output back once, :mod:`kvslim.attention.quant`):
 
     k_t[i] = s_t[part(i)] · levels[bits(i)][code_t,i]   (channels [0, k_out) at k_bits + 1 bits, the rest at k_bits)
     v_t[i] = s_t · levels[v_bits][code_t,i]
-    out = softmax_t(scaling · (q · k_t + bias_t) + mask) · v_t,  lse = log Σ_t exp(...)
+    out = softmax_t(scaling · (q · k_t + ab · rows_t) + mask) · v_t,  lse = log Σ_t exp(...)
 
-(``bias`` (B, Hk, G, ≥n), optional, coded rows only: RoPE-centred keys' ``q·RoPE_t(μ)``,
-``caches/turbo.TurboStore.score_bias``.)
+(the factored score bias, optional, coded rows only: ``bias_ab`` (B, Hk, G, W), ``bias_rows`` (≥n, W), W a multiple
+of 8: RoPE-centred keys' ``q·RoPE_t(μ)``, ``caches/turbo.TurboStore.bias_factors``.)
 
 Codes are little-endian bit streams per row (kvslim's packing, :mod:`kvslim.ops.quant_formats`), the outlier part
 first. :func:`reference` is the pure-torch twin (decode, then fp32 softmax attention); :func:`turbo_decode`
@@ -42,18 +42,20 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
-          k_bias=None, splits=0):
+          bias_ab=None, bias_rows=None, splits=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
 
 def isa() -> str:
     """The C++ op's instruction set in force: ``"avx2"`` or ``"scalar"``."""
+    available()
     return torch.ops.kvslim.turbo_decode_isa()
 
 
 def set_isa(name: str) -> str:
     """Run the C++ op on ``"avx2"`` or its ``"scalar"`` body (tests run both); returns the previous one."""
+    available()
     return torch.ops.kvslim.turbo_decode_set_isa(name)
 
 
@@ -87,12 +89,13 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, k_out: int, bits: int)
 def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
               v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, scaling: float = 1.0, k_bias: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+              bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: decode the first ``n`` rows, append the tail, fp32 softmax attention.
 
     ``q`` (B, Hk, G, D); codes (B, Hk, ≥n, bytes) uint8; scales (B, Hk, ≥n, parts); tails (B, Hk, r, D) fp32;
-    ``mask`` additive (B|1, n + r); ``k_bias`` (B, Hk, G, ≥n) fp32, added to the coded rows' ``q·k``. Returns
+    ``mask`` additive (B|1, n + r); ``bias_ab`` (B, Hk, G, W) and ``bias_rows`` (≥n, W) fp32: ``ab·rows_t`` added to
+    the coded rows' ``q·k``. Returns
     (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
     keys = decode_rows(k_codes[:, :, :n], k_scale[:, :, :n], k_out, k_bits)
     values = decode_rows(v_codes[:, :, :n], v_scale[:, :, :n], 0, v_bits)
@@ -100,8 +103,8 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
         keys = torch.cat((keys, k_tail.float()), 2)
         values = torch.cat((values, v_tail.float()), 2)
     scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys)
-    if k_bias is not None:
-        scores[..., :n] += k_bias[..., :n].float()
+    if bias_ab is not None:
+        scores[..., :n] += bias_ab.float() @ bias_rows[:n].float().T
     scores = scores * scaling
     if mask is not None:
         scores = scores + mask.float()[:, None, None, :]
@@ -113,18 +116,20 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
 def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                  v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None, scaling: float = 1.0, k_bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+                 bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
     (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU)."""
-    cpp_ok = q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0 and available()
+    cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
+              and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and available())
     kind = backend.pick(q.device, cpp_ok)
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
         return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
-                                             k_bias)
+                                             bias_ab, bias_rows)
     if kind == "triton":
         from .triton.turbo_decode import turbo_decode_triton
 
-        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), k_bias)
-    return reference(*args, n, k_tail, v_tail, mask, scaling, k_bias)
+        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab,
+                                   bias_rows)
+    return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows)

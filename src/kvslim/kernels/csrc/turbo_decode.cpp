@@ -1,8 +1,8 @@
 // kvslim::turbo_decode — decode attention (one query token) straight from TurboQuant-class codes (turbo2/3/4,
 // kvslim/ops/turbo.py, caches/turbo.py).
 //
-//   out[b, h, j] = Σ_t softmax_t(scaling · (q[b, h, j] · k_t + bias[b, h, j, t]) + mask[b, t]) · v_t   (B, Hk, G, D)
-//   lse[b, h, j] = log Σ_t exp(...)                                                                 (B, Hk, G)
+//   out[b, h, j] = Σ_t softmax_t(scaling · (q[b, h, j] · k_t + ab[b, h, j] · rows[t]) + mask[b, t]) · v_t  (B, Hk, G, D)
+//   lse[b, h, j] = log Σ_t exp(...)                                                                    (B, Hk, G)
 //
 // over the first n coded tokens, then the r rows of an optional fp32 tail (no bias there). Everything is in the
 // stores' coded bases: the caller rotates (and permutes) the query and the tail into them and rotates the output
@@ -10,8 +10,9 @@
 // scale (k_scale (B, Hk, T, parts)); k_t[i] = scale[part(i)] · levels[bits(i)][code_i]. A value row: v_bits bits,
 // one scale. Codes: little-endian bit streams per row (kvslim's packing: code i at bits [b·i, b·i + b) of the row;
 // the outlier part first, the rest from byte k_out·(k_bits + 1)/8). levels: (5, 16) fp32, row b the 2^b levels of
-// the b-bit codebook. Scales fp32, fp16 or bf16. k_bias (optional, fp32 (B, Hk, G, ≥ n)): a per-row score term
-// (RoPE-centred keys: q·RoPE_t(μ), caches/turbo.TurboStore.score_bias).
+// the b-bit codebook. Scales fp32, fp16 or bf16. Optional factored score bias on the coded rows: bias_ab fp32
+// (B, Hk, G, W) and bias_rows fp32 (≥ n, W), W a multiple of 8 (RoPE-centred keys: q·RoPE_t(μ) = a·cos(tθ) +
+// b·sin(tθ), one table of the positions for every sequence and head; caches/turbo.TurboStore.bias_factors).
 // The G query heads of a KV head share one pass over its codes, the codebook is looked up in registers
 // (vec_turbo.h), blocks of 128 tokens with an online softmax, parallel over batch × KV heads × splits of the
 // sequence (flash-decoding, exact log-sum-exp merge; decode_common.h). AVX2 + FMA + F16C or scalar (the same body
@@ -45,15 +46,17 @@ struct TArgs : kvslim_decode::Common {
   int sdt = 0;  // scale dtype: 0 fp32, 1 fp16, 2 bf16
   const float* lev = nullptr;  // (5, 16)
   Strided k, v, ks, vs;
-  const float* bias = nullptr;  // (B, Hk, G, ≥ n), unit last stride
-  int64_t bias_bs = 0, bias_hs = 0, bias_gs = 0;
+  const float* bias_ab = nullptr;  // (B, Hk, G, W), unit last stride
+  int64_t bias_bs = 0, bias_hs = 0, bias_gs = 0, bias_w = 0;
+  const float* bias_rows = nullptr;  // (≥ n, W), unit last stride
+  int64_t bias_rs = 0;
 };
 
 struct Scratch {
   int64_t T;
-  std::vector<float> q, sc, pw, ks, vs;
+  std::vector<float> q, sc, pw, ks, vs, ab;
   Scratch(const TArgs& a, int64_t T_)
-      : T(T_), q(a.G * a.D), sc(a.G * T_), pw(a.G * T_), ks(2 * T_), vs(T_) {}
+      : T(T_), q(a.G * a.D), sc(a.G * T_), pw(a.G * T_), ks(2 * T_), vs(T_), ab(a.G * a.bias_w) {}
 };
 
 using TaskFn = void (*)(const TArgs&, int64_t, int64_t, int64_t, int64_t, float*, float*, float*, Scratch&);
@@ -109,7 +112,8 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
                                                 const c10::optional<at::Tensor>& k_tail,
                                                 const c10::optional<at::Tensor>& v_tail,
                                                 const c10::optional<at::Tensor>& mask_in, double scaling,
-                                                const c10::optional<at::Tensor>& k_bias, int64_t splits) {
+                                                const c10::optional<at::Tensor>& bias_ab,
+                                                const c10::optional<at::Tensor>& bias_rows, int64_t splits) {
   TArgs a;
   TORCH_CHECK_VALUE(q_in.dim() == 4 && q_in.device().is_cpu(), kOp, ": q must be a (B, Hk, G, D) CPU tensor, got ",
                     q_in.sizes(), " on ", q_in.device());
@@ -149,18 +153,29 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
   if (v_tail.has_value() && v_tail->defined()) vt = v_tail->to(at::kFloat);
   if (mask_in.has_value() && mask_in->defined()) mask = mask_in->to(at::kFloat);
   const kvslim_decode::Held held = kvslim_decode::bind_common(kOp, a, q, scaling, c10::nullopt, kt, vt, mask);
-  at::Tensor bias;
-  if (k_bias.has_value() && k_bias->defined()) {
-    const auto& kb = *k_bias;
-    TORCH_CHECK_VALUE(kb.device().is_cpu() && kb.scalar_type() == at::kFloat && kb.dim() == 4 && kb.size(0) == a.B &&
-                          kb.size(1) == a.Hk && kb.size(2) == a.G && kb.size(3) >= n,
-                      kOp, ": k_bias must be float32 (B=", a.B, ", Hk=", a.Hk, ", G=", a.G, ", >=", n,
-                      " tokens) on CPU, got ", kb.scalar_type(), " ", kb.sizes());
-    bias = kb.stride(3) == 1 ? kb : kb.contiguous();
-    a.bias = bias.data_ptr<float>();
-    a.bias_bs = bias.stride(0);
-    a.bias_hs = bias.stride(1);
-    a.bias_gs = bias.stride(2);
+  at::Tensor ab, rows;
+  const bool has_ab = bias_ab.has_value() && bias_ab->defined(), has_rows = bias_rows.has_value() && bias_rows->defined();
+  TORCH_CHECK_VALUE(has_ab == has_rows, kOp, ": bias_ab and bias_rows come together");
+  if (has_ab) {
+    const auto& f = *bias_ab;
+    TORCH_CHECK_VALUE(f.device().is_cpu() && f.scalar_type() == at::kFloat && f.dim() == 4 && f.size(0) == a.B &&
+                          f.size(1) == a.Hk && f.size(2) == a.G && f.size(3) % 8 == 0 && f.size(3) > 0,
+                      kOp, ": bias_ab must be float32 (B=", a.B, ", Hk=", a.Hk, ", G=", a.G,
+                      ", W a positive multiple of 8) on CPU, got ", f.scalar_type(), " ", f.sizes());
+    const auto& t = *bias_rows;
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) >= n &&
+                          t.size(1) == f.size(3),
+                      kOp, ": bias_rows must be float32 (>=", n, " rows, W=", f.size(3), ") on CPU, got ",
+                      t.scalar_type(), " ", t.sizes());
+    ab = f.stride(3) == 1 ? f : f.contiguous();
+    rows = t.stride(1) == 1 ? t : t.contiguous();
+    a.bias_ab = ab.data_ptr<float>();
+    a.bias_bs = ab.stride(0);
+    a.bias_hs = ab.stride(1);
+    a.bias_gs = ab.stride(2);
+    a.bias_w = ab.size(3);
+    a.bias_rows = rows.data_ptr<float>();
+    a.bias_rs = rows.stride(0);
   }
   at::Tensor out = at::empty({a.B, a.Hk, a.G, D}, q.options()), lse = at::empty({a.B, a.Hk, a.G}, q.options());
   if (a.B * a.Hk * a.G == 0) return {out, lse};
@@ -191,7 +206,7 @@ std::string turbo_decode_set_isa(const std::string& isa) {
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("turbo_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, int k_out, "
         "int k_bits, int v_bits, Tensor levels, int n, Tensor? k_tail, Tensor? v_tail, Tensor? mask, "
-        "float scaling, Tensor? k_bias=None, int splits=0) -> (Tensor, Tensor)");
+        "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0) -> (Tensor, Tensor)");
   m.def("turbo_decode_isa() -> str", &turbo_decode_isa);
   m.def("turbo_decode_set_isa(str isa) -> str", &turbo_decode_set_isa);
 }

@@ -70,11 +70,34 @@ inline void part_dots(const uint8_t* const* cr, int64_t off, const Tab<typename 
     for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
 }
 
-// sc[j·ps + t] = q_j · k_t + bias_j,t + mask_t for coded tokens [t0, t0 + m), heads [j0, j0 + HC). OB: the outlier
-// part's bits (0: no outlier part), KB the rest's. ks: the block's key scales (kparts per token).
+// sv[j][r] = ab_j · rows_r over W fp32 values (W a multiple of 8), HC heads, NR rows: the factored score bias
+template <int HC, int NR>
+inline void bias_dots(const float* const* br, const float* ab, int64_t W, float (*sv)[8]) {
+  typename V::R acc[HC][NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+  for (int64_t i = 0; i < W; i += 8) {
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const auto x = V::load(br[r] + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(ab + j * W + i), x, acc[j][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
+}
+
+// sc[j·ps + t] = q_j · k_t + ab_j · rows_t + mask_t for coded tokens [t0, t0 + m), heads [j0, j0 + HC) (q and ab
+// already times scaling; ab null: no bias). OB: the outlier part's bits (0: no outlier part), KB the rest's.
+// ks: the block's key scales (kparts per token).
 template <int OB, int KB, int HC>
 inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, int64_t j0,
-                         const float* ks, const float* bias, const float* mask, float* sc, int64_t ps) {
+                         const float* ks, const float* ab, const float* mask, float* sc, int64_t ps) {
   const int64_t D = a.D, U = D / 8, UO = a.k_out / 8, ob = a.k_out * OB / 8;
   const int64_t rs = a.k.ts;
   const int kp = OB ? 2 : 1;
@@ -87,15 +110,19 @@ inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64
     kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, NR * rs);
     const uint8_t* cr[NR];
     for (int r = 0; r < NR; ++r) cr[r] = r < rn ? c0 + r * rs : c0;  // rows past m repeat row 0 (never used)
-    float so[HC][8] = {}, sr[HC][8];
+    float so[HC][8] = {}, sr[HC][8], sb[HC][8] = {};
     if (OB) part_dots<OB ? OB : 2, HC, NR, false>(cr, 0, to, q + j0 * D, D, 0, UO, so);
     part_dots<KB, HC, NR, true>(cr, ob, tr, q + j0 * D, D, UO, U, sr);
+    if (ab) {
+      const float* br[NR];
+      for (int r = 0; r < NR; ++r) br[r] = a.bias_rows + (t0 + t + (r < rn ? r : 0)) * a.bias_rs;
+      bias_dots<HC, NR>(br, ab + j0 * a.bias_w, a.bias_w, sb);
+    }
     for (int j = 0; j < HC; ++j)
       for (int64_t r = 0; r < rn; ++r) {
         const float* s = ks + (t + r) * kp;
-        float x = sr[j][r] * s[kp - 1];
+        float x = sr[j][r] * s[kp - 1] + sb[j][r];
         if (OB) x += so[j][r] * s[0];
-        if (bias) x += bias[(j0 + j) * a.bias_gs + t0 + t + r] * a.scaling;
         sc[(j0 + j) * ps + t + r] = x + (mask ? mask[t + r] : 0.f);
       }
   }
@@ -103,11 +130,11 @@ inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64
 
 template <int OB, int KB>
 inline void code_scores(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, const float* ks,
-                        const float* bias, const float* mask, float* sc, int64_t ps) {
+                        const float* ab, const float* mask, float* sc, int64_t ps) {
   int64_t j0 = 0;
-  for (; j0 + 3 <= a.G; j0 += 3) scores_heads<OB, KB, 3>(a, b, h, t0, m, q, j0, ks, bias, mask, sc, ps);
-  if (a.G - j0 == 2) scores_heads<OB, KB, 2>(a, b, h, t0, m, q, j0, ks, bias, mask, sc, ps);
-  if (a.G - j0 == 1) scores_heads<OB, KB, 1>(a, b, h, t0, m, q, j0, ks, bias, mask, sc, ps);
+  for (; j0 + 3 <= a.G; j0 += 3) scores_heads<OB, KB, 3>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
+  if (a.G - j0 == 2) scores_heads<OB, KB, 2>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
+  if (a.G - j0 == 1) scores_heads<OB, KB, 1>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
 }
 
 // sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
@@ -229,12 +256,18 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     lo[j] = 0.f;
   }
   const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
-  const float* bias = a.bias ? a.bias + b * a.bias_bs + h * a.bias_hs : nullptr;
+  float* ab = nullptr;  // the bias factors of the G heads, times scaling
+  if (a.bias_ab) {
+    ab = sp.ab.data();
+    const float* src = a.bias_ab + b * a.bias_bs + h * a.bias_hs;
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t i = 0; i < a.bias_w; ++i) ab[j * a.bias_w + i] = src[j * a.bias_gs + i] * a.scaling;
+  }
   const int64_t kp = OB ? 2 : 1;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
     const int64_t m = std::min(T, t_end - t0);
     load_scales(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
-    code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), bias, mask ? mask + t0 : nullptr, sp.sc.data(), T);
+    code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
     load_scales(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
     code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
