@@ -126,10 +126,18 @@ def test_fused_decode_with_rope_centred_keys_equals_the_unfused_reads(method, op
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
     calls = []
-    original = TurboStore.bias_factors
-    monkeypatch.setattr(TurboStore, "bias_factors", lambda self, q, n: calls.append(n) or original(self, q, n))
+    original = TurboStore.move_query
+
+    def counting(self, q):
+        out = original(self, q)
+        if out[1] is not None:
+            torch.testing.assert_close(out[1], self.bias_factors(q, 1)[0], rtol=1e-5, atol=1e-5)
+        calls.append(out[1] is not None)
+        return out
+
+    monkeypatch.setattr(TurboStore, "move_query", counting)
     fused = model.generate(ids, **kw)
-    assert fused.past_key_values.layers[0].fused_decode and calls and max(calls) > 0
+    assert fused.past_key_values.layers[0].fused_decode and any(calls)  # the fused op took the score bias
     cache = kvslim.make_cache(model)
     for layer in cache.layers:
         layer.fused_decode = False

@@ -57,6 +57,7 @@ class TurboStore(TensorStore):
         self.position_offset = 0  # position of slot 0 (RoPE table; make_store sets it behind sinks)
         self._inv_freq = None if spec.rope is None else torch.tensor(spec.rope, dtype=torch.float32, device=device)
         self._prerope = spec.rope is not None and not spec.rope_centred  # codes before RoPE (else: post-RoPE codes)
+        self._matrices: dict = {}  # query / key basis moves (_moves), keyed by the fitted tensors they come from
 
     def _rope_table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (end − start, 2·len(rope)) of slots [start, end), computed as HF's rotary embedding does
@@ -88,21 +89,60 @@ class TurboStore(TensorStore):
         """RoPE-centred keys: the score term ``q·RoPE_s(μ)`` of slots [0, n) that the residual codes leave out,
         factored as ``ab (B, H, G, W) · rows (n, W)ᵀ`` for queries ``q`` (B, H, G, D) (the model's basis). With h
         RoPE frequencies θ it is ``a·cos(sθ) + b·sin(sθ)`` with ``a = q₁μ₁ + q₂μ₂``, ``b = q₂μ₁ − q₁μ₂`` (halves of h
-        channels): ``rows`` is one table ``[cos | sin]`` of the slots' positions (:func:`rope_cos_sin`, shared by
-        every layer, sequence and head), W = 2h; with partial rotary the unturned channels' ``q·μ`` rides on a
-        column of ones (W rounded up to a multiple of 8). ``None`` for other keys or before the first coded write."""
+        channels), linear in q (``ab = q·A``, :meth:`_bias_matrix`): ``rows`` is one table ``[cos | sin]`` of the
+        slots' positions (:func:`rope_cos_sin`, shared by every layer, sequence and head), W = 2h; with partial
+        rotary the unturned channels' ``q·μ`` rides on a column of ones (W rounded up to a multiple of 8). ``None``
+        for other keys or before the first coded write."""
         if not self.spec.rope_centred or self.mean is None:
             return None
-        h, d = self._inv_freq.shape[0], q.shape[-1]
-        q, m = q.float(), self.mean
-        q1, q2, m1, m2 = q[..., :h], q[..., h:2 * h], m[..., :h], m[..., h:2 * h]
-        parts = [q1 * m1 + q2 * m2, q2 * m1 - q1 * m2]  # (B, H, G, h) each
+        a = self._bias_matrix()
+        return q.float() @ a, rope_cos_sin(self.spec.rope, self.position_offset, n, q.device, a.shape[-1])
+
+    def _bias_matrix(self) -> torch.Tensor:
+        """(B, H, D, W) fp32 A with ``q·A = ab`` of :meth:`bias_factors` (built from the fitted means)."""
+        m = self.mean[:, :, 0]  # (B, H, D)
+        h, d = self._inv_freq.shape[0], m.shape[-1]
         width = 2 * h if d == 2 * h else -(-(2 * h + 1) // 8) * 8
-        if width > 2 * h:  # partial rotary: the unturned channels' q·μ, then zeros
-            const = (q[..., 2 * h:] * m[..., 2 * h:]).sum(-1, keepdim=True)
-            parts += [const, const.new_zeros(*const.shape[:-1], width - 2 * h - 1)]
-        ab = torch.cat(parts, dim=-1)
-        return ab, rope_cos_sin(self.spec.rope, self.position_offset, n, q.device, width)
+        a = m.new_zeros(*m.shape[:2], d, width)
+        i = torch.arange(h, device=m.device)
+        a[:, :, i, i], a[:, :, i + h, i] = m[..., :h], m[..., h:2 * h]  # a = q₁μ₁ + q₂μ₂
+        a[:, :, i + h, i + h], a[:, :, i, i + h] = m[..., :h], -m[..., h:2 * h]  # b = q₂μ₁ − q₁μ₂
+        if width > 2 * h:  # the unturned channels' q·μ
+            a[:, :, 2 * h:, 2 * h] = m[..., 2 * h:]
+        return a
+
+    def _moves(self, query: bool) -> torch.Tensor:
+        """(B|1, H|1, D, D [+ W]) fp32 M with ``x·M`` = :meth:`to_coded_basis` of centred rows (``query``: of a query,
+        then its bias factors for RoPE-centred keys): smoothing, the outlier permutation and the part rotations in
+        one matrix, kept until the fitted permutation, factors or means change."""
+        key = (query, self.perm, self.channel, self.mean)
+        saved = self._matrices.get(query)
+        if saved is not None and all(a is b for a, b in zip(saved[0], key)):
+            return saved[1]
+        bd = torch.block_diag(*self.rotations) if len(self.rotations) > 1 else self.rotations[0]  # (D, D)
+        d = bd.shape[0]
+        if self.perm is None:
+            m = bd[None, None]
+        else:  # row perm[i] of M is row i of the block-diagonal rotation
+            b, h = self.perm.shape[:2]
+            m = bd.new_zeros(b, h, d, d).scatter_(2, self.perm.long()[..., None].expand(b, h, d, d),
+                                                  bd.expand(b, h, d, d))
+        if self.channel is not None:
+            c = self.channel[:, :, 0, :, None]  # (B, H, D, 1)
+            m = m * c if query else m / c
+        if query and self.spec.rope_centred and self.mean is not None:
+            m = torch.cat((m.expand(*self.mean.shape[:2], d, d), self._bias_matrix()), dim=-1)
+        self._matrices[query] = (key, m.contiguous())
+        return self._matrices[query][1]
+
+    def move_query(self, q: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A decode query (B, H, G, D) in the coded basis (``to_coded_basis(q, scale_by_channel=True)``) and, for
+        RoPE-centred keys, its :meth:`bias_factors` over the ``n`` coded slots: one product with a kept matrix."""
+        d = q.shape[-1]
+        out = q.float() @ self._moves(True)
+        if out.shape[-1] == d:
+            return out, None
+        return out[..., :d], out[..., d:]
 
     def score_bias(self, q: torch.Tensor, n: int) -> torch.Tensor | None:
         """:meth:`bias_factors` multiplied out: (B, H, G, n) fp32, or ``None``."""
@@ -174,15 +214,9 @@ class TurboStore(TensorStore):
         if self._prerope:
             raise ValueError("to_coded_basis: pre-RoPE keys (spec.rope) have no single coded basis; read the rows")
         z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not (a shift of every
-        if self.channel is not None:                               # key's score by q·mean leaves the softmax as is)
-            z = z * self.channel if scale_by_channel else z / self.channel
-        if self.perm is not None:
-            z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
-        out, at = [], 0
-        for (w, _), rot in zip(self.parts, self.rotations):
-            out.append(z[..., at:at + w] @ rot)
-            at += w
-        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+        if self.perm is None and self.channel is None:             # key's score by q·mean leaves the softmax as is)
+            return z @ self.rotations[0]
+        return (z @ self._moves(scale_by_channel))[..., :x.shape[-1]]
 
     def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         """Code ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan, nothing written."""
