@@ -162,3 +162,18 @@ def test_partial_rotary_bias_factors_carry_the_unturned_channels():
     assert ab.shape == (1, 2, 3, 40) and rows.shape == (50, 40)
     want = torch.einsum("bhgd,bhtd->bhgt", q.double(), s._rope_mean(0, 50).double())
     torch.testing.assert_close(s.score_bias(q, 50).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_turbo3_default_is_rope_centred_and_gives_way_by_name():
+    """turbo3's default keys are RoPE-centred; ``prerope_keys=True`` or ``center_keys=False`` alone turn that off;
+    a model without a static RoPE table gets plainly centred keys and a note (turbo2 keeps plain centring)."""
+    model = tiny_model("llama", kv_heads=2)
+    spec = lambda **kw: METHODS["turbo3"].plan_model(model, **kw).layers[0].factory(None).spec  # noqa: E731
+    assert spec().rope_centred and spec().rope is not None
+    assert not spec(prerope_keys=True).rope_centred and spec(prerope_keys=True).rope is not None
+    assert not spec(center_keys=False).rope_centred and not spec(center_keys=False).center
+    assert not spec(rope_centred_keys=False).rope_centred and spec(rope_centred_keys=False).rope is None
+    assert not METHODS["turbo2"].plan_model(model).layers[0].factory(None).spec.rope_centred
+    plan = METHODS["turbo3"].plan_model(tiny_model("gpt2"))
+    assert plan.layers[0].factory(None).spec.rope is None and plan.layers[0].factory(None).spec.center
+    assert any("rope_centred_keys=False" in n for n in plan.notes)

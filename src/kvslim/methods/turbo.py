@@ -91,14 +91,18 @@ class TurboMethod(StorageMethod):
         return StorageOptions(bits=self.bits, **merged)
 
     def _rope_mode(self, options: dict) -> str | None:
-        """Which RoPE option is on (``"prerope_keys"``, ``"rope_centred_keys"`` or ``None``), each checked by name."""
-        on = []
-        for name in ROPE_OPTIONS:
-            value = options.get(name, self.defaults.get(name, False))
+        """Which RoPE option is on (``"prerope_keys"``, ``"rope_centred_keys"`` or ``None``), each checked by name.
+        An option the caller passes wins over the method's default: ``prerope_keys=True`` alone turns a default
+        RoPE-centring off, and so does ``center_keys=False`` (keys not centred at all)."""
+        explicit = {name: options[name] for name in ROPE_OPTIONS if name in options}
+        values = {name: explicit.get(name, self.defaults.get(name, False)) for name in ROPE_OPTIONS}
+        for name, value in values.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-            if value:
-                on.append(name)
+        if "rope_centred_keys" not in explicit and (explicit.get("prerope_keys")
+                                                    or options.get("center_keys") is False):
+            values["rope_centred_keys"] = False
+        on = [name for name in ROPE_OPTIONS if values[name]]
         if len(on) > 1:
             raise ValueError("prerope_keys and rope_centred_keys are two ways of coding keys around RoPE: take one")
         return on[0] if on else None
@@ -114,11 +118,16 @@ class TurboMethod(StorageMethod):
         seed = options.get("seed", 0)
         self.options(**options)  # every option checked by name before the plan is built
         mode = self._rope_mode(options)
+        notes = []
+        if mode and rope is None and mode not in options:  # the method's default: plain centring instead
+            notes.append(f"{mode}=False (this {shape.model_type} model has no RoPE with a static table; keys centred "
+                         "by their channel means)")
+            mode = None
         if mode and rope is None:
             raise ValueError(f"{mode}=True needs the model's RoPE table: this {shape.model_type} model has no "
                              f"RoPE with a static table ({', '.join(ROPE_TYPES)}); use {mode}=False")
         base = {k: v for k, v in options.items() if k not in ("seed", *ROPE_OPTIONS)}
-        notes = []
+        base.update({name: mode == name for name in ROPE_OPTIONS})  # resolved once: the store options see it
         kbits = options.get("key_bits") or self.bits
         if "outliers" not in options and self.defaults.get("outliers", 0) is None and kbits < 4:
             want = shape.head_dim // 4  # the paper's split: a quarter of the channels at one more bit
@@ -146,9 +155,11 @@ class TurboMethod(StorageMethod):
 # (Qwen2.5 without them: KL 0.65 centred), Haar rotations (48 + 16 channels have no Hadamard matrix; on SmolLM2 the
 # two rotations measured alike), the window flushed 64 tokens at a time as int3/int2. turbo3: KL 0.0065 / 0.0189
 # against int3's 0.0074 / 0.0242 at +0.3 % bytes; turbo2 (3-bit keys, 2-bit values): 0.0239 / 0.0382 against
-# int2's 0.0116 / 0.0371 (it loses on SmolLM2).
+# int2's 0.0116 / 0.0371 (it loses on SmolLM2). turbo3's keys are RoPE-centred (channel means fitted before RoPE,
+# turned to each row's position; fused): on the held-out texts of both models 13-39 % less KL than plain centring at
+# the same bytes (docs/quantization.md §10.1); turbo2 keeps plain centring (RoPE-centred: 5 of 6 held-out texts).
 _DEFAULTS = dict(codec="turbo", rotation="orthogonal", residual=124, sink=4, flush=64, scale_dtype=torch.float16,
                  smooth_keys=False, center_keys=True, outliers=None)
 TURBO4 = TurboMethod("turbo4", 4, windowed=False, defaults={**_DEFAULTS, "rotation": "hadamard", "outliers": 0})
-TURBO3 = TurboMethod("turbo3", 3, windowed=False, defaults=_DEFAULTS)
+TURBO3 = TurboMethod("turbo3", 3, windowed=False, defaults={**_DEFAULTS, "rope_centred_keys": True})
 TURBO2 = TurboMethod("turbo2", 2, windowed=False, defaults={**_DEFAULTS, "key_bits": 3})
