@@ -177,3 +177,25 @@ def test_turbo3_default_is_rope_centred_and_gives_way_by_name():
     plan = METHODS["turbo3"].plan_model(tiny_model("gpt2"))
     assert plan.layers[0].factory(None).spec.rope is None and plan.layers[0].factory(None).spec.center
     assert any("rope_centred_keys=False" in n for n in plan.notes)
+
+
+def test_query_move_matrix_follows_a_reorder():
+    """``move_query``'s kept matrix equals the permutation + part rotations + smoothing done step by step (fp32, 1e-5),
+    and is rebuilt when a reorder (beam search) replaces the fitted tensors."""
+    spec = replace(_spec(residual=0, sink=0, flush=1), smooth=True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 40, 64, generator=g) * torch.linspace(0.5, 3, 64)
+    s = make_store(spec, x, 48)
+    s.write(0, x)
+    q = torch.randn(2, 2, 3, 64, generator=g)
+
+    def manual(store, q):
+        z = (q * store.channel).gather(-1, store.perm.long()[:, :, None, :].expand(q.shape))
+        w = store.parts[0][0]
+        return torch.cat((z[..., :w] @ store.rotations[0], z[..., w:] @ store.rotations[1]), -1)
+
+    for _ in range(2):
+        got, ab = s.move_query(q)
+        torch.testing.assert_close(got, manual(s, q), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ab, s.bias_factors(q, 1)[0], rtol=1e-5, atol=1e-5)
+        s.map_sequences(lambda t: t.flip(0))  # the two sequences swap
