@@ -40,8 +40,6 @@ def test_each_layer_gets_its_own_format(model):
     int2 = METHODS["int2"].plan_model(model, per_layer={1: {"bits": 3}, 2: {"bits": 4, "key_bits": 8}})
     assert _bits(int2) == [(3, 2, None), (3, 3, None), (8, 4, None)]  # bits sets keys too unless key_bits says
     assert "K int3" in int2.layers[1].note and "V int3" in int2.layers[1].note
-    assert METHODS["int4"].plan_model(model, per_layer={1: {"bits": 4}}).layers == \
-        METHODS["int4"].plan_model(model).layers or True  # (factories compare by identity; formats below)
     same = METHODS["int4"].plan_model(model, per_layer={1: {"bits": 4}})
     assert _bits(same) == _bits(METHODS["int4"].plan_model(model))
     assert [lp.bytes_per_token for lp in same.layers] == [lp.bytes_per_token
