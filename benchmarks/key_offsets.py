@@ -5,7 +5,8 @@ A Hadamard rotation before KIVI's per-channel groups helps SmolLM2 and wrecks Qw
 head, the keys as the key projection writes them (before RoPE): the fraction of their energy that is the per-channel
 mean (``offset_energy`` = Σ_c mean_c² / Σ_c mean_square_c), their RMS, the largest |k|, and the key projection's bias
 norm per head when it has one. A layer whose offset carries ≥ ``--threshold`` of the energy (default 0.98: between
-SmolLM2's largest, 0.945, and Qwen2.5-Coder's five offset layers, 0.986-0.9999) is listed in ``offset_layers``: RoPE turns that offset with the position, so inside a 32- or 64-token KIVI group it sweeps a
+SmolLM2's largest, 0.945, and Qwen2.5-Coder's five offset layers, 0.986-0.9999) is listed in ``offset_layers``:
+RoPE turns that offset with the position, so inside a 32- or 64-token KIVI group it sweeps a
 range; unrotated it lives in two channels, rotated it spreads over every channel's range.
 
     .venv/bin/python benchmarks/key_offsets.py --model smollm2|qwen25 --threads 1
