@@ -57,3 +57,35 @@ def test_capturable_defaults_through_the_triton_kernels(method, module, opts, mo
         assert torch.equal(runs["triton"].sequences, runs[name].sequences), f"{method}: tokens differ from {name}"
         for a, b in zip(runs["triton"].logits, runs[name].logits, strict=True):
             assert_close(a, b, F32, f"{method}: logits triton vs {name}")
+
+
+def test_capturable_slim_through_the_triton_kernel(monkeypatch, one_thread):
+    """A capturable slim K-cache (caches/slim.py: the whole buffer with ``lengths``) through the Triton slim kernel
+    with a left-padded batch (RoPE shifted per sequence): tokens equal the torch twin's and the ordinary eager
+    cache's, logits within the fp32 table; every decode step of every layer through the kernel."""
+    from kvslim.kernels.triton import slim_decode as ts
+
+    model = tiny_model("llama", kv_heads=4, num_hidden_layers=2)
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    calls = []
+    launch = ts.launch
+    monkeypatch.setattr(ts, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    kvslim.apply(model, "slim", cache="k", rank=0)
+    try:
+        runs = {}
+        for name, capturable in (("ordinary", False), ("torch", True), ("triton", True)):
+            monkeypatch.setenv("KVSLIM_BACKEND", "torch" if name == "ordinary" else name)
+            cache = kvslim.make_cache(model, max_length=PROMPT + NEW + 2, capturable=capturable)
+            with torch.no_grad():
+                runs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                            do_sample=False, pad_token_id=0, output_logits=True,
+                                            return_dict_in_generate=True, **{CACHE_KW: cache})
+    finally:
+        kvslim.restore(model)
+    assert len(calls) == (NEW - 1) * 2, f"the Triton slim kernel ran {len(calls)} times"
+    for name in ("torch", "ordinary"):
+        assert torch.equal(runs["triton"].sequences, runs[name].sequences), f"slim: tokens differ from {name}"
+        for a, b in zip(runs["triton"].logits, runs[name].logits, strict=True):
+            assert_close(a, b, F32, f"slim: logits triton vs {name}")

@@ -53,7 +53,8 @@ class KVSlimCache(Cache):
 
     def set_capturable(self, capturable: bool = True) -> None:
         """Every call of the layers that can (append layers built with ``max_length``: plain, per-token quantized, or
-        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``) takes the
+        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``; slim rows,
+        ``caches/slim.py``) takes the
         static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all layers
         can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError`` when no
         layer can, or when a layer with a residual window already holds tokens (its layout is chosen at its first
@@ -63,8 +64,8 @@ class KVSlimCache(Cache):
         able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
-                             "append layers: dense, int8, int4/int3/int2 with their defaults or per-token; not "
-                             "turbo codes, smoothed keys with a residual window, ring windows or slim/mla layers)")
+                             "append or slim layers: dense, int8, int4/int3/int2 with their defaults or per-token; not "
+                             "turbo codes, smoothed keys with a residual window, ring windows or mla layers)")
         late = [i for i, layer in enumerate(self.layers) if layer in able and layer.is_initialized
                 and (layer.spec.residual or layer.spec.sink) and layer.capturable != capturable]
         if late:
