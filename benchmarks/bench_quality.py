@@ -209,13 +209,14 @@ TURBO_LEVERS_HELDOUT = [  # the levers that won on the development text of both 
     ("turbo3 pre-RoPE K r123 (<= int3's bytes)", "turbo3", {**_PR, "residual": 123}),
     ("turbo2 pre-RoPE K r123 (<= int2's bytes)", "turbo2", {**_PR, "residual": 123}),
 ]
-TURBO_ROPE_CENTRED = [  # run with --rope-centred (rope_centred.py): pre-RoPE centring, post-RoPE codes
-    ("turbo3 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo3", _PR),
-    ("turbo2 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo2", _PR),
+_RC = dict(rope_centred_keys=True)  # pre-RoPE channel means, post-RoPE codes (the library's RoPE-centred keys)
+TURBO_ROPE_CENTRED = [
+    ("turbo3 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo3", _RC),
+    ("turbo2 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo2", _RC),
 ]
-TURBO_ROPE_CENTRED_HELDOUT = [  # --rope-centred, at int3's / int2's bytes
-    ("turbo3 RoPE-centred K r123 (<= int3's bytes)", "turbo3", {**_PR, "residual": 123}),
-    ("turbo2 RoPE-centred K r123 (<= int2's bytes)", "turbo2", {**_PR, "residual": 123}),
+TURBO_ROPE_CENTRED_HELDOUT = [  # at int3's / int2's bytes
+    ("turbo3 RoPE-centred K r123 (<= int3's bytes)", "turbo3", {**_RC, "residual": 123}),
+    ("turbo2 RoPE-centred K r123 (<= int2's bytes)", "turbo2", {**_RC, "residual": 123}),
 ]
 # issue 35, the int formats: keys rotated layer by layer (``per_layer``), except the layers whose keys are mostly a
 # constant offset on the development text (benchmarks/key_offsets.py -> key_offsets_<model>.json; SmolLM2: none,
@@ -409,19 +410,11 @@ def main() -> None:
                    help="score these texts step by step (token mode, call by call): Δppl with a paired-bootstrap "
                         "95 %% interval, KL, top-1, bytes at the end and averaged over the steps (kvslim.heldout)")
     p.add_argument("--resamples", type=int, default=1000, help="--texts: bootstrap resamples (seed 0)")
-    p.add_argument("--rope-centred", action="store_true",
-                   help="bench-only (rope_centred.py): turbo keys planned with prerope_keys=True are centred by their "
-                        "rotated pre-RoPE means and coded post-RoPE")
     args = p.parse_args()
     if args.texts and (args.mode != "token" or args.merge):
         p.error("--texts runs the token mode (--mode token), not with --merge")
     global FUSED_DECODE, MODEL
     FUSED_DECODE, MODEL = args.fused_decode, args.model
-    if args.rope_centred:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from rope_centred import patch
-
-        patch()
     if args.merge:
         merge(args)
         return
