@@ -227,6 +227,8 @@ INT_PER_LAYER = [  # decided on --texts dev, both models
     ("int4 keys rotated outside the offset layers", "int4", {"per_layer": OFFSET_ROT}),
     ("int2 (default)", "int2", {}),
     ("int2 keys rotated outside the offset layers", "int2", {"per_layer": OFFSET_ROT}),
+    ("int2 keys rotated outside the offset layers, values g32 (3.25 bits)", "int2",
+     {"per_layer": OFFSET_ROT, "group_size": 32}),
 ]
 INT_PER_LAYER_HELDOUT = [row for row in INT_PER_LAYER if row[2]]
 SUITES = {"int_per_layer": INT_PER_LAYER, "int_per_layer_heldout": INT_PER_LAYER_HELDOUT, "ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_rope_centred": TURBO_ROPE_CENTRED,
