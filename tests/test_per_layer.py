@@ -139,3 +139,19 @@ def test_decode_paths_and_tokens(model, monkeypatch, method, per_layer, fused):
     for bits, ok in taken:
         seen.setdefault(bits, set()).add(ok)
     assert taken and all(seen[b] == {f} for b, f in zip(plan_bits, fused))
+
+
+def test_capturable_cache_gives_the_same_tokens(model):
+    """``make_cache(capturable=True)`` builds each layer from its own spec: the tokens equal the eager cache's."""
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    kvslim.apply(model, "int2", per_layer={0: {"bits": 4}, 2: {"rotation": "hadamard"}}, residual=8, sink=2,
+                 key_channel_group=8)
+    try:
+        outs = []
+        for capturable in (False, True):
+            cache = kvslim.make_cache(model, max_length=64, capturable=capturable)
+            with torch.no_grad():
+                outs.append(model.generate(ids, max_new_tokens=10, do_sample=False, **{CACHE_KW: cache}))
+    finally:
+        kvslim.restore(model)
+    assert torch.equal(outs[0], outs[1])
