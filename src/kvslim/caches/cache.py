@@ -64,8 +64,9 @@ class KVSlimCache(Cache):
         able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
-                             "append or slim layers: dense, int8, int4/int3/int2 with their defaults or per-token; not "
-                             "turbo codes, smoothed keys with a residual window, ring windows or mla layers)")
+                             "append, slim or latent layers: dense, int8, int4/int3/int2 with their defaults or "
+                             "per-token, slim, mla; not turbo codes, smoothed keys with a residual window or ring "
+                             "windows)")
         late = [i for i, layer in enumerate(self.layers) if layer in able and layer.is_initialized
                 and (layer.spec.residual or layer.spec.sink) and layer.capturable != capturable]
         if late:
