@@ -231,7 +231,11 @@ INT_PER_LAYER = [  # decided on --texts dev, both models
      {"per_layer": OFFSET_ROT, "group_size": 32}),
 ]
 INT_PER_LAYER_HELDOUT = [row for row in INT_PER_LAYER if row[2]]
-SUITES = {"int_per_layer": INT_PER_LAYER, "int_per_layer_heldout": INT_PER_LAYER_HELDOUT, "ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_rope_centred": TURBO_ROPE_CENTRED,
+# SmolLM2 only: its int4 error sits in layers 15-24 (Botchan: those ten in int8 cut KL 77 %, layers 0-14 in int8 16 %;
+# quality_dev_2026-11-26_int_levers.json); the same ten layers in int8 on the held-out texts
+INT4_SMOLLM2_BITS_HELDOUT = [("int4, layers 15-24 in int8", "int4", {"per_layer": {i: {"bits": 8} for i in range(15, 25)}})]
+SUITES = {"int_per_layer": INT_PER_LAYER, "int_per_layer_heldout": INT_PER_LAYER_HELDOUT,
+          "int4_smollm2_bits_heldout": INT4_SMOLLM2_BITS_HELDOUT, "ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_rope_centred": TURBO_ROPE_CENTRED,
           "turbo_rope_centred_heldout": TURBO_ROPE_CENTRED_HELDOUT, "turbo_levers_heldout": TURBO_LEVERS_HELDOUT, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
           "turbo": TURBO, "turbo_heldout": TURBO_HELDOUT}
 FUSED_DECODE = False  # set by --fused-decode
