@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.slim import SlimLayer
+from ..ops.masks import static_causal_mask
 from ..ops.rope import rotate
 from .bound import BoundForward
 from .compat import CACHE_KW, CACHE_KWS
@@ -146,10 +147,7 @@ def decode_mask(mask, t: int, n: int, lengths: torch.Tensor | None, device) -> t
     included) without one, the causal mask over the whole buffer."""
     if mask is not None or lengths is None:
         return additive_mask(mask, t, n, device)
-    i = torch.arange(t, device=device)[None, :, None]
-    j = torch.arange(n, device=device)[None, None, :]
-    hidden = j > lengths[:, None, None] - t + i  # (B, t, n)
-    return torch.zeros(hidden.shape, device=device).masked_fill(hidden, torch.finfo(torch.float32).min)[:, None]
+    return static_causal_mask(lengths, t, n)
 
 
 def patch(model, adapter, weights: dict[int, SlimLayerWeights]) -> None:

@@ -92,6 +92,11 @@ class CapturableMixin:
     def is_compileable(self) -> bool:
         return self._static_now()
 
+    def static_lengths(self) -> torch.Tensor | None:
+        """(B,) tokens held per sequence (this call's included) while the static path runs (reads are the whole
+        buffer: an attention op may skip the slots past it), else ``None``."""
+        return self.length_t if self._static_now() else None
+
     def _init_static(self) -> None:
         """At lazy initialization with ``max_length``: zeroed buffers, device length and overflow flag; their
         addresses marked static (CUDA graphs replay in place)."""
