@@ -209,18 +209,46 @@ TURBO_LEVERS_HELDOUT = [  # the levers that won on the development text of both 
     ("turbo3 pre-RoPE K r123 (<= int3's bytes)", "turbo3", {**_PR, "residual": 123}),
     ("turbo2 pre-RoPE K r123 (<= int2's bytes)", "turbo2", {**_PR, "residual": 123}),
 ]
-TURBO_ROPE_CENTRED = [  # run with --rope-centred (rope_centred.py): pre-RoPE centring, post-RoPE codes
-    ("turbo3 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo3", _PR),
-    ("turbo2 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo2", _PR),
+_RC = dict(rope_centred_keys=True)  # pre-RoPE channel means, post-RoPE codes (the library's RoPE-centred keys)
+TURBO_ROPE_CENTRED = [
+    ("turbo3 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo3", _RC),
+    ("turbo2 RoPE-centred keys (pre-RoPE means, post-RoPE codes)", "turbo2", _RC),
 ]
-TURBO_ROPE_CENTRED_HELDOUT = [  # --rope-centred, at int3's / int2's bytes
-    ("turbo3 RoPE-centred K r123 (<= int3's bytes)", "turbo3", {**_PR, "residual": 123}),
-    ("turbo2 RoPE-centred K r123 (<= int2's bytes)", "turbo2", {**_PR, "residual": 123}),
+TURBO_ROPE_CENTRED_HELDOUT = [  # at int3's / int2's bytes
+    ("turbo3 RoPE-centred K r123 (<= int3's bytes)", "turbo3", {**_RC, "residual": 123}),
+    ("turbo2 RoPE-centred K r123 (<= int2's bytes)", "turbo2", {**_RC, "residual": 123}),
 ]
-SUITES = {"ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_rope_centred": TURBO_ROPE_CENTRED,
+# issue 35, the int formats: keys rotated layer by layer (``per_layer``), except the layers whose keys are mostly a
+# constant offset on the development text (benchmarks/key_offsets.py -> key_offsets_<model>.json; SmolLM2: none,
+# Qwen2.5-Coder: 0, 1, 2, 4, 8). "per_layer": OFFSET_ROT is resolved per model in cache_maker.
+OFFSET_ROT = "rotate keys outside the offset layers"
+INT_PER_LAYER = [  # decided on --texts dev, both models
+    ("int4 (default)", "int4", {}),
+    ("int4 keys rotated outside the offset layers", "int4", {"per_layer": OFFSET_ROT}),
+    ("int2 (default)", "int2", {}),
+    ("int2 keys rotated outside the offset layers", "int2", {"per_layer": OFFSET_ROT}),
+    ("int2 keys rotated outside the offset layers, values g32 (3.25 bits)", "int2",
+     {"per_layer": OFFSET_ROT, "group_size": 32}),
+]
+INT_PER_LAYER_HELDOUT = [row for row in INT_PER_LAYER if row[2]]
+# SmolLM2 only: its int4 error sits in layers 15-24 (Botchan: those ten in int8 cut KL 77 %, layers 0-14 in int8 16 %;
+# quality_dev_2026-11-26_int_levers.json); the same ten layers in int8 on the held-out texts
+INT4_SMOLLM2_BITS_HELDOUT = [("int4, layers 15-24 in int8", "int4", {"per_layer": {i: {"bits": 8} for i in range(15, 25)}})]
+SUITES = {"int_per_layer": INT_PER_LAYER, "int_per_layer_heldout": INT_PER_LAYER_HELDOUT,
+          "int4_smollm2_bits_heldout": INT4_SMOLLM2_BITS_HELDOUT, "ablation": ABLATION, "turbo_levers": TURBO_LEVERS, "turbo_rope_centred": TURBO_ROPE_CENTRED,
           "turbo_rope_centred_heldout": TURBO_ROPE_CENTRED_HELDOUT, "turbo_levers_heldout": TURBO_LEVERS_HELDOUT, "final": FINAL, "heldout": HELDOUT, "int2x": INT2X, "decisions": DECISIONS,
           "turbo": TURBO, "turbo_heldout": TURBO_HELDOUT}
 FUSED_DECODE = False  # set by --fused-decode
+MODEL = "smollm2"  # set by --model
+
+
+def offset_rotation(layers: int) -> dict:
+    """``per_layer`` rotating the keys of every layer but the offset layers of key_offsets_<MODEL>.json."""
+    path = RESULTS / f"key_offsets_{MODEL}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path.name} is missing: run benchmarks/key_offsets.py --model {MODEL} first")
+    skip = set(json.loads(path.read_text())["offset_layers"])
+    return {i: {"rotation": "hadamard"} for i in range(layers) if i not in skip}
 MODELS = {  # --model: (loader name in kvslim.models, label)
     "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)"),
     "gemma3": ("load_gemma3_270m", "Gemma-3-270M (GGUF Q4_K_M dequantized, fp32)"),
@@ -300,13 +328,16 @@ def cache_maker(model, method: str, options: dict, max_positions: int):
         return (lambda: QuantizedCache("quanto", model.config, **kw)), {}
     opts = dict(options)
     prerope = opts.pop("prerope", False)
+    if opts.get("per_layer") == OFFSET_ROT:
+        opts["per_layer"] = offset_rotation(model.config.num_hidden_layers)
     plan = METHODS[method].plan_model(model, **opts)
     lp = plan.layers[0]
     cfg = model.config
     elems = 2 * cfg.num_key_value_heads * (cfg.head_dim if getattr(cfg, "head_dim", None) else
                                            cfg.hidden_size // cfg.num_attention_heads)
-    facts = {"plan_bits_per_element": 8 * lp.bytes_per_token / elems, "residual": lp.residual, "plan": plan,
-             "note": lp.note, "options": {k: str(v) for k, v in options.items()}}
+    per_token = sum(x.bytes_per_token for x in plan.layers) / len(plan.layers)  # layers may differ (per_layer)
+    facts = {"plan_bits_per_element": 8 * per_token / elems, "residual": lp.residual, "plan": plan,
+             "note": lp.note, "options": {k: str(v) for k, v in {**options, **opts}.items()}}
     if not prerope:
         def make_kvslim():
             cache = KVSlimCache([x.factory(None) for x in plan.layers], plan=plan)
@@ -385,19 +416,11 @@ def main() -> None:
                    help="score these texts step by step (token mode, call by call): Δppl with a paired-bootstrap "
                         "95 %% interval, KL, top-1, bytes at the end and averaged over the steps (kvslim.heldout)")
     p.add_argument("--resamples", type=int, default=1000, help="--texts: bootstrap resamples (seed 0)")
-    p.add_argument("--rope-centred", action="store_true",
-                   help="bench-only (rope_centred.py): turbo keys planned with prerope_keys=True are centred by their "
-                        "rotated pre-RoPE means and coded post-RoPE")
     args = p.parse_args()
     if args.texts and (args.mode != "token" or args.merge):
         p.error("--texts runs the token mode (--mode token), not with --merge")
-    global FUSED_DECODE
-    FUSED_DECODE = args.fused_decode
-    if args.rope_centred:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from rope_centred import patch
-
-        patch()
+    global FUSED_DECODE, MODEL
+    FUSED_DECODE, MODEL = args.fused_decode, args.model
     if args.merge:
         merge(args)
         return

@@ -27,12 +27,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RECORDS = {
     "SmolLM2-135M": ["quality_heldout_2026-11-26.json", "quality_heldout_2026-11-26_defaults.json",
                      "quality_heldout_2026-11-26_turbo.json", "quality_heldout_2026-11-26_turbo_prerope.json",
-                     "quality_heldout_2026-11-26_turbo_rope_centred.json", "quality_heldout_2026-11-26_llamacpp.json"],
+                     "quality_heldout_2026-11-26_turbo_rope_centred.json",
+                     "quality_heldout_2026-11-26_turbo_rope_centred_library.json",
+                     "quality_heldout_2026-11-26_int_per_layer.json", "quality_heldout_2026-11-26_int_per_layer_g32.json",
+                     "quality_heldout_2026-11-26_int4_layers15_24_int8.json", "quality_heldout_2026-11-26_llamacpp.json"],
     "Qwen2.5-Coder-0.5B": ["quality_heldout_2026-11-26_qwen25_quanto.json",
                            "quality_heldout_2026-11-26_qwen25_defaults.json",
                            "quality_heldout_2026-11-26_qwen25_turbo.json",
                            "quality_heldout_2026-11-26_qwen25_turbo_prerope.json",
                            "quality_heldout_2026-11-26_qwen25_turbo_rope_centred.json",
+                           "quality_heldout_2026-11-26_qwen25_turbo_rope_centred_library.json",
                            "quality_heldout_2026-11-26_qwen25_int8.json"],
 }
 SHORT = {"turbo3 centred K o16 r123 (<= int3's bytes)": "turbo3", "turbo3 pre-RoPE K r123 (<= int3's bytes)":
@@ -40,7 +44,10 @@ SHORT = {"turbo3 centred K o16 r123 (<= int3's bytes)": "turbo3", "turbo3 pre-Ro
          "turbo2 pre-RoPE K r123 (<= int2's bytes)": "turbo2 pre-RoPE keys",
          "int4 r60 +sink4 (quanto 4-bit's bytes)": "int4, 60-token window",
          "turbo3 RoPE-centred K r123 (<= int3's bytes)": "turbo3 RoPE-centred keys",
-         "turbo2 RoPE-centred K r123 (<= int2's bytes)": "turbo2 RoPE-centred keys"}
+         "turbo2 RoPE-centred K r123 (<= int2's bytes)": "turbo2 RoPE-centred keys",
+         "int4 keys rotated outside the offset layers": "int4, rotated keys",
+         "int2 keys rotated outside the offset layers": "int2, rotated keys",
+         "int2 keys rotated outside the offset layers, values g32 (3.25 bits)": "int2, rotated keys, V g32"}
 HELDOUT = ("torch-tensor-str", "python-reference", "twelfth-night")
 
 

@@ -84,7 +84,8 @@ def tiny():
     return tiny_model
 
 
-def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_length: int):
+def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_length: int,
+                                attention_mask: torch.Tensor | None = None):
     """``model.generate`` greedily, eagerly and then through HF's own compile path (``compile_config``, backend
     ``eager``, fullgraph, static shapes; on CPU ``_compile_all_devices``) with a capturable kvslim cache of
     ``max_length``. Returns (eager tokens, compiled tokens, dynamo's unique graph count, the cache)."""
@@ -95,15 +96,16 @@ def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_l
     from kvslim.adapters.compat import CACHE_KW
 
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    masked = {} if attention_mask is None else {"attention_mask": attention_mask}
     with torch.no_grad():
-        eager = model.generate(ids, **kw)
+        eager = model.generate(ids, **kw, **masked)
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
         compile_config._compile_all_devices = True
         cfg = GenerationConfig(compile_config=compile_config, **kw)
         cache = kvslim.make_cache(model, max_length=max_length, capturable=True)
         torch._dynamo.reset()
         counters.clear()
-        got = model.generate(ids, generation_config=cfg, **{CACHE_KW: cache})
+        got = model.generate(ids, generation_config=cfg, **masked, **{CACHE_KW: cache})
     graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     return eager, got, graphs, cache

@@ -72,10 +72,12 @@ def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
 
 #: capturable formats: plain and per-token codes (caches/capture.py) with ``max_length``; the int4/int2 defaults
 #: (sinks, residual window, KIVI keys; caches/capture_residual.py) with ``capturable=True`` and a 120-token prompt,
-#: so that the 16 steps cross the first flush (position 128)
+#: so that the 16 steps cross the first flush (position 128); slim's K-cache (caches/slim.py) and MLA latents on the
+#: V2-Lite layout (caches/latent.py), each through its Triton kernel; a ring of 8 (caches/capture_ring.py)
 CAPTURABLE = {"dense": ("dense", {}), "int8": ("int8", {}),
               "int4": ("int4", {"residual": 0, "key_channel_group": 0, "sink": 0}),
-              "int4-default": ("int4", None), "int2-default": ("int2", None)}
+              "int4-default": ("int4", None), "int2-default": ("int2", None),
+              "slim": ("slim", {"cache": "k", "rank": 0}), "mla": ("mla", {}), "window": ("window", {"window": 8})}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (tests/test_capturable.py "
@@ -86,9 +88,14 @@ def test_capturable_steps_under_cuda_graphs_on_cuda(method):
     eager's tokens (bf16, same device)."""
     from torch._dynamo.utils import counters
 
-    model = tiny_model("llama", kv_heads=2, dtype=torch.bfloat16).to("cuda")
     name, opts = CAPTURABLE[method]
-    default = opts is None
+    if name == "mla":
+        from test_mla_model import deepseek
+
+        model = deepseek("v2-lite", dtype=torch.bfloat16).to("cuda")
+    else:
+        model = tiny_model("llama", kv_heads=KV_HEADS.get(name, 2), dtype=torch.bfloat16).to("cuda")
+    default = opts is None or name == "window"  # the int4/int2 defaults and rings: capturable=True only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, name, **(opts or {}))

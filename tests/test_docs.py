@@ -147,8 +147,12 @@ def test_readme_quality_tables_equal_their_result_files():
     text = README.read_text()
     label = {"kvslim int8": "int8 g64 (default)", "kvslim int4": "int4 (default)",
              "kvslim int4, 60-token window": "int4 r60 +sink4 (quanto 4-bit's bytes)", "kvslim int3": "int3 (default)",
-             "kvslim int2": "int2 (default)", "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128",
+             "kvslim int2": "int2 (default)",
+             "kvslim int4, rotated keys": "int4 keys rotated outside the offset layers",
+             "kvslim int2, rotated keys": "int2 keys rotated outside the offset layers", "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128",
              "kvslim turbo3, 123-token window": "turbo3 centred K o16 r123 (<= int3's bytes)",
+             "kvslim turbo3, plain centring, 123-token window": "turbo3 centred K o16 r123 (<= int3's bytes)",
+             "kvslim turbo3 (RoPE-centred keys, default), 123-token window": "turbo3 RoPE-centred K r123 (<= int3's bytes)",
              "kvslim turbo2, 123-token window": "turbo2 centred K3 o16 V2 r123 (<= int2's bytes)",
              "kvslim turbo3, pre-RoPE keys, 123-token window": "turbo3 pre-RoPE K r123 (<= int3's bytes)",
              "kvslim turbo2, pre-RoPE keys, 123-token window": "turbo2 pre-RoPE K r123 (<= int2's bytes)",

@@ -1,7 +1,8 @@
-"""The capturable layout of the int4/int2 defaults (caches/capture_residual.py) through the Triton decode kernels,
-under Triton's interpreter: what a CUDA graph replays on a GPU (``lengths`` = the coded tokens, the sinks + ring
-window as the tail, a mask column per row), with a padded batch. Greedy tokens equal the torch twin's and the eager
-default cache's; logits within the fp32 table (tests/tolerances.py)."""
+"""Capturable layouts through the Triton decode kernels under Triton's interpreter: the int4/int2 defaults
+(caches/capture_residual.py: ``lengths`` = the coded tokens, the sinks + ring window as the tail, a mask column per
+row), slim rows and MLA latents (the whole buffer with ``lengths``), each with a padded batch: what a CUDA graph
+replays on a GPU. Greedy tokens equal the torch twin's and the eager ordinary cache's; logits within the fp32 table
+(tests/tolerances.py)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,69 @@ def test_capturable_defaults_through_the_triton_kernels(method, module, opts, mo
         assert torch.equal(runs["triton"].sequences, runs[name].sequences), f"{method}: tokens differ from {name}"
         for a, b in zip(runs["triton"].logits, runs[name].logits, strict=True):
             assert_close(a, b, F32, f"{method}: logits triton vs {name}")
+
+
+def test_capturable_slim_through_the_triton_kernel(monkeypatch, one_thread):
+    """A capturable slim K-cache (caches/slim.py: the whole buffer with ``lengths``) through the Triton slim kernel
+    with a left-padded batch (RoPE shifted per sequence): tokens equal the torch twin's and the ordinary eager
+    cache's, logits within the fp32 table; every decode step of every layer through the kernel."""
+    from kvslim.kernels.triton import slim_decode as ts
+
+    model = tiny_model("llama", kv_heads=4, num_hidden_layers=2)
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    calls = []
+    launch = ts.launch
+    monkeypatch.setattr(ts, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    kvslim.apply(model, "slim", cache="k", rank=0)
+    try:
+        runs = {}
+        for name, capturable in (("ordinary", False), ("torch", True), ("triton", True)):
+            monkeypatch.setenv("KVSLIM_BACKEND", "torch" if name == "ordinary" else name)
+            cache = kvslim.make_cache(model, max_length=PROMPT + NEW + 2, capturable=capturable)
+            with torch.no_grad():
+                runs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                            do_sample=False, pad_token_id=0, output_logits=True,
+                                            return_dict_in_generate=True, **{CACHE_KW: cache})
+    finally:
+        kvslim.restore(model)
+    assert len(calls) == (NEW - 1) * 2, f"the Triton slim kernel ran {len(calls)} times"
+    for name in ("torch", "ordinary"):
+        assert torch.equal(runs["triton"].sequences, runs[name].sequences), f"slim: tokens differ from {name}"
+        for a, b in zip(runs["triton"].logits, runs[name].logits, strict=True):
+            assert_close(a, b, F32, f"slim: logits triton vs {name}")
+
+
+def test_capturable_mla_through_the_triton_kernel(monkeypatch, one_thread):
+    """A capturable MLA latent cache (caches/latent.py: the whole buffer with ``lengths``) through the Triton MLA
+    decode kernel with a left-padded batch: tokens equal the torch path's and the ordinary eager cache's, logits
+    within the fp32 table; every decode step of every layer through the kernel."""
+    from test_mla_model import deepseek
+
+    from kvslim.kernels.triton import mla_decode as tk
+
+    model = deepseek("v2-lite", num_hidden_layers=2)
+    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    calls = []
+    launch = tk.launch
+    monkeypatch.setattr(tk, "launch", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    kvslim.apply(model, "mla")
+    try:
+        runs = {}
+        for name, capturable in (("ordinary", False), ("torch", True), ("triton", True)):
+            monkeypatch.setenv("KVSLIM_BACKEND", "torch" if name == "ordinary" else name)
+            cache = kvslim.make_cache(model, max_length=PROMPT + NEW + 2, capturable=capturable)
+            with torch.no_grad():
+                runs[name] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                            do_sample=False, pad_token_id=0, output_logits=True,
+                                            return_dict_in_generate=True, **{CACHE_KW: cache})
+    finally:
+        kvslim.restore(model)
+    assert len(calls) == (NEW - 1) * 2, f"the Triton MLA kernel ran {len(calls)} times"
+    for name in ("torch", "ordinary"):
+        assert torch.equal(runs["triton"].sequences, runs[name].sequences), f"mla: tokens differ from {name}"
+        for a, b in zip(runs["triton"].logits, runs[name].logits, strict=True):
+            assert_close(a, b, F32, f"mla: logits triton vs {name}")

@@ -22,30 +22,33 @@ from kvslim.kernels.triton import turbo_decode as tt  # noqa: E402
 DEVICE = kernel_device()
 
 
-@pytest.mark.parametrize("spec,tail,masked", [
-    (StoreSpec(3, codec="turbo", rotation="hadamard", scale_dtype=torch.float16), True, True),
-    (StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2), False, False),
-    (StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, scale_dtype=torch.bfloat16), True, False),
-    (StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3), False, True),
+@pytest.mark.parametrize("spec,tail,masked,biased", [
+    (StoreSpec(3, codec="turbo", rotation="hadamard", scale_dtype=torch.float16), True, True, False),
+    (StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2), False, False, True),
+    (StoreSpec(2, codec="turbo", rotation="orthogonal", outliers=8, scale_dtype=torch.bfloat16), True, False, False),
+    (StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3), False, True, False),
+    (StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, scale_dtype=torch.float16), True, True, True),
 ])
-def test_kernel_matches_the_twin_and_a_float64_oracle(spec, tail, masked):
+def test_kernel_matches_the_twin_and_a_float64_oracle(spec, tail, masked, biased):
     ks, vs, keys, values = _format(spec, n=70)  # more than two blocks of 32 tokens
     b, hk, n, d = keys.shape
     g = torch.Generator().manual_seed(6)
     q = torch.randn(b, hk, 3, d, generator=g)
-    kt = vt = mask = None
+    kt = vt = mask = bias = None
     if tail:
         kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
     if masked:
         mask = torch.zeros(b, n + (5 if tail else 0))
         mask[0, 3:9] = float("-inf")
+    if biased:  # factors of RoPE-centred keys' per-row score term, W = 24, rows past n (only [0, n) is read)
+        bias = (2 * torch.randn(b, hk, 3, 24, generator=g), torch.randn(n + 3, 24, generator=g))
     move = (lambda t: None if t is None else t.to(DEVICE))  # noqa: E731
     args = [move(t) for t in (q, ks.data, ks.scale, vs.data, vs.scale)]
     got = tt.turbo_decode_triton(*args, spec.outliers, spec.bits, spec.for_values().bits, kernel.levels(DEVICE), n,
-                                 move(kt), move(vt), move(mask), 0.125)
+                                 move(kt), move(vt), move(mask), 0.125, *[move(t) for t in (bias or (None, None))])
     ref = kernel.reference(q, ks.data, ks.scale, vs.data, vs.scale, spec.outliers, spec.bits,
-                           spec.for_values().bits, n, kt, vt, mask, 0.125)
-    exact = _oracle(q, keys, values, kt, vt, mask, 0.125)
+                           spec.for_values().bits, n, kt, vt, mask, 0.125, *(bias or (None, None)))
+    exact = _oracle(q, keys, values, kt, vt, mask, 0.125, bias)
     for a, r, e in zip(got, ref, exact):
         torch.testing.assert_close(a.cpu().double(), e, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(a.cpu(), r, rtol=1e-4, atol=1e-5)
@@ -62,15 +65,18 @@ def test_dispatch_by_backend(monkeypatch):
     torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="k_out=64 must be in"):
         tt.check(q, ks.data, ks.scale, vs.data, vs.scale, 64, 3, 3, 20, None, None, None)
+    with pytest.raises(ValueError, match="bias_rows must be"):
+        tt.check(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, 20, None, None, None, torch.zeros(2, 2, 1, 8),
+                 torch.zeros(19, 8))
 
 
 def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import turbo_decode as tt
-types = {name: "*fp32" for name in ("Q", "LEV", "KT", "VT", "MASK", "OUT", "LSE")}
+types = {name: "*fp32" for name in ("Q", "LEV", "KT", "VT", "MASK", "BAB", "BROWS", "OUT", "LSE")}
 types.update({name: "*u8" for name in ("KC", "VC")}, KS="*fp16", VS="*fp16", scaling="fp32")
 for kout, kb in ((0, 3), (16, 3), (8, 2), (0, 4)):
     build(tt._turbo_decode, types, dict(D=64, D_PAD=64, G_PAD=16, BLOCK_N=32, KOUT=kout, KB=kb, VB=kb,
           KBYTES=(kout * (kb + 1) + (64 - kout) * kb) // 8, VBYTES=8 * kb, KPARTS=2 if kout else 1, HAS_TAIL=True,
-          HAS_MASK=True), 4)
+          HAS_MASK=True, HAS_BIAS=kout > 0, W_PAD=64), 4)
 ''')

@@ -125,7 +125,7 @@ def test_centred_keys_drop_a_constant_offset_from_the_codes():
         errs.append(((s.read(0, 200) - x).pow(2).sum() / x.pow(2).sum()).item())
         assert s.nbytes(200) == 2 * 200 * (24 + 4) + center * 2 * 64 * 4  # codes, fp32 scale; + the fp32 means
     assert errs[1] < 0.3 * errs[0]
-    with pytest.raises(ValueError, match="center and rope are options of turbo codes"):
+    with pytest.raises(ValueError, match="center, rope and rope_centred are options of turbo codes"):
         StoreSpec(3, center=True)
 
 

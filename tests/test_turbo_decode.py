@@ -29,14 +29,30 @@ def _format(spec: StoreSpec, b=2, hk=2, n=45, d=64, seed=0):
     return ks, vs, keys, values
 
 
-def _oracle(q, keys, values, kt, vt, mask, scaling):
+def _oracle(q, keys, values, kt, vt, mask, scaling, bias=None):
+    """float64 attention; ``bias``: the factors (ab (B, Hk, G, W), rows (≥n, W)) of the coded rows' score term."""
     k, v = keys, values
+    n = keys.shape[2]
     if kt is not None:
         k, v = torch.cat((k, kt.double()), 2), torch.cat((v, vt.double()), 2)
-    s = torch.einsum("bhgd,bhtd->bhgt", q.double(), k) * scaling
+    s = torch.einsum("bhgd,bhtd->bhgt", q.double(), k)
+    if bias is not None:
+        s[..., :n] += torch.einsum("bhgw,tw->bhgt", bias[0].double(), bias[1][:n].double())
+    s = s * scaling
     if mask is not None:
         s = s + mask.double()[:, None, None, :]
     return torch.einsum("bhgt,bhtd->bhgd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request):
+    """Each C++ test on the AVX2 body and on its scalar twin (the same body on plain arrays)."""
+    try:
+        before = kernel.set_isa(request.param)
+    except ValueError:
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    yield request.param
+    kernel.set_isa(before)
 
 
 @pytest.mark.parametrize("spec", [
@@ -46,25 +62,43 @@ def _oracle(q, keys, values, kt, vt, mask, scaling):
               scale_dtype=torch.bfloat16),
     StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3, scale_dtype=torch.float16),
 ])
-@pytest.mark.parametrize("tail,masked", [(False, False), (True, True)])
-def test_op_matches_the_twin_and_a_float64_oracle(spec, tail, masked):
-    ks, vs, keys, values = _format(spec)
+@pytest.mark.parametrize("tail,masked,biased", [(False, False, False), (True, True, True)])
+def test_op_matches_the_twin_and_a_float64_oracle(spec, tail, masked, biased, isa):
+    ks, vs, keys, values = _format(spec, n=301)  # three blocks of 128 tokens, the last one partial
     b, hk, n, d = keys.shape
     g = torch.Generator().manual_seed(5)
     q = torch.randn(b, hk, 3, d, generator=g)  # GQA: 3 query heads per KV head
-    kt = vt = mask = None
+    kt = vt = mask = bias = None
     if tail:
         kt, vt = torch.randn(b, hk, 7, d, generator=g), torch.randn(b, hk, 7, d, generator=g)
     if masked:
         mask = torch.zeros(b, n + 7)
         mask[1, :5] = float("-inf")
+        mask[0, 130:260] = float("-inf")  # a whole block masked for one sequence
+    if biased:  # factors of a score term: W = 24 columns, rows longer than n (only [0, n) is read)
+        bias = (2 * torch.randn(b, hk, 3, 24, generator=g), torch.randn(n + 2, 24, generator=g))
     args = (q, ks.data, ks.scale, vs.data, vs.scale, spec.outliers, spec.bits, spec.for_values().bits, n, kt, vt,
             mask, 0.125)
-    ref = kernel.reference(*args)
+    ref = kernel.reference(*args, *(bias or (None, None)))
+    exact = _oracle(q, keys, values, kt, vt, mask, 0.125, bias)
+    for splits in (0, 3):  # one task per (sequence, KV head), and the sequence split in three (exact merge)
+        got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:], *(bias or (None, None)),
+                                            splits)
+        for a, r, e in zip(got, ref, exact):
+            torch.testing.assert_close(r.double(), e, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("g_heads", [1, 2, 4, 7])
+def test_op_every_head_group_width(g_heads, isa):
+    """Head groups of 1, 2, 3 + 1 and 3 + 3 + 1 query heads (the register tiles), head dim 128, 2-bit values."""
+    spec = StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=32, value_bits=2, center=True)
+    ks, vs, keys, values = _format(spec, b=1, hk=2, n=200, d=128)
+    q = torch.randn(1, 2, g_heads, 128, generator=torch.Generator().manual_seed(2))
+    args = (q, ks.data, ks.scale, vs.data, vs.scale, 32, 3, 2, 200, None, None, None, 0.1)
     got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:])
-    exact = _oracle(q, keys, values, kt, vt, mask, 0.125)
-    for a, r, e in zip(got, ref, exact):
-        torch.testing.assert_close(r.double(), e, rtol=1e-4, atol=1e-5)
+    exact = _oracle(q, keys, values, None, None, None, 0.1)
+    for a, e in zip(got, exact):
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
 
 
@@ -81,6 +115,14 @@ def test_op_refuses_bad_arguments_by_name():
     with pytest.raises(ValueError, match="mask must be"):
         torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None,
                                       torch.zeros(1, 3), 1.0)
+    with pytest.raises(ValueError, match="bias_ab must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None, None,
+                                      1.0, torch.zeros(2, 2, 1, 7), torch.zeros(8, 7))
+    with pytest.raises(ValueError, match="bias_rows must be"):
+        torch.ops.kvslim.turbo_decode(q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, lv, 8, None, None, None,
+                                      1.0, torch.zeros(2, 2, 1, 8), torch.zeros(7, 8))
+    with pytest.raises(ValueError, match="isa must be"):
+        kernel.set_isa("avx512")
 
 
 @pytest.mark.parametrize("opts", [dict(residual=8, flush=4, sink=2),

@@ -104,7 +104,7 @@ def test_prerope_refused_without_rope_and_spec_checks():
         StoreSpec(3, codec="turbo", rotation="orthogonal", rope=(1.0, float("nan")))
     with pytest.raises(ValueError, match="rope: 40 frequencies rotate 80 channels"):
         StoreSpec(3, codec="turbo", rotation="orthogonal", rope=(1.0,) * 40).check_dim(64)
-    with pytest.raises(ValueError, match="rope are options of turbo codes"):
+    with pytest.raises(ValueError, match="are options of turbo codes"):
         StoreSpec(3, rope=(1.0,))
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..attention import mla
 from ..caches.cache import KVSlimCache
+from ..ops.masks import static_causal_mask
 from .bound import BoundForward
 from .compat import CACHE_KW
 
@@ -105,6 +106,17 @@ def project(module, hidden_states: torch.Tensor, position_embeddings):
     return q_nope, q_pe, c_kv, k_pe
 
 
+def _static(cache, layer_idx: int, mask: torch.Tensor | None, s: int, t: int):
+    """``(lengths, mask)`` of a layer on the static path of ``caches/capture.py`` (its reads are the whole buffer of
+    ``t`` slots): the device length, and HF's mask or, where HF skipped it (a prefill), the causal mask over the
+    buffer (the latent paths' own causal rule puts the queries at its end). Otherwise ``(None, mask)``."""
+    layer = cache.layers[layer_idx] if cache is not None else None
+    lengths = layer.static_lengths() if hasattr(layer, "static_lengths") else None
+    if lengths is not None and mask is None:
+        mask = static_causal_mask(lengths, s, t)
+    return lengths, mask
+
+
 def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings=None, **kwargs):
     """Drop-in for ``DeepseekV2Attention.forward`` / ``DeepseekV3Attention.forward``; returns ``(out, None)``.
@@ -124,16 +136,18 @@ def mla_forward(module, hidden_states: torch.Tensor, attention_mask: torch.Tenso
         k, v = mla.expand(c_kv[:, 0], k_pe[:, 0], w)  # (B, H, S, dk+dr), (B, H, S, dv)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, module.layer_idx)
+        lengths, attention_mask = _static(past_key_values, module.layer_idx, attention_mask, s, k.shape[2])
         out = mla.attend_dense(torch.cat((q_nope, q_pe), dim=-1), k, v, w.scale, attention_mask)
     else:
         if past_key_values is not None:
             c_kv, k_pe = past_key_values.update(c_kv, k_pe, module.layer_idx)
         c_kv, k_pe = c_kv[:, 0], k_pe[:, 0]  # (B, T, dc), (B, T, dr): views of the cache
+        lengths, attention_mask = _static(past_key_values, module.layer_idx, attention_mask, s, c_kv.shape[1])
         impl = p.impl
         if p.prefill_threshold is not None and s >= p.prefill_threshold:
             impl = "compressed"  # long prefill: expanding once is cheaper than scoring H·S queries on dc+dr
         if impl in ("absorbed", "elided") and mla.kernel_decodes(q_nope, c_kv, attention_mask):
-            out = mla.attend_decode(q_nope, q_pe, c_kv, k_pe, w, attention_mask)  # the Triton decode op
+            out = mla.attend_decode(q_nope, q_pe, c_kv, k_pe, w, attention_mask, lengths)  # the Triton decode op
         else:
             out = mla.LATENT_PATHS[impl](q_nope, q_pe, c_kv, k_pe, w, attention_mask)
     out = out.transpose(1, 2).reshape(b, s, -1)  # (B, S, H·dv)

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.encdec import CrossWeights, additive_bias, shared_cross_attention, weights_key
-from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
+from ..attention.slim import SlimLayerWeights, slim_attention
 from ..caches.encdec import EncDecSlimCache, SharedEncoderCache
 from ..caches.slim import SlimLayer
 from .bound import BoundForward
 from .compat import CACHE_KW
+from .slim_patch import decode_mask, prefill_mask
 
 _ORIG = "_kvslim_original_forward"
 
@@ -47,10 +48,13 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
     layer = past.self_attention_cache.layers[self.layer_idx] if isinstance(past, EncDecSlimCache) else None
     if args or not isinstance(layer, SlimLayer) or kwargs.get("key_value_states") is not None:
         return original(hidden_states, *args, **kwargs)
-    n_past = layer.get_seq_length()
+    first = layer.is_empty()
+    n_past = 0 if first else layer.get_seq_length()  # a 0-dim device tensor in a graph step (caches/capture.py)
     rows = _rows(adapter, self, w, hidden_states)
-    if n_past == 0:  # prefill: the model's own attention, uncached; then keep the slim rows
-        out = original(hidden_states, **{**kwargs, CACHE_KW: None})
+    if first:  # prefill: the model's own attention, uncached; then keep the slim rows
+        mask_kw = adapter.mask_kwarg
+        out = original(hidden_states, **{**kwargs, CACHE_KW: None,
+                                         mask_kw: prefill_mask(kwargs.get(mask_kw), hidden_states.shape[1])})
         layer.write(rows)
         return out
     b, t, _ = hidden_states.shape
@@ -63,8 +67,9 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
                          "continue step by step with model(...)")
     q = adapter.query(self, hidden_states)  # (B, h, T, dk)
     layer.write(rows)
-    cached = layer.read()  # (B, n, c)
+    cached = layer.read()  # (B, n, c): n = max_length on the static path (caches/capture.py)
     n = cached.shape[1]
+    lengths = layer.lengths()
     position_bias = None
     if adapter.returns_position_bias:
         position_bias = kwargs.get("position_bias")
@@ -72,10 +77,10 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
             position_bias = (self.compute_bias(t, n, device=q.device, past_seen_tokens=n_past)
                              if self.has_relative_attention_bias
                              else torch.zeros(1, q.shape[1], t, n, device=q.device, dtype=q.dtype))
-    bias = additive_mask(kwargs.get(adapter.mask_kwarg), t, n, q.device)
+    bias = decode_mask(kwargs.get(adapter.mask_kwarg), t, n, lengths, q.device)
     if position_bias is not None:
         bias = additive_bias(bias, position_bias, n)
-    out = slim_attention(q, cached, w, bias, adapter.score_scaling(self))  # (B, h, T, dk)
+    out = slim_attention(q, cached, w, bias, adapter.score_scaling(self), lengths=lengths)  # (B, h, T, dk)
     out = out.transpose(1, 2).reshape(b, t, -1)
     o = adapter.linears(self)["o"]
     out = F.linear(out, o.weight, None if w.out_bias is None else w.out_bias.to(out.dtype))
@@ -84,7 +89,11 @@ def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor
 
 def current_cross_weights(attn, adapter, w: CrossWeights) -> CrossWeights:
     """``w``, or the maps rebuilt from the module's weights as they are now when those moved since ``w`` was made
-    (``model.to(dtype/device)`` after ``apply``, an in-place load): the rebuilt maps are kept for the next call."""
+    (``model.to(dtype/device)`` after ``apply``, an in-place load): the rebuilt maps are kept for the next call.
+    A compiled or captured step cannot read a storage address or version: it uses the maps of the last eager call
+    (the prefill of every generation is eager, so a weight change between generations is seen there)."""
+    if torch.compiler.is_compiling():
+        return w
     lin = adapter.linears(attn)
     k, v = lin["k"].weight, lin["v"].weight
     if w.source == weights_key(k, v, lin["v"].bias):

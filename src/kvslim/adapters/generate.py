@@ -63,6 +63,8 @@ def build_cache(model, plan, max_length: int | None) -> KVSlimCache:
     if hasattr(plan, "make_cache"):
         return plan.make_cache(max_length)
     cache = KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
+    if getattr(model.config, "_attn_implementation", None) == "kvslim_sdpa":  # adapters/sdpa.NAME
+        cache.enable_column_attention()
     if _fused_attention(model, plan):
         cache.enable_fused_decode()
     return cache

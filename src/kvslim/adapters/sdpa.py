@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..attention import quant
+from ..caches.capture_ring import ring_columns, ring_mask
 from ..caches.fused import fused_of
 from ..ops.sdpa import CUDA_BACKENDS, sdpa_backends, sdpa_context
 
@@ -48,6 +49,9 @@ def packed_gqa_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def _forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
+    columns = ring_columns(key)
+    if columns is not None:  # a capturable ring's W slots: HF's mask over absolute positions, at their columns
+        attention_mask = ring_mask(attention_mask, columns, query.shape[2])
     fused = fused_of(key)
     if fused is not None:
         out = None

@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..attention.slim import SlimLayerWeights, additive_mask, slim_attention
 from ..caches.slim import SlimLayer
+from ..ops.masks import static_causal_mask
 from ..ops.rope import rotate
 from .bound import BoundForward
 from .compat import CACHE_KW, CACHE_KWS
@@ -39,12 +40,16 @@ class RopeTable:
             size = max(64, 1 << (max(n, 1) - 1).bit_length())
             pos = torch.arange(size, device=device)[None]
             cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=device), pos)
+            if torch.compiler.is_compiling():  # a graph step keeps no state: computed in the graph, not stored
+                return cos[0, :n], sin[0, :n]
             self.cos, self.sin = cos[0], sin[0]
         return self.cos[:n], self.sin[:n]
 
-    def for_positions(self, positions: torch.Tensor | None, n: int, dtype, device):
-        """(B|1, n, R) tables for slot positions (B, n), or 0..n-1 for every sequence when ``None``."""
-        cos, sin = self.table(n if positions is None else int(positions.max()) + 1, dtype, device)
+    def for_positions(self, positions: torch.Tensor | None, n: int, dtype, device, rows: int | None = None):
+        """(B|1, n, R) tables for slot positions (B, n), or 0..n-1 for every sequence when ``None``. ``rows``: a
+        bound on the positions known on the host (the static path: no read of ``positions`` back to the host)."""
+        size = n if positions is None else (rows if rows is not None else int(positions.max()) + 1)
+        cos, sin = self.table(size, dtype, device)
         if positions is None:
             return cos[:n][None], sin[:n][None]
         return cos[positions], sin[positions]
@@ -97,11 +102,14 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
         return original(hidden_states, *args, **kwargs)
     b, t, _ = hidden_states.shape
     e = w.num_heads * w.head_dim
-    first = layer.get_seq_length() == 0
+    first = layer.is_empty()
     q, k, v, stored = project_and_row(self, adapter, w, hidden_states, kwargs, prefill=first)
     layer.write(stored, kwargs.get("position_ids") if w.rope else None)
     mask = kwargs.get("attention_mask")
     if first:  # prefill: the model's own attention on the fresh keys and values
+        mask = prefill_mask(mask, t)
+        if rope is not None and layer.rope_table_rows() is not None:  # built now: graph steps only read it
+            rope.table(layer.rope_table_rows(), q.dtype, q.device)
         eager = getattr(sys.modules[type(self).__module__], "eager_attention_forward", None)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         extra = {key: val for key, val in kwargs.items()
@@ -115,15 +123,31 @@ def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hid
                                **adapter.attention_kwargs(self), **extra)
         out = adapter.out_proj(self, out.reshape(b, t, e), adapter.weights(self).b_o)
         return out, None
-    rows = layer.read()  # (B, n, c)
+    rows = layer.read()  # (B, n, c): n = max_length on the static path (caches/capture.py)
     n = rows.shape[1]
     cos_all = sin_all = None
     if w.rope:
-        cos_all, sin_all = rope.for_positions(layer.positions(), n, q.dtype, q.device)
-    out = slim_attention(q, rows, w, additive_mask(mask, t, n, q.device), self.scaling, cos_all, sin_all)
+        cos_all, sin_all = rope.for_positions(layer.positions(), n, q.dtype, q.device, layer.rope_table_rows())
+    lengths = layer.lengths()
+    out = slim_attention(q, rows, w, decode_mask(mask, t, n, lengths, q.device), self.scaling, cos_all, sin_all,
+                         lengths=lengths)
     out = out.transpose(1, 2).reshape(b, t, e)
     bias = w.out_bias.to(out.dtype) if w.out_bias is not None else None
     return adapter.out_proj(self, out, bias), None
+
+
+def prefill_mask(mask, t: int):
+    """The mask of a prefill over its own ``t`` tokens: HF's mask for a static layer covers ``max_length`` slots,
+    of which the prefill's tokens are the first ``t``."""
+    return mask[..., :t] if mask is not None and mask.shape[-1] > t else mask
+
+
+def decode_mask(mask, t: int, n: int, lengths: torch.Tensor | None, device) -> torch.Tensor | None:
+    """:func:`additive_mask` of HF's mask; on the static path (``lengths``: rows written per sequence, this call's
+    included) without one, the causal mask over the whole buffer."""
+    if mask is not None or lengths is None:
+        return additive_mask(mask, t, n, device)
+    return static_causal_mask(lengths, t, n)
 
 
 def patch(model, adapter, weights: dict[int, SlimLayerWeights]) -> None:

@@ -208,16 +208,18 @@ def kernel_decodes(q_nope: torch.Tensor, c_kv: torch.Tensor, mask: torch.Tensor 
 
 
 def attend_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                  w: MLAWeights, mask: torch.Tensor | None = None) -> torch.Tensor:
+                  w: MLAWeights, mask: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """:func:`attend_elided` for one query token (S = 1) through ``kernels.mla_decode.mla_decode``.
 
     ``q̃ = q_nope W_UK`` (a batched GEMM in the absorbed weights' precision, fp32 into the op), then
     ``u = softmax(s·(q̃ c_kvᵀ + q_pe k_peᵀ) + mask) · c_kv`` in the op, then ``o = u W_UV^T``. Returns (B, H, 1, dv)
-    in q's dtype.
+    in q's dtype. ``lengths`` (B,): rows held per sequence (a capturable cache's whole buffer): the op reads none
+    past it.
     """
     t = c_kv.shape[1]
     q_abs = torch.matmul(q_nope.to(w.w_uk.dtype), w.w_uk)[:, :, 0]  # (B,H,1,dk) @ (H,dk,dc) -> (B, H, dc)
-    u, _ = kernel.mla_decode(q_abs.float(), q_pe[:, :, 0], c_kv, k_pe, None, decode_mask(mask, t), w.scale)
+    u, _ = kernel.mla_decode(q_abs.float(), q_pe[:, :, 0], c_kv, k_pe, lengths, decode_mask(mask, t), w.scale)
     o = torch.matmul(u.to(w.w_uv_t.dtype)[:, :, None], w.w_uv_t)  # (B,H,1,dc) @ (H,dc,dv) -> (B, H, 1, dv)
     return o.to(q_nope.dtype)
 

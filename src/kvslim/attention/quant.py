@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..caches.fused import FusedKV
-from ..caches.turbo import TurboStore
+from ..caches.turbo import TurboStore, rope_cos_sin
 from ..kernels.quant_decode import quant_decode
 from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
 from ..kernels.quant_decode_lowbit import quant_decode_lowbit
@@ -91,17 +91,20 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
 def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tensor | None, mask, scaling: float,
            dtype: torch.dtype) -> torch.Tensor | None:
     """Turbo codes (``caches/turbo.py``): the query and the tail go into the stores' coded bases (smoothing, the
-    outlier permutation, each part's rotation), ``kvslim.turbo_decode`` attends, the output is rotated back."""
+    outlier permutation, each part's rotation), ``kvslim.turbo_decode`` attends (RoPE-centred keys: with the
+    per-row score bias ``q·RoPE_t(μ)``), the output is rotated back."""
     k, v = h.k, h.v
     if not (isinstance(k, TurboStore) and isinstance(v, TurboStore)) or v.perm is not None or v.channel is not None:
         return None
     b, hk, g, d = q.shape
-    q = k.to_coded_basis(q, scale_by_channel=True)  # scores: (q ⊙ c)·k̃ in the coded basis
+    q, ab = k.move_query(q)  # scores: (q ⊙ c)·k̃ in the coded basis; RoPE-centred keys: + ab·[cos|sin]_t per row
+    bias = (None, None) if ab is None else (ab, rope_cos_sin(k.spec.rope, k.position_offset, h.n, q.device,
+                                                             ab.shape[-1]))
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
-                          h.kernel_mask(mask), scaling)
+                          h.kernel_mask(mask), scaling, *bias)
     out = out.reshape(b * hk * g, d) @ v.rotations[0].T
     return out.view(b, 1, hk * g, d).to(dtype)
 

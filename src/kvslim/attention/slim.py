@@ -95,8 +95,8 @@ def split_heads(c: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, mask: torch.Tensor | None,
-                   scaling: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   scaling: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries over a slim cache.
 
     Args:
@@ -106,6 +106,8 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
         mask: fp32 additive mask broadcastable to (B, h, T, n) (see :func:`additive_mask`), or ``None``.
         scaling: score scale (``dk**-0.5`` or the model's own).
         cos, sin: (B|1, n, R) RoPE table of the cached positions (``k`` with RoPE).
+        lengths: (B,) int64 rows per sequence (a capturable cache's whole buffer, ``caches/capture.py``): the kernels
+            read no row past it; the torch paths rely on ``mask`` hiding those rows (they hold finite values).
 
     Returns:
         (B, h, T, dk) head outputs in q's dtype, *without* the rebuilt values' constant (it is folded into
@@ -120,14 +122,14 @@ def slim_attention(q: torch.Tensor, cache: torch.Tensor, w: SlimLayerWeights, ma
         # u·W_KV inside the op too, for one sequence only: quiet 2-thread runs (bench_slim.py) put the mapped op at
         # 0.90× dense at 8k × 8 against 1.06× for op + one batched W_KV product, and level with it at batch 1
         if q.shape[0] == 1 and w.value_map.dtype == torch.float32 and w.value_map.device.type == "cpu":
-            out, _ = kernel.slim_decode_mapped(q[:, :, 0], cache, w.value_map, cs, sn, _mask_rows(mask, n), None,
+            out, _ = kernel.slim_decode_mapped(q[:, :, 0], cache, w.value_map, cs, sn, _mask_rows(mask, n), lengths,
                                                scaling, rotated)
             return out[:, :, None].to(q.dtype)
-        u, _ = option2_partials(q, cache, mask, scaling, cs, sn, rotated)
+        u, _ = option2_partials(q, cache, mask, scaling, cs, sn, rotated, lengths)
         return _per_head_map(u[:, :, None], w.value_map).to(q.dtype)
     if _fused_x(q, cache, w, mask):  # X-cache: absorbed query, one pass over X for all heads, value map: one op
         out, _ = rows_kernel.encdec_decode_mapped(q[:, :, 0], cache, w.score_map, w.value_map, None,
-                                                  _mask_rows(mask, n), None, scaling, dk_last=True)
+                                                  _mask_rows(mask, n), lengths, scaling, dk_last=True)
         return out[:, :, None].to(q.dtype)
     # -- scores ---------------------------------------------------------------------------------------------
     if w.technique == "k":

@@ -135,8 +135,9 @@ def not_applicable(model, kind: str) -> str | None:
 
 
 #: kvslim methods whose caches are built ``capturable=True`` for the compiled rows (CUDA graphs replay one step at
-#: every length; the int4/int3/int2 defaults keep their window as a ring, caches/capture_residual.py)
-CAPTURABLE = ("dense", "int8", "int4", "int3", "int2")
+#: every length; the int4/int3/int2 defaults keep their window as a ring, caches/capture_residual.py; slim keeps its
+#: rows in a fixed buffer read whole, caches/slim.py; window: a ring of W slots, caches/capture_ring.py)
+CAPTURABLE = ("dense", "int8", "int4", "int3", "int2", "slim", "window")
 
 
 def fill(model, kind: str, batch: int, context: int, room: int, capturable: bool = False):

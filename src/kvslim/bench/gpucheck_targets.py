@@ -53,7 +53,8 @@ def targets(results: dict) -> list[dict]:
                             ("mla", "MLA vs HF, DeepSeek-V2-Lite shape, 32k x 1", 5.0)):
         rec = four.get(key) or {}
         rows.append(_row(name, goal, rec.get("speedup"), f"gpu_check_encdec-mla.json: {key}.speedup"))
-    for kind in ("kvslim-dense+compiled", "kvslim-int8+compiled", "kvslim-int4+compiled", "kvslim-int2+compiled"):
+    for kind in ("kvslim-dense+compiled", "kvslim-int8+compiled", "kvslim-int4+compiled", "kvslim-int2+compiled",
+                 "kvslim-slim+compiled"):
         r = _steps(results.get("mha-1b")).get(kind)
         graphs = (r or {}).get("compile_counts", {}).get("unique_graphs")
         rows.append({"target": f"{kind}: graphs compiled over all its steps (capturable cache: 1)", "goal": 1,

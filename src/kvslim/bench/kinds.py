@@ -8,6 +8,8 @@ from __future__ import annotations
 KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvslim-int4": ("int4", {}),
                 "kvslim-int3": ("int3", {}), "kvslim-int2": ("int2", {}), "kvslim-slim": ("slim", {"cache": "k", "rank": 0}),
                 "kvslim-turbo3": ("turbo3", {}), "kvslim-turbo2": ("turbo2", {}),
-                "kvslim-turbo3-prerope": ("turbo3", {"prerope_keys": True})}
+                "kvslim-turbo3-prerope": ("turbo3", {"prerope_keys": True}),
+                "kvslim-turbo3-rc": ("turbo3", {"rope_centred_keys": True}),
+                "kvslim-turbo2-rc": ("turbo2", {"rope_centred_keys": True})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)

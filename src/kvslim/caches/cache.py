@@ -42,6 +42,13 @@ class KVSlimCache(Cache):
             if hasattr(layer, "fused_decode"):
                 layer.fused_decode = True
 
+    def enable_column_attention(self) -> None:
+        """The model runs kvslim's attention (``adapters/sdpa.py``), which masks a capturable ring's slots by the
+        positions they hold (``caches/capture_ring.py``): ring layers may then be made capturable."""
+        for layer in self.layers:
+            if hasattr(layer, "column_attention"):
+                layer.column_attention = True
+
     @property
     def is_compileable(self) -> bool:
         """HF's flag (all layers compileable: ``generate`` may compile, masks are always built). Also ``True`` while a
@@ -53,7 +60,8 @@ class KVSlimCache(Cache):
 
     def set_capturable(self, capturable: bool = True) -> None:
         """Every call of the layers that can (append layers built with ``max_length``: plain, per-token quantized, or
-        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``) takes the
+        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``; slim rows,
+        ``caches/slim.py``) takes the
         static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all layers
         can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError`` when no
         layer can, or when a layer with a residual window already holds tokens (its layout is chosen at its first
@@ -63,10 +71,11 @@ class KVSlimCache(Cache):
         able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
-                             "append layers: dense, int8, int4/int3/int2 with their defaults or per-token; not "
-                             "turbo codes, smoothed keys with a residual window, ring windows or slim/mla layers)")
+                             "append, slim or latent layers: dense, int8, int4/int3/int2 with their defaults or "
+                             "per-token, slim, mla; ring windows of those formats on a model running kvslim's "
+                             "attention; not turbo codes, smoothed keys with a residual window or rings with one)")
         late = [i for i, layer in enumerate(self.layers) if layer in able and layer.is_initialized
-                and (layer.spec.residual or layer.spec.sink) and layer.capturable != capturable]
+                and (layer.spec.residual or layer.spec.sink or layer.is_sliding) and layer.capturable != capturable]
         if late:
             raise ValueError(f"capturable={capturable}: layers {late} already hold tokens in the other layout (a "
                              "residual window's layout is chosen at the first update); set it on a fresh cache "

@@ -92,6 +92,11 @@ class CapturableMixin:
     def is_compileable(self) -> bool:
         return self._static_now()
 
+    def static_lengths(self) -> torch.Tensor | None:
+        """(B,) tokens held per sequence (this call's included) while the static path runs (reads are the whole
+        buffer: an attention op may skip the slots past it), else ``None``."""
+        return self.length_t if self._static_now() else None
+
     def _init_static(self) -> None:
         """At lazy initialization with ``max_length``: zeroed buffers, device length and overflow flag; their
         addresses marked static (CUDA graphs replay in place)."""
@@ -150,6 +155,24 @@ class CapturableMixin:
             raise ValueError(f"key_states hold {s} tokens: a compiled or captured step of a capturable cache with a "
                              "residual window (int4/int3/int2 defaults) takes one token per sequence; run multi-token "
                              "updates (a prefill) eagerly")
+        old, pos, keep = self._claim(s, in_graph)
+        if residual:
+            return self._static_residual(key_states, value_states, old, pos, keep, in_graph)
+        for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
+            store.write_at(pos, x, keep)
+        reads = functools.partial(self._static_reads, pos, key_states, value_states)
+        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
+                and fused.fusable(self.v_store):
+            h = fused.FusedKV(self.k_store, self.v_store, self.max_length, key_states, value_states, reads,
+                              visible=self.max_length, lengths=old, static=True)
+            return fused.markers(h, key_states)
+        return reads()
+
+    def _claim(self, s: int, in_graph: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The slots of an ``s``-token static write: ``(old, pos, keep)``, the device length before it (a copy), the
+        (s,) slot indices and, in a graph step, ``keep`` (1-element bool: the write is refused past ``max_length``
+        and must leave the slots as they are; the overflow flag is set). Eagerly a write past ``max_length`` raises
+        ``ValueError`` naming it before anything is written. The lengths advance here."""
         old, keep = self.length_t.clone(), None
         if in_graph:
             ok = old[:1] + s <= self.max_length  # (1,) bool, on the device
@@ -167,17 +190,7 @@ class CapturableMixin:
             pos = torch.arange(start, start + s, device=self.device)
             self.cumulative_length = start + s
             self.length_t.fill_(start + s)
-        if residual:
-            return self._static_residual(key_states, value_states, old, pos, keep, in_graph)
-        for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
-            store.write_at(pos, x, keep)
-        reads = functools.partial(self._static_reads, pos, key_states, value_states)
-        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
-                and fused.fusable(self.v_store):
-            h = fused.FusedKV(self.k_store, self.v_store, self.max_length, key_states, value_states, reads,
-                              visible=self.max_length, lengths=old, static=True)
-            return fused.markers(h, key_states)
-        return reads()
+        return old, pos, keep
 
     def _static_reads(self, pos: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,8 @@ measured); no shift of the window.
 Multi-token updates (a prefill) run eagerly with host integers and leave the same state as that many single steps.
 
 Not covered: ``smooth_keys`` with a window (its factors are fitted by the first flush, which a graph step cannot
-do), turbo codes (``caches/turbo.py``), rewinding (``crop``), ring-window layers (a model's own sliding window).
+do), turbo codes (``caches/turbo.py``), rewinding (``crop``), ring-window layers with a residual window
+(``ResidualRingLayer``; plain and per-token rings: ``caches/capture_ring.py``).
 """
 
 from __future__ import annotations

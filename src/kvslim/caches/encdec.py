@@ -147,6 +147,15 @@ class EncDecSlimCache(EncoderDecoderCache):
         return int(self.self_attention_cache.allocated_nbytes
                    + getattr(cross, "allocated_nbytes", hf_cache_nbytes(cross)))
 
+    def set_capturable(self, capturable: bool = True) -> None:
+        """:meth:`KVSlimCache.set_capturable` of the self-attention half (its slim rows; the cross-attention half,
+        E, has a fixed size once written)."""
+        self.self_attention_cache.set_capturable(capturable)
+
+    def check_finite(self) -> None:
+        """:meth:`KVSlimCache.check_finite` of the self-attention half."""
+        self.self_attention_cache.check_finite()
+
     def _map_all(self, name: str, arg) -> None:
         getattr(self.self_attention_cache, name)(arg)
         getattr(self.cross_attention_cache, name)(arg)

@@ -20,7 +20,7 @@ def _append(max_length: int | None, spec: StoreSpec, chunk: int) -> AppendLayer:
 
 
 def _ring(max_length: int | None, spec: StoreSpec, window: int) -> RingLayer:
-    return ResidualRingLayer(window, spec) if spec.residual else RingLayer(window, spec)
+    return ResidualRingLayer(window, spec) if spec.residual else RingLayer(window, spec, max_length=max_length)
 
 
 def _latent(max_length: int | None, spec: StoreSpec, chunk: int) -> LatentLayer:

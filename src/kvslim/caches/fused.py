@@ -112,7 +112,7 @@ def fusable(store: TensorStore | None) -> bool:
     window and sinks."""
     inner = store.coded if isinstance(store, SinkStore) else store.inner if isinstance(store, ResidualStore) else store
     if isinstance(inner, TurboStore):  # turbo codes: kvslim.turbo_decode (attention/quant.py); not pre-RoPE keys
-        return inner.spec.rope is None
+        return inner.spec.rope is None or inner.spec.rope_centred
     return isinstance(inner, QuantizedStore) and inner.spec.bits in (2, 3, 4, 8)
 
 

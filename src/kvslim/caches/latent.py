@@ -19,6 +19,9 @@ class LatentLayer(AppendLayer):
 
     ``update(c_kv (B, 1, S, dc), k_pe (B, 1, S, dr))`` returns all cached ``(c_kv, k_pe)`` as ``(B, 1, T, ·)``
     in the model dtype (``c_kv`` history dequantized when quantized; the current tokens as given, in full precision).
+    With ``max_length`` a graph step (or any step of a ``capturable`` cache) takes the static path of
+    ``caches/capture.py``: T = ``max_length`` (HF's whole-buffer mask hides the slots not written), the device
+    length as the MLA op's ``lengths``.
     """
 
     def __init__(self, spec: StoreSpec | None = None, *, chunk: int = 256, max_length: int | None = None):
@@ -26,9 +29,6 @@ class LatentLayer(AppendLayer):
 
     def __repr__(self) -> str:
         return f"LatentLayer(c_kv bits={self.spec.bits}, seen={self.cumulative_length})"
-
-    def _static_format(self) -> bool:
-        return False  # MLA attention reads the latents up to the Python-int length (not capturable yet)
 
     def value_spec(self) -> StoreSpec:
         """``k_pe`` is always kept plain, in the model dtype."""
@@ -40,6 +40,8 @@ class LatentLayer(AppendLayer):
         self.v_store = make_store(self.value_spec(), value_states, cap)  # k_pe: (B, 1, cap, dr), model dtype
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        if self._static_format():  # max_length: fixed buffers, device length (caches/capture.py)
+            self._init_static()
 
     @property
     def c_kv_store(self) -> TensorStore | None:

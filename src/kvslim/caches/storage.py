@@ -47,7 +47,9 @@ class StoreSpec:
       means of the first write subtracted before the rotation and kept in fp32. ``seed``: the rotations' seed (turbo
       only; the value store's is ``seed + 1``). ``rope`` (turbo keys only): the model's RoPE inverse frequencies;
       keys are coded *before* RoPE (KVQuant's pre-RoPE keys): a row written at slot s is un-rotated by s's angles
-      before coding and rotated back on read (:mod:`kvslim.caches.turbo`).
+      before coding and rotated back on read (:mod:`kvslim.caches.turbo`). ``rope_centred`` (with ``rope`` and
+      ``center``): the keys stay post-RoPE; only the centring uses the table: the channel means μ are fitted before
+      RoPE and a row at slot s is coded as ``k − RoPE_s(μ)`` (fusable: the decode adds ``q·RoPE_s(μ)`` per row).
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -72,6 +74,7 @@ class StoreSpec:
     seed: int = 0
     center: bool = False
     rope: tuple[float, ...] | None = None
+    rope_centred: bool = False
 
     def __post_init__(self) -> None:
         if self.codec not in ("int", "turbo"):
@@ -79,10 +82,11 @@ class StoreSpec:
         if self.codec == "turbo":
             self._check_turbo()
             return
-        if self.outliers or self.seed or self.center or self.rope is not None:
-            raise ValueError(f"outliers, seed, center and rope are options of turbo codes (codec='turbo'), got "
-                             f"outliers={self.outliers!r}, seed={self.seed!r}, center={self.center!r}, "
-                             f"rope={'set' if self.rope is not None else None}")
+        if self.outliers or self.seed or self.center or self.rope is not None or self.rope_centred:
+            raise ValueError(f"outliers, seed, center, rope and rope_centred are options of turbo codes "
+                             f"(codec='turbo'), got outliers={self.outliers!r}, seed={self.seed!r}, "
+                             f"center={self.center!r}, rope={'set' if self.rope is not None else None}, "
+                             f"rope_centred={self.rope_centred!r}")
         if self.bits not in (0, 2, 3, 4, 8):
             raise ValueError(f"bits must be 0, 2, 3, 4 or 8, got {self.bits!r}")
         if self.value_bits is not None and (self.value_bits not in (2, 3, 4, 8) or not self.bits):
@@ -142,6 +146,12 @@ class StoreSpec:
                 isinstance(f, float) and math.isfinite(f) and f > 0 for f in self.rope)):
             raise ValueError("rope must be None or a non-empty tuple of positive finite floats (RoPE inverse "
                              f"frequencies), got {self.rope!r}")
+        if not isinstance(self.rope_centred, bool):
+            raise ValueError(f"rope_centred must be True or False, got {self.rope_centred!r}")
+        if self.rope_centred and (self.rope is None or not self.center):
+            raise ValueError("rope_centred=True centres keys by their RoPE-turned channel means: it needs rope (the "
+                             f"RoPE inverse frequencies) and center=True, got rope="
+                             f"{'set' if self.rope is not None else None}, center={self.center!r}")
         if self.asymmetric or self.channel_group:
             raise ValueError("asymmetric and channel_group (KIVI keys) are options of the grouped integer codes, not "
                              "of turbo codes (one scale per row, no zero-point)")
@@ -268,10 +278,13 @@ class StoreSpec:
                 parts.append(self.rotation)
         if self.smooth:
             parts.append("smooth-k")
-        if self.codec == "turbo" and self.center:
-            parts.append("center-k")
-        if self.codec == "turbo" and self.rope is not None:
-            parts.append("prerope-k")
+        if self.codec == "turbo" and self.rope_centred:
+            parts.append("rope-centred-k")
+        elif self.codec == "turbo":
+            if self.center:
+                parts.append("center-k")
+            if self.rope is not None:
+                parts.append("prerope-k")
         if self.residual:
             parts.append(f"r{self.residual}/{self.flush}")
         if self.sink:
@@ -283,7 +296,8 @@ class StoreSpec:
 def _values_spec(spec: StoreSpec) -> StoreSpec:
     if spec.codec == "turbo":
         return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, value_rotation=None,
-                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False, rope=None)
+                       rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False, rope=None,
+                       rope_centred=False)
     rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
     return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
                    rotation=None if rotation == "none" else rotation, value_rotation=None)

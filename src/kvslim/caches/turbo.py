@@ -14,6 +14,13 @@ coded part); with left padding every row of a sequence is off by the same angle 
 orthogonal change of basis that the read undoes, so the codes stay consistent. Such keys are not fused
 (``caches/fused.fusable``): RoPE of each decoded row belongs inside the kernel.
 
+With ``spec.rope_centred`` (RoPE-centred keys) only the centring uses the table: the channel means μ of the first
+write are fitted before RoPE (as above), a key at slot s is coded *after* RoPE as the residual ``k − RoPE_s(μ)``
+(outliers, rotations and codes as usual, in one post-RoPE basis) and read as ``RoPE_s(μ) + residual``. Positions and
+padding as for pre-RoPE keys (with left padding the fitted μ is the true one turned by the pad count, and
+``RoPE_s`` of it is the true row's offset). Fusable: a query's score against slot s gains the bias
+``q·RoPE_s(μ)`` (:meth:`TurboStore.bias_factors`, inputs of the decode op), the window is not centred.
+
 Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, then the rest's (kvslim's packing,
 ``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. The fused decode op
 (``kernels/turbo_decode.py``) reads the codes; the full-precision window goes in through :meth:`to_coded_basis`
@@ -21,6 +28,8 @@ Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, t
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -45,8 +54,10 @@ class TurboStore(TensorStore):
         self.perm: torch.Tensor | None = None  # (B, H, D) int16, fitted by the first write (outliers only)
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 key smoothing, fitted by the first write
         self.mean: torch.Tensor | None = None  # (B, H, 1, D) fp32 channel means (``center``), fitted by the first write
-        self.position_offset = 0  # position of slot 0 (pre-RoPE keys; make_store sets it behind sinks)
+        self.position_offset = 0  # position of slot 0 (RoPE table; make_store sets it behind sinks)
         self._inv_freq = None if spec.rope is None else torch.tensor(spec.rope, dtype=torch.float32, device=device)
+        self._prerope = spec.rope is not None and not spec.rope_centred  # codes before RoPE (else: post-RoPE codes)
+        self._matrices: dict = {}  # query / key basis moves (_moves), keyed by the fitted tensors they come from
 
     def _rope_table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (end − start, 2·len(rope)) of slots [start, end), computed as HF's rotary embedding does
@@ -57,7 +68,86 @@ class TurboStore(TensorStore):
         return emb.cos(), emb.sin()
 
     def _unrope(self, start: int, x: torch.Tensor) -> torch.Tensor:
-        return x if self._inv_freq is None else unrotate(x.float(), *self._rope_table(start, start + x.shape[2]))
+        return x if not self._prerope else unrotate(x.float(), *self._rope_table(start, start + x.shape[2]))
+
+    def _rope_mean(self, start: int, end: int) -> torch.Tensor:
+        """``RoPE_s(μ)`` (B, H, end − start, D) fp32 for slots [start, end) (RoPE-centred keys)."""
+        m = self.mean
+        return rotate(m.expand(*m.shape[:2], end - start, m.shape[-1]), *self._rope_table(start, end))
+
+    def _as_coded(self, start: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows written at slot ``start`` on, in the basis the codes see before centring: un-rotated (pre-RoPE
+        keys), or less ``RoPE_s(μ)`` (RoPE-centred keys: μ fitted here, before RoPE, on the first write)."""
+        if not self.spec.rope_centred:
+            return self._unrope(start, x)
+        table = self._rope_table(start, start + x.shape[2])
+        if self.mean is None:
+            self.mean = unrotate(x.float(), *table).mean(dim=2, keepdim=True)
+        return x.float() - self._rope_mean(start, start + x.shape[2])
+
+    def bias_factors(self, q: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE-centred keys: the score term ``q·RoPE_s(μ)`` of slots [0, n) that the residual codes leave out,
+        factored as ``ab (B, H, G, W) · rows (n, W)ᵀ`` for queries ``q`` (B, H, G, D) (the model's basis). With h
+        RoPE frequencies θ it is ``a·cos(sθ) + b·sin(sθ)`` with ``a = q₁μ₁ + q₂μ₂``, ``b = q₂μ₁ − q₁μ₂`` (halves of h
+        channels), linear in q (``ab = q·A``, :meth:`_bias_matrix`): ``rows`` is one table ``[cos | sin]`` of the
+        slots' positions (:func:`rope_cos_sin`, shared by every layer, sequence and head), W = 2h; with partial
+        rotary the unturned channels' ``q·μ`` rides on a column of ones (W rounded up to a multiple of 8). ``None``
+        for other keys or before the first coded write."""
+        if not self.spec.rope_centred or self.mean is None:
+            return None
+        a = self._bias_matrix()
+        return q.float() @ a, rope_cos_sin(self.spec.rope, self.position_offset, n, q.device, a.shape[-1])
+
+    def _bias_matrix(self) -> torch.Tensor:
+        """(B, H, D, W) fp32 A with ``q·A = ab`` of :meth:`bias_factors` (built from the fitted means)."""
+        m = self.mean[:, :, 0]  # (B, H, D)
+        h, d = self._inv_freq.shape[0], m.shape[-1]
+        width = 2 * h if d == 2 * h else -(-(2 * h + 1) // 8) * 8
+        a = m.new_zeros(*m.shape[:2], d, width)
+        i = torch.arange(h, device=m.device)
+        a[:, :, i, i], a[:, :, i + h, i] = m[..., :h], m[..., h:2 * h]  # a = q₁μ₁ + q₂μ₂
+        a[:, :, i + h, i + h], a[:, :, i, i + h] = m[..., :h], -m[..., h:2 * h]  # b = q₂μ₁ − q₁μ₂
+        if width > 2 * h:  # the unturned channels' q·μ
+            a[:, :, 2 * h:, 2 * h] = m[..., 2 * h:]
+        return a
+
+    def _moves(self, query: bool) -> torch.Tensor:
+        """(B|1, H|1, D, D [+ W]) fp32 M with ``x·M`` = :meth:`to_coded_basis` of centred rows (``query``: of a query,
+        then its bias factors for RoPE-centred keys): smoothing, the outlier permutation and the part rotations in
+        one matrix, kept until the fitted permutation, factors or means change."""
+        key = (query, self.perm, self.channel, self.mean)
+        saved = self._matrices.get(query)
+        if saved is not None and all(a is b for a, b in zip(saved[0], key)):
+            return saved[1]
+        bd = torch.block_diag(*self.rotations) if len(self.rotations) > 1 else self.rotations[0]  # (D, D)
+        d = bd.shape[0]
+        if self.perm is None:
+            m = bd[None, None]
+        else:  # row perm[i] of M is row i of the block-diagonal rotation
+            b, h = self.perm.shape[:2]
+            m = bd.new_zeros(b, h, d, d).scatter_(2, self.perm.long()[..., None].expand(b, h, d, d),
+                                                  bd.expand(b, h, d, d))
+        if self.channel is not None:
+            c = self.channel[:, :, 0, :, None]  # (B, H, D, 1)
+            m = m * c if query else m / c
+        if query and self.spec.rope_centred and self.mean is not None:
+            m = torch.cat((m.expand(*self.mean.shape[:2], d, d), self._bias_matrix()), dim=-1)
+        self._matrices[query] = (key, m.contiguous())
+        return self._matrices[query][1]
+
+    def move_query(self, q: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A decode query (B, H, G, D) in the coded basis (``to_coded_basis(q, scale_by_channel=True)``) and, for
+        RoPE-centred keys, its :meth:`bias_factors` over the ``n`` coded slots: one product with a kept matrix."""
+        d = q.shape[-1]
+        out = q.float() @ self._moves(True)
+        if out.shape[-1] == d:
+            return out, None
+        return out[..., :d], out[..., d:]
+
+    def score_bias(self, q: torch.Tensor, n: int) -> torch.Tensor | None:
+        """:meth:`bias_factors` multiplied out: (B, H, G, n) fp32, or ``None``."""
+        f = self.bias_factors(q, n)
+        return None if f is None else f[0] @ f[1].T
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
@@ -67,7 +157,7 @@ class TurboStore(TensorStore):
 
     def _fit(self, x: torch.Tensor) -> None:
         """Key smoothing factors and the outlier permutation, from the first write (``x``: (B, H, S, D))."""
-        if self.spec.center and self.mean is None:
+        if self.spec.center and self.mean is None and not self.spec.rope_centred:
             self.mean = x.detach().float().mean(dim=2, keepdim=True)
         if self.spec.smooth and self.channel is None:
             amax = self._centered(x).abs().amax(dim=2, keepdim=True)
@@ -82,7 +172,9 @@ class TurboStore(TensorStore):
             self.perm = torch.cat((top, others), dim=-1).to(torch.int16)
 
     def _centered(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() if self.mean is None else x.float() - self.mean
+        if self.mean is None or self.spec.rope_centred:  # RoPE-centred rows come in centred (_as_coded)
+            return x.float()
+        return x.float() - self.mean
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self._centered(x) if self.channel is None else self._centered(x) / self.channel
@@ -97,6 +189,7 @@ class TurboStore(TensorStore):
         return torch.cat(codes, dim=-1), torch.cat(scales, dim=-1)
 
     def _decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """fp32 rows from codes: un-rotated, un-permuted, un-smoothed, the plain centring's means added back."""
         parts, at = [], 0
         for j, ((w, b), rot) in enumerate(zip(self.parts, self.rotations)):
             n = w * b // 8
@@ -108,50 +201,50 @@ class TurboStore(TensorStore):
             z = torch.empty_like(z).scatter_(-1, self.perm.long()[:, :, None, :].expand(z.shape), z)
         if self.channel is not None:
             z = z * self.channel
-        if self.mean is not None:
+        if self.mean is not None and not self.spec.rope_centred:
             z = z + self.mean
-        return z.to(self.dtype)
+        return z
 
     def to_coded_basis(self, x: torch.Tensor, scale_by_channel: bool = False) -> torch.Tensor:
         """fp32 ``x`` (B, H, S, D) in the basis the codes live in: divided by the smoothing factors (a query:
         ``scale_by_channel``, multiplied, so that ``q·k = (q ⊙ c)·(k / c)``), permuted (outliers first), each
         part rotated. A query times a coded row there is the query times the decoded row. Not for pre-RoPE keys
-        (``spec.rope``: each row's RoPE differs, no one basis)."""
-        if self._inv_freq is not None:
+        (``spec.rope``: each row's RoPE differs, no one basis); RoPE-centred keys: not centred (the coded rows'
+        scores take :meth:`score_bias`)."""
+        if self._prerope:
             raise ValueError("to_coded_basis: pre-RoPE keys (spec.rope) have no single coded basis; read the rows")
         z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not (a shift of every
-        if self.channel is not None:                               # key's score by q·mean leaves the softmax as is)
-            z = z * self.channel if scale_by_channel else z / self.channel
-        if self.perm is not None:
-            z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
-        out, at = [], 0
-        for (w, _), rot in zip(self.parts, self.rotations):
-            out.append(z[..., at:at + w] @ rot)
-            at += w
-        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+        if self.perm is None and self.channel is None:             # key's score by q·mean leaves the softmax as is)
+            return z @ self.rotations[0]
+        return (z @ self._moves(scale_by_channel))[..., :x.shape[-1]]
 
     def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         """Code ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan, nothing written."""
         if not checked:
             check_finite(x, self)
-        x = self._unrope(start, x)
+        x = self._as_coded(start, x)
         self._fit(x)
         codes, scale = self._encode(x)
         self.data[:, :, start:start + x.shape[2]] = codes
         self.scale[:, :, start:start + x.shape[2]] = scale
 
+    def _restore(self, start: int, z: torch.Tensor) -> torch.Tensor:
+        """Decoded fp32 rows of slots [start, …) back in the model's basis and dtype (RoPE, or ``RoPE_s(μ)``)."""
+        end = start + z.shape[2]
+        if self._prerope:
+            z = rotate(z, *self._rope_table(start, end))
+        elif self.spec.rope_centred and self.mean is not None:
+            z = z + self._rope_mean(start, end)
+        return z.to(self.dtype)
+
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
-        out = self._decode(self.data[:, :, start:end], self.scale[:, :, start:end])
-        if self._inv_freq is not None:
-            out = rotate(out.float(), *self._rope_table(start, end)).to(self.dtype)
-        return out
+        return self._restore(start, self._decode(self.data[:, :, start:end], self.scale[:, :, start:end]))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, H, S, D) coded and decoded as if written at slots [0, S) (fits on the first call)."""
-        z = self._unrope(0, x)
+        z = self._as_coded(0, x)
         self._fit(z)
-        out = self._decode(*self._encode(z))
-        return out if self._inv_freq is None else rotate(out.float(), *self._rope_table(0, x.shape[2])).to(self.dtype)
+        return self._restore(0, self._decode(*self._encode(z)))
 
     def map_sequences(self, fn) -> None:
         super().map_sequences(fn)
@@ -174,3 +267,24 @@ class TurboStore(TensorStore):
 
     def nbytes(self, used_slots: int) -> int:
         return super().nbytes(used_slots) + (self._fixed_nbytes() if used_slots else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _cos_sin(rope: tuple[float, ...], offset: int, rows: int, device: str, width: int) -> torch.Tensor:
+    inv = torch.tensor(rope, dtype=torch.float32, device=device)
+    freqs = torch.arange(offset, offset + rows, device=device).float()[:, None] * inv[None, :]
+    out = torch.zeros(rows, width, dtype=torch.float32, device=device)
+    h = len(rope)
+    out[:, :h], out[:, h:2 * h] = freqs.cos(), freqs.sin()
+    if width > 2 * h:
+        out[:, 2 * h] = 1.0
+    return out
+
+
+def rope_cos_sin(rope: tuple[float, ...], offset: int, n: int, device: torch.device | str,
+                 width: int | None = None) -> torch.Tensor:
+    """(n, width) fp32 ``[cos(sθ) | sin(sθ)]`` of positions ``offset … offset + n − 1`` (HF's table: fp32 position ×
+    inverse frequency; ``width`` > 2h: a column of ones, then zeros), kept in blocks of 1,024 rows so that every
+    layer and decode step shares one table."""
+    rows = max(1024, -(-n // 1024) * 1024)
+    return _cos_sin(rope, offset, rows, str(device), width or 2 * len(rope))[:n]

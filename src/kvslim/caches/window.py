@@ -14,20 +14,27 @@ import torch
 
 from . import fused
 from .base import KVStoreLayer, check_crop
+from .capture import graph_step
+from .capture_ring import StaticRingMixin
 from .storage import StoreSpec
 
 
-class RingLayer(KVStoreLayer):
-    """Capacity ``window - 1`` slots; O(1) writes; reads return the visible tokens in temporal order."""
+class RingLayer(StaticRingMixin, KVStoreLayer):
+    """Capacity ``window - 1`` slots; O(1) writes; reads return the visible tokens in temporal order. With
+    ``max_length`` and ``capturable`` (on a model running kvslim's attention): the layout of
+    ``caches/capture_ring.py`` (W slots, device length, whole-ring reads with their mask columns)."""
 
     is_sliding = True
     is_croppable = True
 
-    def __init__(self, window: int, spec: StoreSpec | None = None):
+    def __init__(self, window: int, spec: StoreSpec | None = None, *, max_length: int | None = None):
         super().__init__(spec)
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        self.window = window
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length <= 0):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        self.window, self.max_length = window, max_length
         #: stored slots: the W − 1 most recent tokens (a window of 1 stores nothing)
         self.slots = window - 1
         #: no sequence has padding: a full decode step may hand attention the ring in slot order (the current
@@ -57,6 +64,9 @@ class RingLayer(KVStoreLayer):
         a positive value raises ``ValueError``. Taking back tokens whose window has left the ring needs
         :meth:`activate_past_recording` first (``RuntimeError`` otherwise, as HF). Ends the recorded step."""
         check_crop(tokens_to_remove)
+        if tokens_to_remove and self.length_t is not None:
+            raise ValueError(f"tokens_to_remove={tokens_to_remove}: a capturable ring layer (caches/capture_ring.py) "
+                             "cannot rewind; build the cache without capturable=True")
         c, target = self.cumulative_length, max(0, self.cumulative_length + tokens_to_remove)
         if target < c:
             if self._snapshot is None:
@@ -94,9 +104,29 @@ class RingLayer(KVStoreLayer):
     def reset(self) -> None:
         super().reset()
         self._snapshot, self._log = None, []
+        self.host_stale = self.refused = False
+        if self.length_t is not None:
+            self.length_t.zero_()
+            self.overflow.zero_()
+            for store in self._stores():  # stores reset their flags to None: graph steps need them allocated
+                if hasattr(store, "nonfinite"):
+                    store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def _map_batch(self, fn) -> None:
+        super()._map_batch(fn)
+        if self.length_t is not None:
+            self.length_t = fn(self.length_t)
 
     def _initial_capacity(self, incoming: int) -> int:
+        if self._static_format():
+            return self.window  # caches/capture_ring.py: the step's own token has a slot too
         return max(1, self.slots)  # a window of 1 keeps one idle slot (stored_tokens stays 0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        static = self._static_format()
+        super().lazy_initialization(key_states, value_states)
+        if static:
+            self._init_static()
 
     def _pieces(self, store, first: int, last: int) -> list[torch.Tensor]:
         """Positions [first, last) (all still in the ring) in temporal order: one or two (B, H, n, D) reads."""
@@ -154,6 +184,8 @@ class RingLayer(KVStoreLayer):
         self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._static_format():
+            return self._static_ring_update(key_states, value_states)
         c, s, r = self.cumulative_length, key_states.shape[2], self.slots
         self._remember(key_states, value_states)
         if s == 1 and r and self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
@@ -180,14 +212,26 @@ class RingLayer(KVStoreLayer):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._static_format():
+            return self._static_mask_sizes(query_length)
         c = self.cumulative_length
         past = min(c, self.slots)
         return past + query_length, c - past
+
+    def get_seq_length(self):
+        if self.length_t is not None:
+            if graph_step():
+                return self.length_t[0]  # a 0-dim device tensor (HF's StaticLayer does the same)
+            self._sync_host()
+        return self.cumulative_length
 
     def get_max_length(self) -> int:
         return self.window
 
     def stored_tokens(self) -> int:
+        if self.length_t is not None:
+            self._sync_host()
+            return min(self.cumulative_length, self.window)
         return min(self.cumulative_length, self.slots)
 
 

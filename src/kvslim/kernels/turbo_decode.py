@@ -6,13 +6,17 @@ query and the tail in and the output back once, :mod:`kvslim.attention.quant`):
 
     k_t[i] = s_t[part(i)] · levels[bits(i)][code_t,i]   (channels [0, k_out) at k_bits + 1 bits, the rest at k_bits)
     v_t[i] = s_t · levels[v_bits][code_t,i]
-    out = softmax_t(scaling · q · k_t + mask) · v_t,  lse = log Σ_t exp(...)
+    out = softmax_t(scaling · (q · k_t + ab · rows_t) + mask) · v_t,  lse = log Σ_t exp(...)
+
+(the factored score bias, optional, coded rows only: ``bias_ab`` (B, Hk, G, W), ``bias_rows`` (≥n, W), W a multiple
+of 8: RoPE-centred keys' ``q·RoPE_t(μ)``, ``caches/turbo.TurboStore.bias_factors``.)
 
 Codes are little-endian bit streams per row (kvslim's packing, :mod:`kvslim.ops.quant_formats`), the outlier part
 first. :func:`reference` is the pure-torch twin (decode, then fp32 softmax attention); :func:`turbo_decode`
-dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the C++ op (``csrc/turbo_decode.cpp``),
-CUDA tensors (or ``TRITON_INTERPRET=1``) to the Triton kernel (:mod:`kvslim.kernels.triton.turbo_decode`),
-anything else to the twin.
+dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the C++ op (``csrc/turbo_decode.cpp``: AVX2
+or its scalar twin body, :func:`set_isa`; head dim and outlier width multiples of 8, else the twin), CUDA tensors
+(or ``TRITON_INTERPRET=1``) to the Triton kernel (:mod:`kvslim.kernels.triton.turbo_decode`), anything else to
+the twin.
 """
 
 from __future__ import annotations
@@ -37,9 +41,22 @@ def available() -> bool:
     return True
 
 
-def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling):
+def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
+          bias_ab=None, bias_rows=None, splits=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
+
+
+def isa() -> str:
+    """The C++ op's instruction set in force: ``"avx2"`` or ``"scalar"``."""
+    available()
+    return torch.ops.kvslim.turbo_decode_isa()
+
+
+def set_isa(name: str) -> str:
+    """Run the C++ op on ``"avx2"`` or its ``"scalar"`` body (tests run both); returns the previous one."""
+    available()
+    return torch.ops.kvslim.turbo_decode_set_isa(name)
 
 
 @functools.cache
@@ -72,17 +89,23 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor, k_out: int, bits: int)
 def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
               v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+              mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+              bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: decode the first ``n`` rows, append the tail, fp32 softmax attention.
 
     ``q`` (B, Hk, G, D); codes (B, Hk, ≥n, bytes) uint8; scales (B, Hk, ≥n, parts); tails (B, Hk, r, D) fp32;
-    ``mask`` additive (B|1, n + r). Returns (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
+    ``mask`` additive (B|1, n + r); ``bias_ab`` (B, Hk, G, W) and ``bias_rows`` (≥n, W) fp32: ``ab·rows_t`` added to
+    the coded rows' ``q·k``. Returns
+    (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
     keys = decode_rows(k_codes[:, :, :n], k_scale[:, :, :n], k_out, k_bits)
     values = decode_rows(v_codes[:, :, :n], v_scale[:, :, :n], 0, v_bits)
     if k_tail is not None:
         keys = torch.cat((keys, k_tail.float()), 2)
         values = torch.cat((values, v_tail.float()), 2)
-    scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys) * scaling
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys)
+    if bias_ab is not None:
+        scores[..., :n] += bias_ab.float() @ bias_rows[:n].float().T
+    scores = scores * scaling
     if mask is not None:
         scores = scores + mask.float()[:, None, None, :]
     lse = torch.logsumexp(scores, dim=-1)
@@ -93,14 +116,20 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
 def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                  v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device."""
-    kind = backend.pick(q.device, q.device.type == "cpu" and available())
+                 mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+                 bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
+    (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU)."""
+    cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
+              and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and available())
+    kind = backend.pick(q.device, cpp_ok)
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
-        return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling))
+        return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
+                                             bias_ab, bias_rows)
     if kind == "triton":
         from .triton.turbo_decode import turbo_decode_triton
 
-        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling))
-    return reference(*args, n, k_tail, v_tail, mask, scaling)
+        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab,
+                                   bias_rows)
+    return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows)

@@ -35,7 +35,10 @@ class StorageOptions:
     differ from the method's, which then holds for the values: ``int2`` keeps 3-bit keys), ``value_rotation``
     (the values' rotation when it differs from ``rotation``: ``"hadamard"`` or ``"none"``; ``int2`` rotates its
     values only), ``sink`` (the first tokens of a sequence kept in full precision for good, beside the residual
-    window: ``sink + residual`` ≤ 128). See docs/quantization.md.
+    window: ``sink + residual`` ≤ 128). ``per_layer``: ``{layer index: {option: value}}``, a layer's own
+    ``bits`` (keys and values; ``key_bits`` then defaults to them), ``key_bits``, ``rotation`` or
+    ``value_rotation`` over the method's (e.g. ``{0: {"bits": 8}}``: layer 0 in 8 bits); the layer indices are
+    checked against the model at ``plan``. See docs/quantization.md.
     """
 
     bits: int = 0
@@ -55,6 +58,7 @@ class StorageOptions:
     codec: str = "int"
     outliers: int = 0
     center_keys: bool = False
+    per_layer: tuple = ()  # ((layer, ((option, value), ...)), ...), normalized from the {layer: {option: value}} given
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
@@ -78,6 +82,23 @@ class StorageOptions:
             raise ValueError(f"chunk={self.chunk} must be a multiple of key_channel_group={spec.channel_group}")
         if self.window is not None and spec.residual:
             raise ValueError("residual needs an append-only cache: it cannot be combined with window")
+        object.__setattr__(self, "per_layer", _normalized_per_layer(self.per_layer, bool(self.bits)))
+        for i, _ in self.per_layer:
+            self.for_layer(i)  # each layer's options validate as the method's do (the message names the layer)
+
+    def for_layer(self, index: int) -> StorageOptions:
+        """The options of layer ``index``: the method's, with that layer's ``per_layer`` entry over them."""
+        over = dict(dict(self.per_layer).get(index, ()))
+        if not over:
+            return self
+        if "bits" in over and "key_bits" not in over:
+            over["key_bits"] = None  # a layer's bits are its keys' and values' unless key_bits says otherwise
+        if over.get("key_bits") == over.get("bits", self.bits):
+            over["key_bits"] = None
+        try:
+            return replace(self, per_layer=(), **over)
+        except ValueError as e:
+            raise ValueError(f"per_layer[{index}]: {e}") from None
 
     def key_spec(self) -> StoreSpec:
         """The key store's spec (the value store's is ``key_spec().for_values()``)."""
@@ -120,7 +141,8 @@ class StorageMethod(Method):
 
     def options(self, **options) -> StorageOptions:
         allowed = ({"window", "group_size", "scale_dtype", "chunk", "smooth_keys", "asymmetric", "rotation",
-                    "key_channel_group", "residual", "flush", "key_bits", "value_rotation", "sink"} if self.bits else {"window", "chunk"})
+                    "key_channel_group", "residual", "flush", "key_bits", "value_rotation", "sink", "per_layer"}
+                   if self.bits else {"window", "chunk"})
         if self.name == "dense":
             allowed = {"chunk"}
         unknown = set(options) - allowed
@@ -163,17 +185,11 @@ class StorageMethod(Method):
         if "sink" not in options and opts.sink != self.defaults.get("sink", 0):
             notes.append(f"sink={opts.sink} (the default {self.defaults['sink']} sink tokens and residual="
                          f"{opts.residual} share at most {MAX_RESIDUAL} full-precision tokens)")
-        spec = opts.key_spec()
-        try:
-            spec.check_dim(shape.head_dim)
-        except ValueError as e:
-            raise ValueError(str(e).replace("channel_group", "key_channel_group")) from None
-        vspec = spec.for_values()
-        per_token = shape.num_kv_heads * (spec.bytes_per_value_row(shape.head_dim, dtype)
-                                          + vspec.bytes_per_value_row(shape.head_dim, dtype))
-        fixed = shape.num_kv_heads * shape.head_dim * 4 if spec.smooth else 0  # fp32 key smoothing factors
-        residual_row = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize if spec.residual else 0
-        fmt = _format_note(spec, vspec, shape.head_dim, dtype)
+        outside = [i for i, _ in opts.per_layer if i >= shape.num_layers]
+        if outside:
+            raise ValueError(f"per_layer: layer(s) {outside} outside the model's {shape.num_layers} layers "
+                             f"(0..{shape.num_layers - 1})")
+        formats = [_layer_format(opts, i, shape, dtype) for i in range(shape.num_layers)]
         window, explicit = opts.window, opts.window is not None
         if self.windowed and window is None:
             if shape.sliding_window is None:
@@ -183,6 +199,7 @@ class StorageMethod(Method):
         layers = []
         dense_row = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
         for i, sliding in enumerate(shape.is_sliding):
+            spec, per_token, fixed, residual_row, fmt = formats[i]
             lossy = "lossy" if opts.bits else "exact"
             kind = "sliding" if sliding else "full"
             if window is None and sliding and shape.sliding_window:  # the model's own window, as HF's cache
@@ -217,6 +234,55 @@ class StorageMethod(Method):
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), tuple(layers),
                     dense_row, options={k: v for k, v in options.items()}, notes=tuple(notes),
                     sliding_window=shape.sliding_window)
+
+
+PER_LAYER_OPTIONS = ("bits", "key_bits", "rotation", "value_rotation")
+
+
+def _normalized_per_layer(per_layer, quantized: bool) -> tuple:
+    """``per_layer`` as a sorted tuple ``((layer, ((option, value), ...)), ...)``; ``ValueError`` naming it for a
+    shape other than ``{int >= 0: {option: value}}``, an option it does not take or bits outside 2, 3, 4, 8."""
+    if isinstance(per_layer, tuple) and all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], tuple)
+                                            for e in per_layer):
+        per_layer = {i: dict(ov) for i, ov in per_layer}  # already normalized (dataclasses.replace)
+    if per_layer is None:
+        per_layer = {}
+    if not isinstance(per_layer, dict):
+        raise ValueError(f"per_layer must be a dict {{layer index: {{option: value}}}}, got {type(per_layer).__name__}")
+    if per_layer and not quantized:
+        raise ValueError("per_layer applies to the quantized methods (int8, int4, int3, int2)")
+    out = []
+    for i, over in per_layer.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise ValueError(f"per_layer: layer indices must be ints >= 0, got {i!r}")
+        if not isinstance(over, dict) or not over:
+            raise ValueError(f"per_layer[{i}] must be a non-empty dict of options, got {over!r}")
+        unknown = sorted(set(over) - set(PER_LAYER_OPTIONS))
+        if unknown:
+            raise ValueError(f"per_layer[{i}]: unknown option(s) {unknown}; a layer may set "
+                             f"{', '.join(PER_LAYER_OPTIONS)}")
+        if "bits" in over and (over["bits"] not in (2, 3, 4, 8) or isinstance(over["bits"], bool)):
+            raise ValueError(f"per_layer[{i}]: bits must be 2, 3, 4 or 8, got {over['bits']!r}")
+        out.append((i, tuple(sorted(over.items()))))
+    return tuple(sorted(out))
+
+
+def _layer_format(opts: StorageOptions, index: int, shape: ModelShape, dtype: torch.dtype
+                  ) -> tuple[StoreSpec, int, int, int, str]:
+    """Layer ``index``'s key spec, coded bytes per token, fixed bytes, full-precision row bytes and plan note."""
+    own = opts.for_layer(index)
+    spec = own.key_spec()
+    try:
+        spec.check_dim(shape.head_dim)
+    except ValueError as e:
+        where = f"per_layer[{index}]: " if own is not opts else ""
+        raise ValueError(where + str(e).replace("channel_group", "key_channel_group")) from None
+    vspec = spec.for_values()
+    per_token = shape.num_kv_heads * (spec.bytes_per_value_row(shape.head_dim, dtype)
+                                      + vspec.bytes_per_value_row(shape.head_dim, dtype))
+    fixed = shape.num_kv_heads * shape.head_dim * 4 if spec.smooth else 0  # fp32 key smoothing factors
+    residual_row = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize if spec.residual else 0
+    return spec, per_token, fixed, residual_row, _format_note(spec, vspec, shape.head_dim, dtype)
 
 
 def _own_window_layer(i: int, name: str, spec: StoreSpec, window: int, per_token: int, fixed: int,

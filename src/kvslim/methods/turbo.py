@@ -9,7 +9,9 @@ write; default a quarter of the head dim below 4 bits), ``center_keys`` (the fir
 subtracted before the rotation; default on), ``key_bits`` (``turbo2``: 3-bit keys, 2-bit values),
 ``smooth_keys``, ``scale_dtype``, ``seed``, ``prerope_keys`` (keys coded before RoPE, KVQuant's lever: the rotary
 table comes from the model's ``rotary_emb`` under ``apply``, from the config's RoPE base for a plan without
-weights; such keys decode through the layers' reads, not the fused op). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
+weights; such keys decode through the layers' reads, not the fused op), ``rope_centred_keys`` (keys stay post-RoPE,
+centred by their pre-RoPE channel means turned to each row's position: pre-RoPE keys' gain, fused; needs
+``center_keys``). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from .storage import StorageMethod, StorageOptions
 
 TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
                  "scale_dtype",
-                 "chunk", "seed", "value_rotation", "prerope_keys"}
+                 "chunk", "seed", "value_rotation", "prerope_keys", "rope_centred_keys"}
+ROPE_OPTIONS = ("prerope_keys", "rope_centred_keys")  # the options that need the model's RoPE table
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (a static table)
 
 
@@ -69,13 +72,16 @@ class TurboMethod(StorageMethod):
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(TURBO_OPTIONS)}")
         options = dict(options)
-        prerope = options.pop("prerope_keys", self.defaults.get("prerope_keys", False))
-        if not isinstance(prerope, bool):
-            raise ValueError(f"prerope_keys must be True or False, got {prerope!r}")
+        rope = self._rope_mode(options)
+        for name in ROPE_OPTIONS:
+            options.pop(name, None)
         seed = options.pop("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        merged = {k: v for k, v in {**self.defaults, **options}.items() if k != "prerope_keys"}
+        merged = {k: v for k, v in {**self.defaults, **options}.items() if k not in ROPE_OPTIONS}
+        if rope == "rope_centred_keys" and not merged["center_keys"]:
+            raise ValueError("rope_centred_keys=True is a way of centring keys: it needs center_keys=True "
+                             "(or rope_centred_keys=False)")
         if merged["outliers"] is None:  # the default: a quarter of the head dim, set by plan() (0 without a shape)
             merged["outliers"] = 0
         if "sink" not in options:  # the default sinks share the 128 full-precision tokens with the window
@@ -83,6 +89,23 @@ class TurboMethod(StorageMethod):
         if "flush" not in options:
             merged["flush"] = min(merged["flush"], merged["residual"]) or 1
         return StorageOptions(bits=self.bits, **merged)
+
+    def _rope_mode(self, options: dict) -> str | None:
+        """Which RoPE option is on (``"prerope_keys"``, ``"rope_centred_keys"`` or ``None``), each checked by name.
+        An option the caller passes wins over the method's default: ``prerope_keys=True`` alone turns a default
+        RoPE-centring off, and so does ``center_keys=False`` (keys not centred at all)."""
+        explicit = {name: options[name] for name in ROPE_OPTIONS if name in options}
+        values = {name: explicit.get(name, self.defaults.get(name, False)) for name in ROPE_OPTIONS}
+        for name, value in values.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if "rope_centred_keys" not in explicit and (explicit.get("prerope_keys")
+                                                    or options.get("center_keys") is False):
+            values["rope_centred_keys"] = False
+        on = [name for name in ROPE_OPTIONS if values[name]]
+        if len(on) > 1:
+            raise ValueError("prerope_keys and rope_centred_keys are two ways of coding keys around RoPE: take one")
+        return on[0] if on else None
 
     def plan_model(self, model, **options) -> Plan:
         shape = self.check_model(model)
@@ -94,12 +117,17 @@ class TurboMethod(StorageMethod):
     def _plan(self, shape: ModelShape, dtype: torch.dtype, rope: tuple[float, ...] | None, **options) -> Plan:
         seed = options.get("seed", 0)
         self.options(**options)  # every option checked by name before the plan is built
-        prerope = options.get("prerope_keys", self.defaults.get("prerope_keys", False))
-        if prerope and rope is None:
-            raise ValueError(f"prerope_keys=True needs the model's RoPE table: this {shape.model_type} model has no "
-                             f"RoPE with a static table ({', '.join(ROPE_TYPES)}); use prerope_keys=False")
-        base = {k: v for k, v in options.items() if k not in ("seed", "prerope_keys")}
+        mode = self._rope_mode(options)
         notes = []
+        if mode and rope is None and mode not in options:  # the method's default: plain centring instead
+            notes.append(f"{mode}=False (this {shape.model_type} model has no RoPE with a static table; keys centred "
+                         "by their channel means)")
+            mode = None
+        if mode and rope is None:
+            raise ValueError(f"{mode}=True needs the model's RoPE table: this {shape.model_type} model has no "
+                             f"RoPE with a static table ({', '.join(ROPE_TYPES)}); use {mode}=False")
+        base = {k: v for k, v in options.items() if k not in ("seed", *ROPE_OPTIONS)}
+        base.update({name: mode == name for name in ROPE_OPTIONS})  # resolved once: the store options see it
         kbits = options.get("key_bits") or self.bits
         if "outliers" not in options and self.defaults.get("outliers", 0) is None and kbits < 4:
             want = shape.head_dim // 4  # the paper's split: a quarter of the channels at one more bit
@@ -112,7 +140,8 @@ class TurboMethod(StorageMethod):
         layers = []
         for lp in plan.layers:  # a rotation seed per layer: keys 2·(seed·L + i), values that + 1
             spec = lp.factory.keywords["spec"]
-            spec = replace(spec, seed=2 * (seed * len(plan.layers) + lp.index), rope=rope if prerope else None)
+            spec = replace(spec, seed=2 * (seed * len(plan.layers) + lp.index), rope=rope if mode else None,
+                           rope_centred=mode == "rope_centred_keys")
             spec.check_dim(shape.head_dim)
             fixed = shape.num_kv_heads * (spec.fixed_bytes(shape.head_dim)
                                           + spec.for_values().fixed_bytes(shape.head_dim))
@@ -126,9 +155,11 @@ class TurboMethod(StorageMethod):
 # (Qwen2.5 without them: KL 0.65 centred), Haar rotations (48 + 16 channels have no Hadamard matrix; on SmolLM2 the
 # two rotations measured alike), the window flushed 64 tokens at a time as int3/int2. turbo3: KL 0.0065 / 0.0189
 # against int3's 0.0074 / 0.0242 at +0.3 % bytes; turbo2 (3-bit keys, 2-bit values): 0.0239 / 0.0382 against
-# int2's 0.0116 / 0.0371 (it loses on SmolLM2).
+# int2's 0.0116 / 0.0371 (it loses on SmolLM2). turbo3's keys are RoPE-centred (channel means fitted before RoPE,
+# turned to each row's position; fused): on the held-out texts of both models 13-39 % less KL than plain centring at
+# the same bytes (docs/quantization.md §10.1); turbo2 keeps plain centring (RoPE-centred: 5 of 6 held-out texts).
 _DEFAULTS = dict(codec="turbo", rotation="orthogonal", residual=124, sink=4, flush=64, scale_dtype=torch.float16,
                  smooth_keys=False, center_keys=True, outliers=None)
 TURBO4 = TurboMethod("turbo4", 4, windowed=False, defaults={**_DEFAULTS, "rotation": "hadamard", "outliers": 0})
-TURBO3 = TurboMethod("turbo3", 3, windowed=False, defaults=_DEFAULTS)
+TURBO3 = TurboMethod("turbo3", 3, windowed=False, defaults={**_DEFAULTS, "rope_centred_keys": True})
 TURBO2 = TurboMethod("turbo2", 2, windowed=False, defaults={**_DEFAULTS, "key_bits": 3})

@@ -114,3 +114,16 @@ def _additive(hidden: torch.Tensor, masked_value: float, dtype: torch.dtype) -> 
                          "pass a smaller magnitude or -inf")
     out = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
     return out.masked_fill_(hidden, masked_value)
+
+
+def static_causal_mask(lengths: torch.Tensor, t: int, n: int) -> torch.Tensor:
+    """(B, 1, t, n) fp32 additive causal mask over a capturable cache's whole buffer of ``n`` slots (caches/capture.py)
+    when ``lengths`` (B,) slots are written, the ``t`` queries being the last ``t`` of them: slot j is visible to query
+    i iff ``j ≤ lengths − t + i`` (slots past the length are future positions). For layers that get no mask from HF
+    (it may skip a causal mask for a prefill: the queries are then the buffer's first ``t`` slots, not its last)."""
+    device = lengths.device
+    i = torch.arange(t, device=device)[None, :, None]
+    j = torch.arange(n, device=device)[None, None, :]
+    hidden = j > lengths[:, None, None] - t + i  # (B, t, n)
+    return torch.zeros(hidden.shape, device=device).masked_fill(hidden, torch.finfo(torch.float32).min)[:, None]
+

@@ -62,8 +62,10 @@ def rotate_heads(rows: torch.Tensor, h: int, dk: int, cos: torch.Tensor, sin: to
     b, n, _ = rows.shape
     r, e = cos.shape[-1], h * dk
     half = r // 2
-    if torch.is_grad_enabled() and (rows.requires_grad or cos.requires_grad or sin.requires_grad):
-        keys = rows[..., :e].unflatten(-1, (h, dk)).transpose(1, 2)  # (B, h, n, dk); out= ops have no autograd
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled()
+                                         and (rows.requires_grad or cos.requires_grad or sin.requires_grad)):
+        # out= ops have no autograd, and dynamo refuses out= into non-contiguous views (a compiler fuses anyway)
+        keys = rows[..., :e].unflatten(-1, (h, dk)).transpose(1, 2)  # (B, h, n, dk)
         out = (unrotate if inverse else rotate)(keys, cos[:, None].to(rows.dtype), sin[:, None].to(rows.dtype))
         return out.transpose(1, 2).reshape(b, n, e)
     out = torch.empty(b, n, e, dtype=rows.dtype, device=rows.device)

@@ -2,7 +2,9 @@
 
 The GPU twin of ``csrc/turbo_decode.cpp``, same contract as :func:`kvslim.kernels.turbo_decode.reference`:
 ``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 for one query token over the first ``n`` coded tokens of each KV head,
-then an optional fp32 tail, with an additive mask (B|1, n + r), all in the stores' coded bases.
+then an optional fp32 tail, with an additive mask (B|1, n + r) and an optional factored score bias on the coded rows
+(``bias_ab`` (B, Hk, G, W) · ``bias_rows`` (≥n, W)ᵀ: RoPE-centred keys' ``q·RoPE_t(μ)``), all in the stores' coded
+bases.
 
 ``_turbo_decode``: one program per (sequence, KV head); the G query heads of the KV group are one block (padded to
 16 rows for ``tl.dot``). A code is read from the row's little-endian bit stream (two bytes around its bit offset:
@@ -53,13 +55,14 @@ def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
 
 @triton.jit
 def _turbo_decode(
-    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, OUT, LSE,
+    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, OUT, LSE,
     s_qb, s_qh, s_qg, s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst,
-    s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb,
+    s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb, s_bb, s_bh, s_bg, s_br, W,
     Hk, G, n, r, scaling,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KOUT: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, KBYTES: tl.constexpr, VBYTES: tl.constexpr,
-    KPARTS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr,
+    KPARTS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    W_PAD: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b64 = (bh // Hk).to(tl.int64)
@@ -76,6 +79,11 @@ def _turbo_decode(
     vc = VC + b64 * s_vcb + h64 * s_vch
     vs = VS + b64 * s_vsb + h64 * s_vsh
     m_base = MASK + b64 * s_mb
+    wcols = tl.arange(0, W_PAD)
+    ab = tl.zeros((G_PAD, W_PAD), tl.float32)
+    if HAS_BIAS:  # the bias factors of the G heads, times scaling, as q is
+        ab = tl.load(BAB + b64 * s_bb + h64 * s_bh + rows[:, None] * s_bg + wcols[None, :],
+                     mask=row_ok[:, None] & (wcols < W)[None, :], other=0.0) * scaling
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
@@ -84,10 +92,14 @@ def _turbo_decode(
         t_ok = t < n
         k = _rows(kc, t, s_kct, s_kst, ks, LEV, t_ok, cols, col_ok, KOUT, KB, KBYTES, KPARTS)
         v = _rows(vc, t, s_vct, s_vst, vs, LEV, t_ok, cols, col_ok, 0, VB, VBYTES, 1)
-        s_add = tl.zeros((BLOCK_N,), tl.float32)
+        s_add = tl.zeros((G_PAD, BLOCK_N), tl.float32)
         if HAS_MASK:
-            s_add = tl.load(m_base + t, mask=t_ok, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, s_add[None, :], t_ok, m_i, l_i, acc)
+            s_add += tl.load(m_base + t, mask=t_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            br = tl.load(BROWS + t[:, None] * s_br + wcols[None, :], mask=t_ok[:, None] & (wcols < W)[None, :],
+                         other=0.0)
+            s_add += tl.dot(ab, tl.trans(br), input_precision="ieee")
+        m_i, l_i, acc = _attend(q, k, v, s_add, t_ok, m_i, l_i, acc)
     if HAS_TAIL:
         kt = KT + b64 * s_ktb + h64 * s_kth
         vt = VT + b64 * s_vtb + h64 * s_vth
@@ -110,7 +122,8 @@ def _turbo_decode(
 # ---- launcher ------------------------------------------------------------------------------------------------
 
 
-def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask) -> None:
+def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask,
+          bias_ab=None, bias_rows=None) -> None:
     """The C++ op's argument checks, as named ValueErrors."""
     name = "kvslim::turbo_decode_triton"
     if q.dim() != 4 or q.dtype != torch.float32:
@@ -135,14 +148,23 @@ def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tai
     r = 0 if k_tail is None else k_tail.shape[2]
     if mask is not None and (mask.dim() != 2 or mask.shape[0] not in (1, b) or mask.shape[1] != n + r):
         raise ValueError(f"{name}: mask must be (1 or B={b}, n + tail={n + r}), got {tuple(mask.shape)}")
+    g = q.shape[2]
+    if (bias_ab is None) != (bias_rows is None):
+        raise ValueError(f"{name}: bias_ab and bias_rows come together")
+    if bias_ab is not None and (bias_ab.dim() != 4 or tuple(bias_ab.shape[:3]) != (b, hk, g)):
+        raise ValueError(f"{name}: bias_ab must be (B={b}, Hk={hk}, G={g}, W), got {tuple(bias_ab.shape)}")
+    if bias_ab is not None and (bias_rows.dim() != 2 or bias_rows.shape[0] < n
+                                or bias_rows.shape[1] != bias_ab.shape[3]):
+        raise ValueError(f"{name}: bias_rows must be (≥{n}, W={bias_ab.shape[3]}), got {tuple(bias_rows.shape)}")
 
 
 def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                         v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                        mask: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+                        bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     q = q.float().contiguous()
-    check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask)
+    check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows)
     b, hk, g, d = q.shape
     k_codes, k_scale, v_codes, v_scale = (unit_last(t) for t in (k_codes, k_scale, v_codes, v_scale))
     out = torch.empty(b, hk, g, d, dtype=torch.float32, device=q.device)
@@ -153,14 +175,19 @@ def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     r = kt.shape[2] if has_tail else 0
     m = mask.float().contiguous() if mask is not None else q
     s_mb = 0 if mask is None or mask.shape[0] == 1 else m.stride(0)
+    has_bias = bias_ab is not None
+    ab = unit_last(bias_ab.float()) if has_bias else q
+    brows = bias_rows.float() if has_bias else q[0, 0]
+    brows = brows if brows.stride(-1) == 1 else brows.contiguous()
+    w = ab.shape[3] if has_bias else 16
     d_pad = max(16, triton.next_power_of_2(d))
     kbytes = (k_out * (k_bits + 1) + (d - k_out) * k_bits) // 8
     _turbo_decode[(b * hk,)](
-        q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, out, lse,
+        q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, ab, brows, out, lse,
         q.stride(0), q.stride(1), q.stride(2), *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3],
-        *v_scale.stride()[:3], *kt.stride()[:3], *vt.stride()[:3], s_mb,
+        *v_scale.stride()[:3], *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
         hk, g, n, r, scaling,
         D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32, KOUT=k_out, KB=k_bits, VB=v_bits,
         KBYTES=kbytes, VBYTES=d * v_bits // 8, KPARTS=2 if k_out else 1, HAS_TAIL=has_tail,
-        HAS_MASK=mask is not None, num_warps=4)
+        HAS_MASK=mask is not None, HAS_BIAS=has_bias, W_PAD=max(16, triton.next_power_of_2(w)), num_warps=4)
     return out, lse

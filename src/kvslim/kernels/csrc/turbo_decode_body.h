@@ -1,0 +1,295 @@
+// Decode attention over turbo codes, one (sequence, KV head, split) task at a time (no include guard:
+// turbo_decode.cpp includes this once per instruction set, inside its namespace with `using V = <traits>`
+// (vec_turbo.h) and the matching #pragma GCC target).
+//
+// Per block of T tokens: (1) scores of the G query heads of the KV group straight from the key codes, NR token
+// rows at a time (transpose-reduced), one part at a time (the outlier channels at KB + 1 bits, then the rest at
+// KB): q·k_t = s_out,t (q_out · L[c_out]) + s_rest,t (q_rest · L[c_rest]), the codebook looked up in registers
+// (never decoded into memory); plus the optional per-row bias (RoPE-centred keys) and the mask; (2) online softmax
+// per head (block_softmax_body.h); (3) acc[j] += Σ_t (p_jt s_t) L[c_t] as a register tile over columns, the value
+// scale folded into the weight. The fp32 tail (sinks + window) is attended after the codes in the last split, read
+// in place. Every index is bounded by TArgs (set from tensor metadata by the op and checked there).
+
+// n scales starting at p (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32
+inline void scales_f32(const void* p, int sdt, float* o, int64_t n) {
+  if (sdt == 0) {
+    std::memcpy(o, p, n * sizeof(float));
+    return;
+  }
+  const uint16_t* hp = static_cast<const uint16_t*>(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) V::store(o + i, V::params16(hp + i, sdt));
+  for (; i < n; ++i) o[i] = sdt == 1 ? kvslim_lowbit::half_to_float(hp[i]) : kvslim_vec::bf16_to_f32(hp[i]);
+}
+
+// the `w` scales of tokens [t0, t0 + m) -> dst[(t − t0)·w + part]
+inline void load_scales(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t0, int64_t m, int64_t w,
+                        float* dst) {
+  auto at = [&](int64_t t) {
+    return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
+  };
+  if (st.ts == w) {
+    scales_f32(at(t0), sdt, dst, m * w);
+    return;
+  }
+  for (int64_t t = 0; t < m; ++t) scales_f32(at(t0 + t), sdt, dst + t * w, w);
+}
+
+// sv[j][r] = q_j · L[codes_r] over units [u0, u1) of one part (BITS bits, its units at byte `off` + (u − u0)·BITS
+// of each row), for HC heads and NR token rows; ENDS: unit u1 − 1 ends the row
+template <int BITS, int HC, int NR, bool ENDS>
+inline void part_dots(const uint8_t* const* cr, int64_t off, const Tab<typename V::R>& tab, const float* q, int64_t D,
+                      int64_t u0, int64_t u1, float (*sv)[8]) {
+  typename V::R acc[HC][NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+  const int64_t ue = ENDS ? u1 - 1 : u1;
+  for (int64_t u = u0; u < ue; ++u) {
+    const int64_t o = off + (u - u0) * BITS;
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const auto x = V::template lut<BITS, false>(cr[r] + o, tab);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * u), x, acc[j][r]);
+    }
+  }
+  if (ENDS) {
+    const int64_t o = off + (ue - u0) * BITS;
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const auto x = V::template lut<BITS, true>(cr[r] + o, tab);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * ue), x, acc[j][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
+}
+
+// sv[j][r] = ab_j · rows_r over W fp32 values (W a multiple of 8), HC heads, NR rows: the factored score bias
+template <int HC, int NR>
+inline void bias_dots(const float* const* br, const float* ab, int64_t W, float (*sv)[8]) {
+  typename V::R acc[HC][NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+  for (int64_t i = 0; i < W; i += 8) {
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const auto x = V::load(br[r] + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(ab + j * W + i), x, acc[j][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
+}
+
+// sc[j·ps + t] = q_j · k_t + ab_j · rows_t + mask_t for coded tokens [t0, t0 + m), heads [j0, j0 + HC) (q and ab
+// already times scaling; ab null: no bias). OB: the outlier part's bits (0: no outlier part), KB the rest's.
+// ks: the block's key scales (kparts per token).
+template <int OB, int KB, int HC>
+inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, int64_t j0,
+                         const float* ks, const float* ab, const float* mask, float* sc, int64_t ps) {
+  const int64_t D = a.D, U = D / 8, UO = a.k_out / 8, ob = a.k_out * OB / 8;
+  const int64_t rs = a.k.ts;
+  const int kp = OB ? 2 : 1;
+  constexpr int NR = HC == 1 ? 8 : 4;
+  const Tab<typename V::R> tr = V::table(a.lev + KB * 16);
+  const Tab<typename V::R> to = V::table(a.lev + (OB ? OB : KB) * 16);
+  for (int64_t t = 0; t < m; t += NR) {
+    const int64_t rn = std::min<int64_t>(NR, m - t);
+    const uint8_t* c0 = a.k.at<uint8_t>(b, h, t0 + t);
+    kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, NR * rs);
+    const uint8_t* cr[NR];
+    for (int r = 0; r < NR; ++r) cr[r] = r < rn ? c0 + r * rs : c0;  // rows past m repeat row 0 (never used)
+    float so[HC][8] = {}, sr[HC][8], sb[HC][8] = {};
+    if (OB) part_dots<OB ? OB : 2, HC, NR, false>(cr, 0, to, q + j0 * D, D, 0, UO, so);
+    part_dots<KB, HC, NR, true>(cr, ob, tr, q + j0 * D, D, UO, U, sr);
+    if (ab) {
+      const float* br[NR];
+      for (int r = 0; r < NR; ++r) br[r] = a.bias_rows + (t0 + t + (r < rn ? r : 0)) * a.bias_rs;
+      bias_dots<HC, NR>(br, ab + j0 * a.bias_w, a.bias_w, sb);
+    }
+    for (int j = 0; j < HC; ++j)
+      for (int64_t r = 0; r < rn; ++r) {
+        const float* s = ks + (t + r) * kp;
+        float x = sr[j][r] * s[kp - 1] + sb[j][r];
+        if (OB) x += so[j][r] * s[0];
+        sc[(j0 + j) * ps + t + r] = x + (mask ? mask[t + r] : 0.f);
+      }
+  }
+}
+
+template <int OB, int KB>
+inline void code_scores(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, const float* ks,
+                        const float* ab, const float* mask, float* sc, int64_t ps) {
+  int64_t j0 = 0;
+  for (; j0 + 3 <= a.G; j0 += 3) scores_heads<OB, KB, 3>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
+  if (a.G - j0 == 2) scores_heads<OB, KB, 2>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
+  if (a.G - j0 == 1) scores_heads<OB, KB, 1>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
+}
+
+// sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
+inline void row_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t rs, int64_t m, const float* mask,
+                       float* sc, int64_t ps) {
+  for (int64_t t = 0; t < m; ++t)
+    for (int64_t j = 0; j < G; ++j) {
+      auto acc = V::zero();
+      for (int64_t i = 0; i < D; i += V::W) acc = V::fma(V::load(q + j * D + i), V::load(k + t * rs + i), acc);
+      sc[j * ps + t] = V::hsum(acc) + (mask ? mask[t] : 0.f);
+    }
+}
+
+// acc[j] += Σ_t p[j][t] · row_t for m fp32 rows (stride rs): the tail
+inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t rs, int64_t m,
+                       float* acc) {
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t t = 0; t < m; ++t) {
+      const float w = p[j * ps + t];
+      if (w == 0.f) continue;
+      const auto vw = V::set1(w);
+      for (int64_t i = 0; i < D; i += V::W)
+        V::store(acc + j * D + i, V::fma(vw, V::load(v + t * rs + i), V::load(acc + j * D + i)));
+    }
+}
+
+#include "block_softmax_body.h"
+
+// acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · L[codes_t][c, c + 8·NV) for HC heads (pw: weight × the row's
+// scale); tokens whose weights are all 0 are skipped. ENDS: the tile's last unit ends the row.
+template <int BITS, int NV, int HC, bool ENDS>
+inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const Tab<typename V::R>& tab, const float* pw,
+                       int64_t pws, int64_t c, float* acc, int64_t D) {
+  typename V::R A[HC][NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) A[j][v] = V::load(acc + j * D + c + 8 * v);
+  const uint8_t* ct = base + (c / 8) * BITS;
+  for (int64_t t = 0; t < m; ++t, ct += rs) {
+    __builtin_prefetch(ct + kvslim_decode::kPrefetchRows * rs, 0, 3);
+    typename V::R w[HC];
+    bool any = false;
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) {
+      const float x = pw[j * pws + t];
+      any |= x != 0.f;
+      w[j] = V::set1(x);
+    }
+    if (!any) continue;
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+      const auto x = (ENDS && u == NV - 1) ? V::template lut<BITS, true>(ct + u * BITS, tab)
+                                           : V::template lut<BITS, false>(ct + u * BITS, tab);
+#pragma GCC unroll 4
+      for (int j = 0; j < HC; ++j) A[j][u] = V::fma(w[j], x, A[j][u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) V::store(acc + j * D + c + 8 * v, A[j][v]);
+}
+
+template <int BITS, int NV, int HC>
+inline void value_tiles(const uint8_t* base, int64_t rs, int64_t m, const Tab<typename V::R>& tab, const float* pw,
+                        int64_t pws, float* acc, int64_t D) {
+  for (int64_t c = 0; c < D; c += 8 * NV) {
+    if (c + 8 * NV == D) value_tile<BITS, NV, HC, true>(base, rs, m, tab, pw, pws, c, acc, D);
+    else value_tile<BITS, NV, HC, false>(base, rs, m, tab, pw, pws, c, acc, D);
+  }
+}
+
+// the widest tile (units of 8 columns) that divides D for HC heads: ≤ 8 for 1 head, ≤ 4 for 2, ≤ 2 for 3
+// (registers: HC·NV accumulators + HC weights + the table + loader temporaries ≤ 16)
+template <int BITS, int HC>
+inline void values_heads(const uint8_t* base, int64_t rs, int64_t m, const Tab<typename V::R>& tab, const float* pw,
+                         int64_t pws, float* acc, int64_t D) {
+  const int64_t U = D / 8;
+  if (HC == 1 && U % 8 == 0) value_tiles<BITS, 8, HC>(base, rs, m, tab, pw, pws, acc, D);
+  else if (HC <= 2 && U % 4 == 0) value_tiles<BITS, 4, HC>(base, rs, m, tab, pw, pws, acc, D);
+  else if (U % 2 == 0) value_tiles<BITS, 2, HC>(base, rs, m, tab, pw, pws, acc, D);
+  else value_tiles<BITS, 1, HC>(base, rs, m, tab, pw, pws, acc, D);
+}
+
+// acc[j] += Σ_t p[j][t] s_t L[c_t]; pw: scratch for the weights times the scales
+template <int VB>
+inline void code_values(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t T,
+                        const float* vs, float* pw, float* acc) {
+  const int64_t G = a.G, D = a.D;
+  for (int64_t j = 0; j < G; ++j) {
+    const float* pj = p + j * T;
+    float* o = pw + j * T;
+    for (int64_t t = 0; t < m; ++t) o[t] = pj[t] == 0.f ? 0.f : pj[t] * vs[t];  // a zero weight never reads a scale
+  }
+  const Tab<typename V::R> tab = V::table(a.lev + VB * 16);
+  const uint8_t* base = a.v.at<uint8_t>(b, h, t0);
+  const int64_t rs = a.v.ts;
+  int64_t j0 = 0;
+  for (; j0 + 3 <= G; j0 += 3) values_heads<VB, 3>(base, rs, m, tab, pw + j0 * T, T, acc + j0 * D, D);
+  if (G - j0 == 2) values_heads<VB, 2>(base, rs, m, tab, pw + j0 * T, T, acc + j0 * D, D);
+  if (G - j0 == 1) values_heads<VB, 1>(base, rs, m, tab, pw + j0 * T, T, acc + j0 * D, D);
+}
+
+// one task: sequence b, KV head h, split s of S over the coded tokens (the tail goes with the last split).
+// acc (G × D) gets the unnormalised sum, mo / lo (G) the running max and denominator.
+template <int OB, int KB, int VB>
+void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
+              Scratch& sp) {
+  const int64_t G = a.G, D = a.D, T = sp.T;
+  const int64_t blocks = (a.n + T - 1) / T, per = (blocks + S - 1) / S;
+  const int64_t t_begin = std::min(a.n, s * per * T), t_end = std::min(a.n, (s + 1) * per * T);
+  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
+  float* q = sp.q.data();
+  for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < G; ++j) {
+    mo[j] = -INFINITY;
+    lo[j] = 0.f;
+  }
+  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  float* ab = nullptr;  // the bias factors of the G heads, times scaling
+  if (a.bias_ab) {
+    ab = sp.ab.data();
+    const float* src = a.bias_ab + b * a.bias_bs + h * a.bias_hs;
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t i = 0; i < a.bias_w; ++i) ab[j * a.bias_w + i] = src[j * a.bias_gs + i] * a.scaling;
+  }
+  const int64_t kp = OB ? 2 : 1;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
+    const int64_t m = std::min(T, t_end - t0);
+    load_scales(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
+    code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    load_scales(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
+    code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
+  }
+  if (s != S - 1 || a.r == 0) return;
+  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
+    const int64_t m = std::min(T, a.r - t0);
+    row_scores(q, G, D, a.kt.at<float>(b, h, t0), a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
+    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
+    row_values(sp.sc.data(), T, G, D, a.vt.at<float>(b, h, t0), a.vt.ts, m, acc);
+  }
+}
+
+template <int OB, int KB>
+inline TaskFn pick_values(int vb) {
+  if (vb == 2) return run_task<OB, KB, 2>;
+  if (vb == 3) return run_task<OB, KB, 3>;
+  return run_task<OB, KB, 4>;
+}
+
+inline TaskFn pick(int kb, bool outliers, int vb) {
+  if (kb == 2) return outliers ? pick_values<3, 2>(vb) : pick_values<0, 2>(vb);
+  if (kb == 3) return outliers ? pick_values<4, 3>(vb) : pick_values<0, 3>(vb);
+  return pick_values<0, 4>(vb);
+}
