@@ -37,7 +37,8 @@ RECORDS = {
                            "quality_heldout_2026-11-26_qwen25_turbo_prerope.json",
                            "quality_heldout_2026-11-26_qwen25_turbo_rope_centred.json",
                            "quality_heldout_2026-11-26_qwen25_turbo_rope_centred_library.json",
-                           "quality_heldout_2026-11-26_qwen25_int8.json"],
+                           "quality_heldout_2026-11-26_qwen25_int8.json",
+                           "quality_heldout_2026-11-26_qwen25_llamacpp.json"],
 }
 SHORT = {"turbo3 centred K o16 r123 (<= int3's bytes)": "turbo3", "turbo3 pre-RoPE K r123 (<= int3's bytes)":
          "turbo3 pre-RoPE keys", "turbo2 centred K3 o16 V2 r123 (<= int2's bytes)": "turbo2",
