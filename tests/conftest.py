@@ -111,6 +111,42 @@ def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_l
     return eager, got, graphs, cache
 
 
+def decode_greedy(model, step, cache, prompt: int, steps: int, batch: int = 2):
+    """Eager prefill of a random prompt (``batch`` rows), then ``steps`` greedy single-token steps through ``step``
+    (the model itself, or a compiled twin); returns (tokens (batch, steps), logits (batch, steps, vocab))."""
+    from kvslim.adapters.compat import CACHE_KW
+
+    ids = torch.randint(1, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    toks, logits = [], []
+    with torch.no_grad():
+        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            pos = torch.full((batch, 1), prompt + i, dtype=torch.long)
+            out = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True, **{CACHE_KW: cache}).logits
+            tok = out[:, -1:].argmax(-1).clone()
+            toks.append(tok)
+            logits.append(out[:, -1].clone())
+    return torch.cat(toks, dim=1), torch.stack(logits, dim=1)
+
+
+def compile_static(model):
+    """``torch.compile`` with dynamo's state and counters cleared first (backend eager, fullgraph, static shapes)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+
+
+def unique_graphs() -> int:
+    """Dynamo's unique graph count since :func:`compile_static`; resets dynamo afterwards."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs
+
+
 def hide_packages_prelude(absent) -> str:
     """Python source that, run first in a subprocess, makes every top-level package in ``absent`` unimportable
     (``find_spec`` returns None for it), as on a machine that lacks them."""

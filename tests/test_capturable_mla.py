@@ -11,7 +11,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import generate_eager_and_compiled
+from conftest import compile_static as _compiled
+from conftest import decode_greedy, generate_eager_and_compiled
+from conftest import unique_graphs as _graphs
 from test_mla_model import deepseek
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
@@ -38,29 +40,9 @@ def _model(name: str = "v2-lite", **opts):
 
 
 def _decode(model, step, cache, steps: int = STEPS):
-    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    toks, logits = [], []
-    with torch.no_grad():
-        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
-        for i in range(steps):
-            pos = torch.full((2, 1), PROMPT + i, dtype=torch.long)
-            out = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True, **{CACHE_KW: cache}).logits
-            tok = out[:, -1:].argmax(-1).clone()
-            toks.append(tok)
-            logits.append(out[:, -1].clone())
-    return torch.cat(toks, dim=1), torch.stack(logits, dim=1)
+    return decode_greedy(model, step, cache, PROMPT, steps)
 
 
-def _compiled(model):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-
-
-def _graphs() -> int:
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    return graphs
 
 
 @pytest.mark.parametrize("case", list(CASES))

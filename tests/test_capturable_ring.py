@@ -13,7 +13,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import compile_static as _compiled
+from conftest import decode_greedy, generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import unique_graphs as _graphs
 from tolerances import CAPTURED_CODES_LOGIT_ATOL, assert_rel_close, max_err
 from torch._dynamo.utils import counters
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -59,29 +61,9 @@ def _model(case: str = "mistral-dense"):
 
 
 def _decode(model, step, cache, steps: int = STEPS):
-    ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    toks, logits = [], []
-    with torch.no_grad():
-        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
-        for i in range(steps):
-            pos = torch.full((2, 1), PROMPT + i, dtype=torch.long)
-            out = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True, **{CACHE_KW: cache}).logits
-            tok = out[:, -1:].argmax(-1).clone()
-            toks.append(tok)
-            logits.append(out[:, -1].clone())
-    return torch.cat(toks, dim=1), torch.stack(logits, dim=1)
+    return decode_greedy(model, step, cache, PROMPT, steps)
 
 
-def _compiled(model):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-
-
-def _graphs() -> int:
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    return graphs
 
 
 @pytest.mark.parametrize("case", COMPILED)

@@ -13,7 +13,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import compile_static as _compiled
+from conftest import decode_greedy, generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import unique_graphs as _graphs
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
 
@@ -42,30 +44,9 @@ def _model(kind: str = "llama", **opts):
 
 
 def _decode(model, step, cache, prompt: int = PROMPT, steps: int = STEPS):
-    """Eager prefill of a random prompt (batch 2), then ``steps`` greedy steps through ``step``: (tokens, logits)."""
-    ids = torch.randint(1, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
-    toks, logits = [], []
-    with torch.no_grad():
-        tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
-        for i in range(steps):
-            pos = torch.full((2, 1), prompt + i, dtype=torch.long)
-            out = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True, **{CACHE_KW: cache}).logits
-            tok = out[:, -1:].argmax(-1).clone()
-            toks.append(tok)
-            logits.append(out[:, -1].clone())
-    return torch.cat(toks, dim=1), torch.stack(logits, dim=1)
+    return decode_greedy(model, step, cache, prompt, steps)
 
 
-def _compiled(model):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
-
-
-def _graphs() -> int:
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    return graphs
 
 
 @pytest.mark.parametrize("case", list(CASES))
