@@ -38,12 +38,16 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "int2": ("int2", {}),
     "int3": ("int3", {}),
     "int8": ("int8", {}),
+    "turbo3": ("turbo3", {}),  # library defaults (RoPE-centred keys, D/4 outlier key channels; issue 35)
+    "turbo2": ("turbo2", {}),
     "quanto 4-bit": ("quanto", {"nbits": 4}),
     "quanto 2-bit": ("quanto", {"nbits": 2}),
     "window 1024": ("window", {"window": 1024}),
 }
-#: the order of the tables' rows and columns (dense, then kvslim by bytes, then the peer, then eviction)
-TABLE_ORDER = ["dense", "int8", "int4", "int3", "int2", "quanto 4-bit", "quanto 2-bit", "window 1024"]
+#: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
+#: row beside the int row of its bits, then the peer, then eviction)
+TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
+               "window 1024"]
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
