@@ -67,6 +67,8 @@ def main() -> None:
     api.apply(model, "dense")
     m = args.method
     caches = {m: make_cache_fn(model, m)}
+    if not all(getattr(layer, "fused_decode", False) for layer in caches[m]().layers):
+        p.error(f"{m}'s fused decode op is not built here: the default row would not run as the benchmark's did")
     if not args.no_unfused:
         caches[f"{m} unfused"] = unfused_maker(model, m)
     for s in filter(None, args.seeds.split(",")):
