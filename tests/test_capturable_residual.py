@@ -149,10 +149,29 @@ def test_capturable_default_refuses_an_eager_step_past_max_length_by_name():
     assert cache.get_seq_length() == 26
 
 
+def test_smoothed_keys_with_a_window_fit_in_the_eager_prefill():
+    """Smoothed per-token keys behind a window (``key_channel_group=0``): the factors are fitted by the eager
+    prefill on the first flush group's tokens (the eager layout's first coded write), so a compiled step only codes:
+    one graph over 64 steps (16 flushes), eager's tokens, the same factors and codes."""
+    model = _model("int4", residual=8, flush=4, key_channel_group=0, sink=0)
+    n = 24 + STEPS + 4
+    eager_cache = kvslim.make_cache(model, max_length=n)
+    eager, eager_logits = _decode(model, model, eager_cache, prompt=24)
+    cache = kvslim.make_cache(model, max_length=n, capturable=True)
+    got, logits = _decode(model, _compiled(model), cache, prompt=24)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs over {STEPS} steps ({dict(counters['recompiles'])})"
+    assert torch.equal(eager, got)
+    assert_rel_close(logits, eager_logits, torch.float32, "smoothed keys + window, compiled vs eager")
+    assert cache.get_seq_length() == 24 + STEPS  # host copies read back once after the graph steps
+    mine, theirs = cache.layers[0].k_store, eager_cache.layers[0].k_store
+    assert mine.inner.spec.smooth and torch.equal(mine.inner.channel, theirs.inner.channel)
+    assert mine.flushed == theirs.flushed == 80
+    assert torch.equal(mine.inner.data[:, :, :80], theirs.inner.data[:, :, :80])
+
+
 def test_what_stays_uncapturable_is_refused_by_name():
-    model = _model("int4", residual=8, flush=4, key_channel_group=0, sink=0)  # smoothed per-token keys + window
-    with pytest.raises(ValueError, match="capturable=True: no layer"):
-        kvslim.make_cache(model, max_length=64, capturable=True)
     model = _model("int4", **SMALL)
     cache = kvslim.make_cache(model, max_length=64)
     _decode(model, model, cache, prompt=8, steps=1)
