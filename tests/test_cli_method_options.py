@@ -102,3 +102,12 @@ def test_plan_refuses_a_model_type_apply_refuses(tmp_path, capsys):
     records = json.loads(capsys.readouterr().out)
     assert records and not any(r["applies"] for r in records)
     assert "does not support model_type 'gpt_neox'" in {r["method"]: r for r in records}["int4"]["reason"]
+
+
+def test_eval_takes_every_llm_name_demo_takes():
+    """A name that works with ``kvslim demo --model`` works with ``kvslim eval --model`` (gemma-3-270m was refused)."""
+    from kvslim.cli.demo_models import MODEL_NAMES
+    from kvslim.cli.eval import BUILTINS
+
+    llms = [n for n in MODEL_NAMES if not n.startswith("whisper")]
+    assert llms and not [n for n in llms if n not in BUILTINS]
