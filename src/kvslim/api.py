@@ -119,9 +119,10 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable
             device: a step under ``torch.compile`` or a CUDA graph has the same shapes at every length
             (``caches/capture.py``); eager steps are unchanged.
         capturable: every step (eager too) takes that static path and ``is_compileable`` is ``True``, as with HF's
-            ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``. The int4/int3/int2 defaults
-            (sinks, residual window, KIVI keys) are capturable only so: their window becomes a ring flushed on the
-            device (``caches/capture_residual.py``).
+            ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``. The int4/int3/int2 and turbo
+            defaults (sinks, residual window, KIVI keys, turbo codes) are capturable only so: their window becomes a
+            ring flushed on the device, what the first coded write fits (turbo channel means and outlier channels,
+            smoothed keys' factors) is fitted by the eager prefill (``caches/capture_residual.py``).
     """
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
                                    or max_length <= 0):
@@ -141,10 +142,14 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:
-    """Plan ``method`` for an HF config without loading weights (what ``kvslim plan`` prints)."""
+    """Plan ``method`` for an HF config without loading weights (what ``kvslim plan`` prints). Refuses what
+    :func:`apply` would refuse for that config's model, its ``model_type`` included."""
     m = _method(method)
     shape = shape_from_config(config)
     reason = m.not_applicable(shape)
     if reason:
         raise ValueError(f"method {method!r} does not apply to this {shape.model_type} model: {reason}")
+    if not m.supports(shape):  # its model_type (a method with its own adapters checks them in not_applicable)
+        raise ValueError(f"method {method!r} does not support model_type {shape.model_type!r} (apply() refuses it); "
+                         f"supported: {', '.join(m.model_types)}")
     return m.plan(shape, parse_dtype(dtype), **options)
