@@ -19,6 +19,7 @@ import sys
 import torch
 
 import kvslim
+from kvslim.adapters.compat import CACHE_KW
 
 PROMPT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
           "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\ndef factorial(n):\n")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if world == 1:  # the reference: one process, plain kvslim
             kvslim.apply(model, args.method, **options)
             cache = kvslim.make_cache(model, max_length=ids.shape[1] + args.new_tokens)
-            out = model.generate(ids, past_key_values=cache, **gen)
+            out = model.generate(ids, **{CACHE_KW: cache}, **gen)  # `cache=` from transformers 5.24
             sizes, rank = [cache.nbytes], 0
         else:
             import kvslim.distributed as kd

@@ -19,8 +19,9 @@ from kvslim.adapters.compat import CACHE_KW
 STEPS = 64
 PROMPT = 24
 PER_TOKEN = dict(residual=0, key_channel_group=0, sink=0)
-#: the capturable formats: plain, and per-token codes (no residual window, no KIVI keys, no sinks)
-CASES = {"dense": {}, "int8": {}, "int4": PER_TOKEN, "int3": PER_TOKEN, "int2": PER_TOKEN}
+#: per-token codes (no residual window, no KIVI keys, no sinks); the defaults (dense, int8 among them) compile in
+#: tests/test_capturable_all.py
+CASES = {"int4": PER_TOKEN, "int3": PER_TOKEN, "int2": PER_TOKEN}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,12 +72,11 @@ def test_compiles_once_and_decodes_64_steps_with_eager_tokens(method):
 
 
 def test_a_residual_window_is_capturable_only_when_asked():
-    """Without ``capturable=True`` a default int4 cache keeps the eager layout (tests/test_capturable_residual.py
-    has the capturable one); turbo codes have no capturable layout."""
+    """Without ``capturable=True`` a default int4 or turbo cache keeps the eager layout
+    (tests/test_capturable_residual.py and tests/test_capturable_turbo.py have the capturable one)."""
     cache = kvslim.make_cache(_model("int4", residual=16, key_channel_group=8, sink=2), max_length=64)
     assert cache.is_compileable is False
-    with pytest.raises(ValueError, match="capturable=True: no layer"):
-        kvslim.make_cache(_model("turbo4"), max_length=64, capturable=True)
+    assert kvslim.make_cache(_model("turbo4"), max_length=64).is_compileable is False
 
 
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():

@@ -1,9 +1,10 @@
 """The shipped int4/int3/int2 defaults made capturable (issue 33, caches/capture_residual.py): full-precision sinks
-and residual window as a ring, flushes decided on the device. Under ``torch.compile(fullgraph=True, dynamic=False)``
-(CPU: ``backend="eager"``, tracing and guards without code generation) each default compiles once and decodes 64
-steps across window flushes with the greedy tokens of the eager default cache (logits: fp32 summation-order
-tolerance, tests/tolerances.py); past ``max_length`` a graph step is refused by name with nothing written, an eager
-step of an ordinary cache grows as before."""
+and residual window as a ring, flushes decided on the device. Each default compiling once over 64 steps across its
+first flush, with the eager default cache's tokens: tests/test_capturable_all.py. Here: the layout against the
+eager one step by step, the fused op on the static handle, smoothed keys with a window (fitted in the eager prefill)
+under ``torch.compile(fullgraph=True, dynamic=False)`` (CPU: ``backend="eager"``), HF's compile path; past
+``max_length`` a graph step is refused by name with nothing written, an eager step of an ordinary cache grows as
+before."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import kvslim
 from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import quant
 from kvslim.caches import fused
-from kvslim.caches.capture_residual import StaticResidualStore
 
 STEPS = 64
 #: 100 prompt tokens + 64 steps cross the defaults' first flush (4 sinks + 124 window tokens = position 128)
@@ -42,27 +42,6 @@ def _model(method: str, **opts):
 def _decode(model, step, cache, prompt: int = PROMPT, steps: int = STEPS):
     return decode_greedy(model, step, cache, prompt, steps)
 
-
-
-@pytest.mark.parametrize("method", ["int4", "int3", "int2"])
-def test_shipped_defaults_compile_once_and_decode_64_steps_across_flushes(method):
-    model = _model(method)
-    n = PROMPT + STEPS + 8
-    eager_cache = kvslim.make_cache(model, max_length=n)
-    eager, eager_logits = _decode(model, model, eager_cache)
-    cache = kvslim.make_cache(model, max_length=n, capturable=True)
-    assert cache.is_compileable is True
-    got, logits = _decode(model, _compiled(model), cache)
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    assert graphs == 1, f"{method}: {graphs} graphs over {STEPS} steps ({dict(counters['recompiles'])})"
-    assert torch.equal(eager, got)
-    assert_rel_close(logits, eager_logits, torch.float32, f"{method} compiled vs eager default")
-    layer, ref = cache.layers[0], eager_cache.layers[0]
-    assert isinstance(layer.k_store, StaticResidualStore) and layer.k_store.spec.sink == 4
-    assert cache.get_seq_length() == PROMPT + STEPS  # host copies read back once after the graph steps
-    assert layer.k_store.flushed == ref.k_store.inner.flushed > 0  # the graph steps flushed, as eagerly
-    assert cache.nbytes == eager_cache.nbytes  # the same bytes as the eager layout
 
 
 def test_small_window_state_equals_the_eager_layout_step_by_step():
@@ -149,10 +128,29 @@ def test_capturable_default_refuses_an_eager_step_past_max_length_by_name():
     assert cache.get_seq_length() == 26
 
 
+def test_smoothed_keys_with_a_window_fit_in_the_eager_prefill():
+    """Smoothed per-token keys behind a window (``key_channel_group=0``): the factors are fitted by the eager
+    prefill on the first flush group's tokens (the eager layout's first coded write), so a compiled step only codes:
+    one graph over 64 steps (16 flushes), eager's tokens, the same factors and codes."""
+    model = _model("int4", residual=8, flush=4, key_channel_group=0, sink=0)
+    n = 24 + STEPS + 4
+    eager_cache = kvslim.make_cache(model, max_length=n)
+    eager, eager_logits = _decode(model, model, eager_cache, prompt=24)
+    cache = kvslim.make_cache(model, max_length=n, capturable=True)
+    got, logits = _decode(model, _compiled(model), cache, prompt=24)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs over {STEPS} steps ({dict(counters['recompiles'])})"
+    assert torch.equal(eager, got)
+    assert_rel_close(logits, eager_logits, torch.float32, "smoothed keys + window, compiled vs eager")
+    assert cache.get_seq_length() == 24 + STEPS  # host copies read back once after the graph steps
+    mine, theirs = cache.layers[0].k_store, eager_cache.layers[0].k_store
+    assert mine.inner.spec.smooth and torch.equal(mine.inner.channel, theirs.inner.channel)
+    assert mine.flushed == theirs.flushed == 80
+    assert torch.equal(mine.inner.data[:, :, :80], theirs.inner.data[:, :, :80])
+
+
 def test_what_stays_uncapturable_is_refused_by_name():
-    model = _model("int4", residual=8, flush=4, key_channel_group=0, sink=0)  # smoothed per-token keys + window
-    with pytest.raises(ValueError, match="capturable=True: no layer"):
-        kvslim.make_cache(model, max_length=64, capturable=True)
     model = _model("int4", **SMALL)
     cache = kvslim.make_cache(model, max_length=64)
     _decode(model, model, cache, prompt=8, steps=1)

@@ -193,6 +193,22 @@ def test_prefill_logits_equal_the_dense_model():
     assert 0 < (a - b).abs().max().item() < 1.0
 
 
+@pytest.mark.parametrize("method", ["turbo3", "turbo2"])
+def test_decode_steps_before_the_first_flush_with_outlier_channels(method):
+    """Regression: with outlier channels (head dim 32: 8 of them, two coded parts) a fused decode step before the
+    first flush (nothing coded, no permutation fitted yet) put the window into the coded basis with the first part's
+    rotation alone and failed on a shape mismatch. Nothing is coded there: the tokens are the dense model's."""
+    model = tiny_model("llama", num_hidden_layers=1, head_dim=32)
+    ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    kvslim.apply(model, "dense")
+    want = model.generate(ids, **kw)
+    kvslim.apply(model, method)
+    assert kvslim.get_plan(model).layers[0].factory(None).spec.outliers == 8
+    assert torch.equal(model.generate(ids, **kw), want)
+    kvslim.restore(model)
+
+
 @pytest.mark.parametrize("opts,match", [
     (dict(outliers=5), "outliers=5.*whole bytes"),
     (dict(outliers=16, rotation="orthogonal"), "outliers=16 must be below the head dimension 16"),

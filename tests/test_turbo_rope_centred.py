@@ -160,7 +160,7 @@ def test_partial_rotary_bias_factors_carry_the_unturned_channels():
     q = torch.randn(1, 2, 3, 64, generator=g)
     ab, rows = s.bias_factors(q, 50)
     assert ab.shape == (1, 2, 3, 40) and rows.shape == (50, 40)
-    want = torch.einsum("bhgd,bhtd->bhgt", q.double(), s._rope_mean(0, 50).double())
+    want = torch.einsum("bhgd,bhtd->bhgt", q.double(), s._rope_mean(torch.arange(50)).double())
     torch.testing.assert_close(s.score_bias(q, 50).double(), want, rtol=1e-4, atol=1e-4)
 
 

@@ -119,9 +119,10 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable
             device: a step under ``torch.compile`` or a CUDA graph has the same shapes at every length
             (``caches/capture.py``); eager steps are unchanged.
         capturable: every step (eager too) takes that static path and ``is_compileable`` is ``True``, as with HF's
-            ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``. The int4/int3/int2 defaults
-            (sinks, residual window, KIVI keys) are capturable only so: their window becomes a ring flushed on the
-            device (``caches/capture_residual.py``).
+            ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``. The int4/int3/int2 and turbo
+            defaults (sinks, residual window, KIVI keys, turbo codes) are capturable only so: their window becomes a
+            ring flushed on the device, what the first coded write fits (turbo channel means and outlier channels,
+            smoothed keys' factors) is fitted by the eager prefill (``caches/capture_residual.py``).
     """
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
                                    or max_length <= 0):

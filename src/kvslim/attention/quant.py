@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..caches.fused import FusedKV
-from ..caches.turbo import TurboStore, rope_cos_sin
+from ..caches.turbo import TurboStore
 from ..kernels.quant_decode import quant_decode
 from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
 from ..kernels.quant_decode_lowbit import quant_decode_lowbit
@@ -98,8 +98,7 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
         return None
     b, hk, g, d = q.shape
     q, ab = k.move_query(q)  # scores: (q ⊙ c)·k̃ in the coded basis; RoPE-centred keys: + ab·[cos|sin]_t per row
-    bias = (None, None) if ab is None else (ab, rope_cos_sin(k.spec.rope, k.position_offset, h.n, q.device,
-                                                             ab.shape[-1]))
+    bias = (None, None) if ab is None else (ab, k.bias_rows(h.n, ab.shape[-1]))
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)

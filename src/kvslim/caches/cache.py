@@ -60,7 +60,7 @@ class KVSlimCache(Cache):
 
     def set_capturable(self, capturable: bool = True) -> None:
         """Every call of the layers that can (append layers built with ``max_length``: plain, per-token quantized, or
-        with a residual window and sinks, the int4/int3/int2 defaults, ``caches/capture_residual.py``; slim rows,
+        with a residual window and sinks, the int4/int3/int2 and turbo defaults, ``caches/capture_residual.py``; slim rows,
         ``caches/slim.py``) takes the
         static path of ``caches/capture.py``, eager included: ``is_compileable`` is then ``True`` when all layers
         can, and HF's ``generate`` builds whole-buffer masks and may compile its decode step. ``ValueError`` when no
@@ -72,8 +72,8 @@ class KVSlimCache(Cache):
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "
                              "append, slim or latent layers: dense, int8, int4/int3/int2 with their defaults or "
-                             "per-token, slim, mla; ring windows of those formats on a model running kvslim's "
-                             "attention; not turbo codes, smoothed keys with a residual window or rings with one)")
+                             "per-token, turbo4/turbo3/turbo2, slim, mla; ring windows of those formats on a model running kvslim's "
+                             "attention; not rings with a residual window)")
         late = [i for i, layer in enumerate(self.layers) if layer in able and layer.is_initialized
                 and (layer.spec.residual or layer.spec.sink or layer.is_sliding) and layer.capturable != capturable]
         if late:

@@ -217,10 +217,12 @@ class CapturableMixin:
                 store.append(int(self.cumulative_length) - s, x)
         reads = functools.partial(self._static_residual_reads, pos, key_states, value_states)
         if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(k.inner) \
-                and fused.fusable(v.inner):
+                and fused.fusable(v.inner) and k.fitted:
             b = key_states.shape[0]
-            h = fused.FusedKV(k.inner, v.inner, k.capacity, k.fp, v.fp, reads, columns=k.columns(self.length_t[0]),
-                              visible=self.max_length, lengths=k.flushed_t.expand(b).clone())
+            (kt, k_coded), (vt, v_coded) = k.fused_tail(), v.fused_tail()
+            h = fused.FusedKV(k.inner, v.inner, k.capacity, kt, vt, reads, columns=k.columns(self.length_t[0]),
+                              visible=self.max_length, lengths=k.flushed_t.expand(b).clone(),
+                              k_tail_rotated=k_coded, v_tail_rotated=v_coded)
             return fused.markers(h, key_states)
         return reads()
 

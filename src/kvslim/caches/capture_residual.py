@@ -32,9 +32,29 @@ read and written, ~26 KB per sequence and head against ~1.25 MB of history at 8k
 measured); no shift of the window.
 Multi-token updates (a prefill) run eagerly with host integers and leave the same state as that many single steps.
 
-Not covered: ``smooth_keys`` with a window (its factors are fitted by the first flush, which a graph step cannot
-do), turbo codes (``caches/turbo.py``), rewinding (``crop``), ring-window layers with a residual window
-(``ResidualRingLayer``; plain and per-token rings: ``caches/capture_ring.py``).
+Fitted parameters (the eager layout fits them on its first coded write, the first flush): turbo codes' channel
+means (RoPE-centred for turbo3), outlier channels and smoothing (``caches/turbo.TurboStore``), smoothed int keys'
+factors. A graph step cannot fit (it would have to decide on the device whether this is the first flush, and the
+turbo basis moves built from the fit would be rebuilt every step), so the eager prefill fits them: on the tokens the
+first flush takes when the prefill covers them (the prefill flushes itself, or holds ``sink + flush`` tokens: 68 for
+the turbo defaults) — then the codes are the eager layout's —, else on the prefill's tokens after the sinks (then the
+codes differ from the eager layout's, as a fit on other tokens does: measured on a 2-layer tiny Llama, turbo3, a 24-token
+prompt, first flush at step 104: logits 2.7e-4 from the eager cache's, tokens equal). An eager step fits at the first
+flush as the eager layout does. A graph step before any fit (a prefill of ``sink`` tokens or fewer) is refused with a
+``ValueError`` naming the fit (:func:`unfitted_error`; under dynamo it surfaces in the ``Unsupported`` error at trace
+time, nothing runs). Once fitted, the turbo basis moves and the RoPE-centred bias rows of the whole capacity are
+computed eagerly and kept at static addresses (``TurboStore.frozen``, ``kept_rows``).
+
+Turbo codes: the coded store is a ``TurboStore`` (slot j = position ``sink + j``, its RoPE table by device positions);
+the window is also kept in the codes' basis (``coded``, fp32: one row transformed per step), which the fused op
+``kvslim.turbo_decode`` attends as its tail after the whole coded buffer (masked by ``columns``; the op has no
+``lengths`` input: it reads every coded slot, ``max_length`` rows, where the eager layout reads the coded tokens).
+The flush group (64 rows for the defaults) is rotated and coded every step: for D = 128, ~2·64·D² multiply-adds per
+sequence and KV head (arithmetic, not measured). Pre-RoPE keys (``prerope_keys``) are capturable through the
+unfused reads (every slot decoded per step).
+
+Not covered: rewinding (``crop``), ring-window layers with a residual window (``ResidualRingLayer``; plain and
+per-token rings: ``caches/capture_ring.py``).
 """
 
 from __future__ import annotations
@@ -45,11 +65,25 @@ import torch
 
 from .residual import ChannelQuantizedStore
 from .storage import QuantizedStore, StoreSpec, _kept, check_finite
+from .turbo import TurboStore
 
 
 def supported(spec: StoreSpec) -> bool:
     """Whether a residual-window spec has a capturable layout here (see the module docstring)."""
-    return bool(spec.residual) and spec.codec == "int" and not spec.smooth
+    return bool(spec.residual) and spec.codec in ("int", "turbo")
+
+
+def unfitted_error(spec: StoreSpec) -> ValueError:
+    return ValueError(f"a capturable cache of {spec.describe()} fits its {_fitted_names(spec)} on its first coded "
+                      "tokens in an eager call, and this layer holds no token after its sinks yet: run the prefill "
+                      f"eagerly with more than sink={spec.sink} tokens (HF's generate does) before compiled or "
+                      "captured steps")
+
+
+def _fitted_names(spec: StoreSpec) -> str:
+    names = [n for n, on in (("channel means", spec.center), ("smoothing factors", spec.smooth),
+                             ("outlier channels", spec.outliers)) if on]
+    return " and ".join(names) or "parameters"
 
 
 class StaticResidualStore:
@@ -57,15 +91,21 @@ class StaticResidualStore:
 
     def __init__(self, spec: StoreSpec, like: torch.Tensor, capacity: int):
         if not supported(spec):
-            raise ValueError(f"a capturable residual store needs residual > 0, int codes and no smoothing, got "
+            raise ValueError(f"a capturable residual store needs residual > 0 and int or turbo codes, got "
                              f"{spec.describe()}")
         b, h, _, d = like.shape
         inner = replace(spec, sink=0)
-        cls = ChannelQuantizedStore if spec.channel_group else QuantizedStore
+        turbo = spec.codec == "turbo"
+        cls = TurboStore if turbo else ChannelQuantizedStore if spec.channel_group else QuantizedStore
         self.inner = cls(inner, b, h, capacity, d, like.dtype, like.device)
+        self.inner.position_offset = spec.sink  # coded slot j is position sink + j (turbo keys' RoPE table)
         self.spec, self.dtype, self.dim = spec, like.dtype, d
         self.sink, self.window, self.flush = spec.sink, spec.residual, spec.flush
         self.fp = torch.zeros(b, h, self.sink + self.window, d, dtype=like.dtype, device=like.device)
+        # turbo: the rows of ``fp`` in the codes' basis (fp32; fused decode attends the tail there), one row
+        # transformed per step once fitted
+        fusable = turbo and (spec.rope is None or spec.rope_centred)  # pre-RoPE keys: no one basis, not fused
+        self.coded = torch.zeros(self.fp.shape, dtype=torch.float32, device=like.device) if fusable else None
         self.flushed_t = torch.zeros((), dtype=torch.int64, device=like.device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=like.device)
         self.flushed = 0  # host copies, current after eager calls (``sync_host`` after graph steps)
@@ -89,17 +129,58 @@ class StaticResidualStore:
 
     def device_state(self) -> list[torch.Tensor]:
         """Tensors a graph step updates in place besides :meth:`tensors` (their addresses must stay put)."""
-        return [self.flushed_t, self.nonfinite]
+        return [self.flushed_t, self.nonfinite] + ([] if self.coded is None else [self.coded])
+
+    # -- fitting (the first coded write's parameters: turbo means / outliers, smoothed keys' factors) -----------
+    @property
+    def fitted(self) -> bool:
+        """Whether the coded store's fitted parameters are set (always, for specs that fit nothing)."""
+        inner = self.inner
+        if isinstance(inner, TurboStore):
+            return inner.fitted
+        return not (inner.spec.smooth and inner.channel is None)
+
+    def _fit_on(self, start: int, x: torch.Tensor) -> None:
+        """Eagerly, fit the coded store on window tokens ``x`` at window positions ``start`` on (what the eager
+        layout's first coded write fits on), then keep what a compiled step reads at fixed addresses."""
+        inner = self.inner
+        if isinstance(inner, TurboStore):
+            inner.fit(torch.arange(start, start + x.shape[2], device=x.device), x)
+        else:
+            inner._channel_for(x)
+        self._hold()
+        self._refresh_coded()
+
+    def _hold(self) -> None:
+        """Mark the fitted tensors a compiled step reads as static addresses (CUDA graphs replay in place)."""
+        inner = self.inner
+        held = inner.frozen_tensors() if isinstance(inner, TurboStore) else [inner.channel]
+        if not torch.compiler.is_compiling():
+            for t in held:
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+
+    def _refresh_coded(self) -> None:
+        if self.coded is not None and self.fitted:
+            self.coded.copy_(self.inner.to_coded_basis(self.fp))
+
+    def fused_tail(self) -> tuple[torch.Tensor, bool]:
+        """The tail a fused decode step attends (sinks and ring rows) and whether it is in the codes' basis."""
+        return (self.fp, False) if self.coded is None else (self.coded, True)
 
     def map_sequences(self, fn) -> None:
         self.inner.map_sequences(fn)
         self.fp = fn(self.fp)
+        if self.coded is not None:
+            self.coded = fn(self.coded)
 
     def reset(self) -> None:
         self.flushed = self.length = 0
         self.flushed_t.zero_()
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.fp.device)
         self.inner.reset()
+        if self.coded is not None:
+            self.coded.zero_()
 
     def sync_host(self, length: int) -> None:
         """After graph steps: the host copies from the device (one read, at an eager boundary)."""
@@ -142,6 +223,12 @@ class StaticResidualStore:
             self.flushed = target
             self.flushed_t.fill_(target)
         self.length = n
+        if not self.fitted and n > s:  # fit now on the tokens of the first flush group (all of them when held)
+            take = min(self.flush, n - s)
+            self._fit_on(0, self.fp.index_select(2, self._rows(torch.arange(take, device=x.device))))
+        elif self.fitted:  # fitted before, or by this call's flush (the eager layout's first coded write)
+            self._hold()
+            self._refresh_coded()
 
     def _rows(self, window_pos: torch.Tensor) -> torch.Tensor:
         return self.sink + window_pos.remainder(self.window)
@@ -152,16 +239,31 @@ class StaticResidualStore:
         copies current (an eager call, whose position the caller knows)."""
         s, w, f = self.sink, self.window, self.flush
         check_finite(x, self)  # one token: a device-side flag (storage.check_finite)
+        fresh = False
+        if not self.fitted:  # only eagerly: the fit is the first coded write's, decided on the host
+            if not host:
+                raise unfitted_error(self.spec)
+            pos = self.length
+            if pos >= s and pos - s - self.flushed == w:  # this step flushes the first group: fit on it first
+                rows = self._rows(self.flushed + torch.arange(f, device=x.device))
+                self._fit_on(self.flushed, self.fp.index_select(2, rows))
+                fresh = True
         is_sink = n < s
-        due = (~is_sink) & (n - s - self.flushed_t == w)  # (1,): the window is full, its oldest group goes to codes
-        if ok is not None:
-            due = due & ok
-        slots = self.flushed_t + torch.arange(f, device=n.device)
-        group = self.fp.index_select(2, self._rows(slots))  # encoded every step, written only when due
-        self.inner.write_at(slots.clamp(max=self.capacity - 1), group, ~due, checked=True)
-        self.flushed_t.add_(due.to(torch.int64)[0] * f)
+        if self.fitted:
+            due = (~is_sink) & (n - s - self.flushed_t == w)  # (1,): the window is full, its oldest group flushes
+            if ok is not None:
+                due = due & ok
+            slots = self.flushed_t + torch.arange(f, device=n.device)
+            group = self.fp.index_select(2, self._rows(slots))  # encoded every step, written only when due
+            self.inner.write_at(slots.clamp(max=self.capacity - 1), group, ~due, checked=True)
+            self.flushed_t.add_(due.to(torch.int64)[0] * f)
         row = torch.where(is_sink, n, self._rows(n - s))
-        self.fp.index_copy_(2, row, _kept(self.fp, row, x.to(self.dtype), None if ok is None else ~ok))
+        keep = None if ok is None else ~ok
+        self.fp.index_copy_(2, row, _kept(self.fp, row, x.to(self.dtype), keep))
+        if self.coded is not None and self.fitted and not fresh:  # the row in the codes' basis
+            self.coded.index_copy_(2, row, _kept(self.coded, row, self.inner.to_coded_basis(x), keep))
+        elif fresh:
+            self._refresh_coded()
         if host:
             pos = self.length
             if pos >= s and pos - s - self.flushed == w:

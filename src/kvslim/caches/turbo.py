@@ -35,7 +35,7 @@ import torch
 
 from ..ops import turbo
 from ..ops.rope import rotate, unrotate
-from .storage import ScratchPool, StoreSpec, TensorStore, check_finite
+from .storage import ScratchPool, StoreSpec, TensorStore, _kept, check_finite
 
 
 class TurboStore(TensorStore):
@@ -58,32 +58,77 @@ class TurboStore(TensorStore):
         self._inv_freq = None if spec.rope is None else torch.tensor(spec.rope, dtype=torch.float32, device=device)
         self._prerope = spec.rope is not None and not spec.rope_centred  # codes before RoPE (else: post-RoPE codes)
         self._matrices: dict = {}  # query / key basis moves (_moves), keyed by the fitted tensors they come from
+        self.tables = [turbo.level_tables(b, device) for _, b in self.parts]  # each part's codebook, kept
+        self.frozen: dict | None = None  # _moves once fitted (fixed until a reset or reorder): no lookup per step
+        self.kept_rows: torch.Tensor | None = None  # bias_rows of the capacity, once fitted (RoPE-centred keys)
+        if self.fitted:
+            self._freeze()
 
-    def _rope_table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (end − start, 2·len(rope)) of slots [start, end), computed as HF's rotary embedding does
-        (fp32 position × inverse frequency, both halves)."""
-        pos = torch.arange(start + self.position_offset, end + self.position_offset, device=self._inv_freq.device)
+    def _slots(self, start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, device=self.data.device)
+
+    def _rope_table(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (S, 2·len(rope)) of ``slots`` (S,) int64 (host ranges or device positions alike), computed as
+        HF's rotary embedding does (fp32 position × inverse frequency, both halves)."""
+        pos = slots + self.position_offset
         freqs = pos[:, None].float() * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def _unrope(self, start: int, x: torch.Tensor) -> torch.Tensor:
-        return x if not self._prerope else unrotate(x.float(), *self._rope_table(start, start + x.shape[2]))
-
-    def _rope_mean(self, start: int, end: int) -> torch.Tensor:
-        """``RoPE_s(μ)`` (B, H, end − start, D) fp32 for slots [start, end) (RoPE-centred keys)."""
+    def _rope_mean(self, slots: torch.Tensor) -> torch.Tensor:
+        """``RoPE_s(μ)`` (B, H, S, D) fp32 for ``slots`` (S,) (RoPE-centred keys)."""
         m = self.mean
-        return rotate(m.expand(*m.shape[:2], end - start, m.shape[-1]), *self._rope_table(start, end))
+        return rotate(m.expand(*m.shape[:2], slots.shape[0], m.shape[-1]), *self._rope_table(slots))
 
-    def _as_coded(self, start: int, x: torch.Tensor) -> torch.Tensor:
-        """Rows written at slot ``start`` on, in the basis the codes see before centring: un-rotated (pre-RoPE
+    def _as_coded(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rows written at ``slots`` (S,) int64, in the basis the codes see before centring: un-rotated (pre-RoPE
         keys), or less ``RoPE_s(μ)`` (RoPE-centred keys: μ fitted here, before RoPE, on the first write)."""
+        if self._prerope:
+            return unrotate(x.float(), *self._rope_table(slots))
         if not self.spec.rope_centred:
-            return self._unrope(start, x)
-        table = self._rope_table(start, start + x.shape[2])
+            return x
         if self.mean is None:
-            self.mean = unrotate(x.float(), *table).mean(dim=2, keepdim=True)
-        return x.float() - self._rope_mean(start, start + x.shape[2])
+            self.mean = unrotate(x.float(), *self._rope_table(slots)).mean(dim=2, keepdim=True)
+        return x.float() - self._rope_mean(slots)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether everything the first write fits (channel means, smoothing factors, outlier channels) is fitted:
+        later writes only code (``write_at`` in a compiled step needs it)."""
+        sp = self.spec
+        return not ((sp.center and self.mean is None) or (sp.smooth and self.channel is None)
+                    or (sp.outliers and self.perm is None))
+
+    def fit(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Fit what the first write fits on rows ``x`` (B, H, S, D) at ``slots`` (S,), writing nothing (a capturable
+        layer fits in its eager prefill, ``caches/capture_residual.py``); no-op once fitted."""
+        if not self.fitted:
+            self._fit(self._as_coded(slots, x))
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Once fitted: both basis moves and (RoPE-centred keys) the bias rows of the whole capacity, computed now
+        (eagerly) and kept until a reset or reorder, so that a compiled step only reads them."""
+        self.frozen = None
+        self.frozen = {query: self._moves(query) for query in (True, False)}
+        if self.spec.rope_centred and self.mean is not None:
+            width = self._bias_matrix().shape[-1]
+            self.kept_rows = rope_cos_sin(self.spec.rope, self.position_offset, self.capacity, self.data.device,
+                                          width)
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        """What a compiled step reads besides the codes (fitted parameters, kept moves and rows): their addresses
+        are marked static by a capturable layer."""
+        out = [t for t in (self.mean, self.channel, self.perm, self.kept_rows) if t is not None]
+        return out + ([] if self.frozen is None else list(self.frozen.values())) + self.rotations \
+            + [t for pair in self.tables for t in pair]
+
+    def bias_rows(self, n: int, width: int) -> torch.Tensor:
+        """:func:`rope_cos_sin` of slots [0, n) (kept rows when they cover them)."""
+        kept = self.kept_rows
+        if kept is not None and kept.shape[0] >= n and kept.shape[1] == width:
+            return kept[:n]
+        return rope_cos_sin(self.spec.rope, self.position_offset, n, self.data.device, width)
 
     def bias_factors(self, q: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE-centred keys: the score term ``q·RoPE_s(μ)`` of slots [0, n) that the residual codes leave out,
@@ -115,6 +160,8 @@ class TurboStore(TensorStore):
         """(B|1, H|1, D, D [+ W]) fp32 M with ``x·M`` = :meth:`to_coded_basis` of centred rows (``query``: of a query,
         then its bias factors for RoPE-centred keys): smoothing, the outlier permutation and the part rotations in
         one matrix, kept until the fitted permutation, factors or means change."""
+        if self.frozen is not None:
+            return self.frozen[query]
         key = (query, self.perm, self.channel, self.mean)
         saved = self._matrices.get(query)
         if saved is not None and all(a is b for a, b in zip(saved[0], key)):
@@ -181,8 +228,8 @@ class TurboStore(TensorStore):
         if self.perm is not None:
             z = z.gather(-1, self.perm.long()[:, :, None, :].expand(z.shape))
         codes, scales, at = [], [], 0
-        for (w, b), rot in zip(self.parts, self.rotations):
-            q, s = turbo.encode(z[..., at:at + w], b, rot, self.spec.scale_dtype)
+        for j, ((w, b), rot) in enumerate(zip(self.parts, self.rotations)):
+            q, s = turbo.encode(z[..., at:at + w], b, rot, self.spec.scale_dtype, tables=self.tables[j])
             codes.append(turbo.pack(q, b))
             scales.append(s)
             at += w
@@ -194,7 +241,7 @@ class TurboStore(TensorStore):
         for j, ((w, b), rot) in enumerate(zip(self.parts, self.rotations)):
             n = w * b // 8
             q = turbo.unpack(codes[..., at:at + n], b)
-            parts.append(turbo.decode(q, scale[..., j:j + 1], b, rot))
+            parts.append(turbo.decode(q, scale[..., j:j + 1], b, rot, self.tables[j]))
             at += n
         z = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         if self.perm is not None:
@@ -213,28 +260,46 @@ class TurboStore(TensorStore):
         scores take :meth:`score_bias`)."""
         if self._prerope:
             raise ValueError("to_coded_basis: pre-RoPE keys (spec.rope) have no single coded basis; read the rows")
-        z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not (a shift of every
-        if self.perm is None and self.channel is None:             # key's score by q·mean leaves the softmax as is)
-            return z @ self.rotations[0]
+        z = x.float() if scale_by_channel else self._centered(x)  # keys centered; a query is not
+        if self.perm is None and self.channel is None and len(self.rotations) == 1:  # (a shift of every key's
+            return z @ self.rotations[0]                                                # score by q·mean: same softmax)
         return (z @ self._moves(scale_by_channel))[..., :x.shape[-1]]
 
     def write(self, start: int, x: torch.Tensor, *, checked: bool = False) -> None:
         """Code ``x`` (B, H, S, D) into slots [start, start+S); ``ValueError`` on inf/nan, nothing written."""
         if not checked:
             check_finite(x, self)
-        x = self._as_coded(start, x)
+        fitted = self.fitted
+        x = self._as_coded(self._slots(start, start + x.shape[2]), x)
         self._fit(x)
+        if not fitted:
+            self._freeze()
         codes, scale = self._encode(x)
         self.data[:, :, start:start + x.shape[2]] = codes
         self.scale[:, :, start:start + x.shape[2]] = scale
 
+    def write_at(self, pos: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 checked: bool = False) -> None:
+        """Code ``x`` (B, H, S, D) into slots ``pos`` (S,) int64 on the device, the same ops at every position
+        (``caches/capture_residual.py``); ``keep``: 1-element bool, true = leave the slots as they are. Fits
+        nothing: ``ValueError`` naming the fit when the store is not fitted yet (a capturable layer fits in its
+        eager prefill)."""
+        if not self.fitted:
+            raise ValueError(f"a turbo store ({self.spec.describe()}) codes by slot only once fitted (channel means, "
+                             "outlier channels, smoothing: fitted by the first coded write); run that write eagerly")
+        if not checked:
+            check_finite(x, self)
+        codes, scale = self._encode(self._as_coded(pos, x))
+        self.data.index_copy_(2, pos, _kept(self.data, pos, codes, keep))
+        self.scale.index_copy_(2, pos, _kept(self.scale, pos, scale, keep))
+
     def _restore(self, start: int, z: torch.Tensor) -> torch.Tensor:
         """Decoded fp32 rows of slots [start, …) back in the model's basis and dtype (RoPE, or ``RoPE_s(μ)``)."""
-        end = start + z.shape[2]
+        slots = self._slots(start, start + z.shape[2])
         if self._prerope:
-            z = rotate(z, *self._rope_table(start, end))
+            z = rotate(z, *self._rope_table(slots))
         elif self.spec.rope_centred and self.mean is not None:
-            z = z + self._rope_mean(start, end)
+            z = z + self._rope_mean(slots)
         return z.to(self.dtype)
 
     def read(self, start: int, end: int, scratch: tuple[ScratchPool, str] | None = None) -> torch.Tensor:
@@ -242,8 +307,11 @@ class TurboStore(TensorStore):
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, H, S, D) coded and decoded as if written at slots [0, S) (fits on the first call)."""
-        z = self._as_coded(0, x)
+        fitted = self.fitted
+        z = self._as_coded(self._slots(0, x.shape[2]), x)
         self._fit(z)
+        if not fitted:
+            self._freeze()
         return self._restore(0, self._decode(*self._encode(z)))
 
     def map_sequences(self, fn) -> None:
@@ -254,6 +322,8 @@ class TurboStore(TensorStore):
             self.perm = fn(self.perm)
         if self.mean is not None:
             self.mean = fn(self.mean)
+        if self.frozen is not None:
+            self._freeze()
 
     def _fixed_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.channel, self.perm, self.mean) if t is not None)
@@ -264,6 +334,9 @@ class TurboStore(TensorStore):
     def reset(self) -> None:
         self.channel = self.perm = self.mean = None
         self.nonfinite = None
+        self.frozen = self.kept_rows = None
+        if self.fitted:
+            self._freeze()
 
     def nbytes(self, used_slots: int) -> int:
         return super().nbytes(used_slots) + (self._fixed_nbytes() if used_slots else 0)

@@ -1,13 +1,17 @@
 """Bytes per method for any Hugging Face config, loading no weights.
 
-``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--ranks N] [--json]``
+``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--window W] [--group-size G]
+[--per-layer 15-24:bits=8] [--turbo OPTION=VALUE,...] [--ranks N] [--json]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+
+from .method_options import parse_options, parse_per_layer
 
 # torch, transformers and rich are imported inside the functions: ``kvslim plan --help`` stays instant
 
@@ -18,7 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--dtype", default="bfloat16", help="float32 | float16 | bfloat16 (default bfloat16)")
     p.add_argument("--window", type=int, default=None, help="ring-buffer window for 'window' and int8/int4")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="quantization group size for int8/int4/int3/int2 (default: the method's, 64 where it "
+                        "divides the head dimension)")
+    p.add_argument("--per-layer", action="append", default=None, metavar="LAYERS:OPTION=VALUE[,...]",
+                   help="int8/int4/int3/int2: options of some layers over the method's (per_layer), e.g. "
+                        "15-24:bits=8 or 0,3:rotation=hadamard (options: bits, key_bits, rotation, "
+                        "value_rotation); repeatable")
+    p.add_argument("--turbo", default=None, metavar="OPTION=VALUE[,...]",
+                   help="options of turbo4/turbo3/turbo2, e.g. rope_centred_keys=false or prerope_keys=true")
     p.add_argument("--ranks", type=int, default=None,
                    help="sequence-parallel ranks (kvslim.distributed): also show cache bytes per rank and bytes "
                         "each rank sends per decode step")
@@ -72,10 +84,30 @@ def check_sizes(data: dict, path: Path) -> None:
                              f"{where}num_attention_heads {heads} (and no head_dim is given)")
 
 
-def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int,
-                   ranks: int | None = None) -> list[dict]:
+#: the methods ``--group-size`` and ``--per-layer`` reach; ``--window`` reaches ``window`` and the first two
+QUANTIZED = ("int8", "int4", "int3", "int2")
+TURBO = ("turbo4", "turbo3", "turbo2")
+
+
+def method_options(name: str, window: int | None, group_size: int | None, per_layer: dict | None = None,
+                   turbo: dict | None = None) -> dict:
+    """The options ``kvslim plan``'s flags give method ``name`` (flags left out: the method's defaults)."""
+    opts = {}
+    if name in ("window", "int8", "int4") and window:
+        opts["window"] = window
+    if name in QUANTIZED:
+        opts |= ({"group_size": group_size} if group_size else {}) | ({"per_layer": per_layer} if per_layer else {})
+    if name in TURBO and turbo:
+        opts |= turbo
+    return opts
+
+
+def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int | None,
+                   ranks: int | None = None, per_layer: dict | None = None, turbo: dict | None = None) -> list[dict]:
     """One record per registered method: bytes, ratio, or the reason it does not apply (with ``ranks``: also
-    the per-rank cache and traffic of a sequence-parallel job, see :mod:`kvslim.distributed.plan`)."""
+    the per-rank cache and traffic of a sequence-parallel job, see :mod:`kvslim.distributed.plan`). A
+    ``per_layer`` option the method refuses, or a ``turbo`` option no turbo method knows, is a ``ValueError``
+    naming the flag, not a row."""
     from ..adapters.shape import shape_from_config
     from ..api import plan_config
     from ..methods import METHODS
@@ -83,16 +115,17 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
     shape = shape_from_config(config)
     records = []
     for name in METHODS:
-        opts = {}
-        if name in ("int8", "int4"):
-            opts = {"group_size": group_size} | ({"window": window} if window else {})
-        elif name == "window" and window:
-            opts = {"window": window}
+        opts = method_options(name, window, group_size, per_layer, turbo)
         rec = {"method": name, "model_type": shape.model_type, "family": shape.family, "context": context,
                "batch": batch, "dtype": str(dtype).replace("torch.", "")}
         try:
             plan = plan_config(config, name, dtype, **opts)
         except ValueError as exc:
+            if per_layer and "per_layer" in str(exc) and not METHODS[name].not_applicable(shape):
+                why = re.sub(r"^per_layer\[(\d+)\]", r"layer \1", str(exc)).removeprefix("per_layer: ")
+                raise ValueError(f"--per-layer: {why}") from None
+            if turbo and name in TURBO and "unknown option" in str(exc):  # a value one of them refuses: its row
+                raise ValueError(f"--turbo: {exc}") from None
             rec |= {"applies": False, "reason": str(exc)}
         else:
             rec |= {"applies": True, "cache_bytes": plan.cache_bytes(context, batch),
@@ -127,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be a positive int, got {value}")
     dtype = parse_dtype(args.dtype, "--dtype")
+    per_layer = parse_per_layer(getattr(args, "per_layer", None))
+    turbo = parse_options(args.turbo, "--turbo") if getattr(args, "turbo", None) else None
     config = load_config(args.config)
-    records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks)
+    records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks,
+                             per_layer, turbo)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0

@@ -67,9 +67,15 @@ def _levels_cpu() -> torch.Tensor:
     return out
 
 
+@torch._dynamo.assume_constant_result  # under torch.compile: a constant of the graph, never rebuilt per step
 def levels(device: torch.device | str) -> torch.Tensor:
     """(5, 16) fp32: row b holds the 2^b Lloyd–Max levels of the b-bit codebook (rows 0, 1 unused)."""
     return _levels_cpu().to(device)
+
+
+@torch._dynamo.assume_constant_result  # decided once at trace time, not traced into (it may build the op)
+def _cpp_available() -> bool:
+    return available()
 
 
 def decode_rows(codes: torch.Tensor, scale: torch.Tensor, k_out: int, bits: int) -> torch.Tensor:
@@ -121,7 +127,7 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
     (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU)."""
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
-              and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and available())
+              and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":

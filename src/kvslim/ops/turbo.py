@@ -108,12 +108,19 @@ def rotation_matrix(kind: str, dim: int, seed: int) -> torch.Tensor:
     return q.float()
 
 
-def encode(x: torch.Tensor, bits: int, rotation: torch.Tensor, scale_dtype: torch.dtype, fit: str = "ls"
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def level_tables(bits: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels, bounds) fp32 of the ``bits`` codebook on ``device``: what :func:`encode` / :func:`decode` take as
+    ``tables`` (a store keeps them, so that a compiled step never builds the codebook)."""
+    return tuple(t.to(device) for t in _levels(bits))
+
+
+def encode(x: torch.Tensor, bits: int, rotation: torch.Tensor, scale_dtype: torch.dtype, fit: str = "ls",
+           tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` (..., d) -> (codes uint8 (..., d) in ``[0, 2^bits)``, scale (..., 1) in ``scale_dtype``).
 
-    ``fit``: ``"ls"`` (the least-squares scale, the library's) or ``"norm"`` (the paper's ``‖x‖/√d``)."""
-    levels, bounds = (t.to(x.device) for t in _levels(bits))
+    ``fit``: ``"ls"`` (the least-squares scale, the library's) or ``"norm"`` (the paper's ``‖x‖/√d``).
+    ``tables``: :func:`level_tables` on ``x``'s device (built here when ``None``)."""
+    levels, bounds = level_tables(bits, x.device) if tables is None else tables
     y = x.float() @ rotation
     d = y.shape[-1]
     norm = y.norm(dim=-1, keepdim=True)
@@ -129,9 +136,10 @@ def encode(x: torch.Tensor, bits: int, rotation: torch.Tensor, scale_dtype: torc
     return q.to(torch.uint8), scale
 
 
-def decode(q: torch.Tensor, scale: torch.Tensor, bits: int, rotation: torch.Tensor) -> torch.Tensor:
+def decode(q: torch.Tensor, scale: torch.Tensor, bits: int, rotation: torch.Tensor,
+           tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Inverse of :func:`encode`: (..., d) float32 rows ``(s·c[q])·Rᵀ``."""
-    levels = _levels(bits)[0].to(q.device)
+    levels = _levels(bits)[0].to(q.device) if tables is None else tables[0]
     return (levels[q.long()] * scale.float()) @ rotation.T
 
 

@@ -1,15 +1,20 @@
 // What the quantized decode ops (quant_decode.cpp, quant_decode_lowbit.cpp) share, independent of the instruction
 // set: strided views of (B, H, tokens, ·) tensors, the common inputs (query, lengths, fp32 tail, additive mask) and
-// their checks (named ValueErrors, every size from tensor metadata), and the split-K driver: one task per
-// (sequence, KV head, split), then an exact log-sum-exp merge of the splits.
+// their checks (named ValueErrors, every size from tensor metadata), a task's start (start_task, group_sums), the
+// AVX2-or-scalar switch of the 2/3-bit and turbo ops (Avx2OrScalar), and the split-K driver: one task per
+// (sequence, KV head, split), then an exact log-sum-exp merge of the splits. The per-instruction-set half is
+// decode_task_body.h.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace kvslim_decode {
@@ -132,6 +137,68 @@ inline Held bind_common(const char* op, Common& a, const at::Tensor& q, double s
   a.scaling = static_cast<float>(scaling);
   return held;
 }
+
+// One task's start: its token range (split s of S over the first len coded tokens, in whole blocks of T), the
+// (sequence b, KV head h)'s query times scaling into q (G × D), acc (G × D) / m / l (G) cleared. Returns the
+// sequence's mask row (nullptr: no mask).
+struct TaskRange {
+  int64_t begin, end;
+  const float* mask;
+};
+inline TaskRange start_task(const Common& a, int64_t len, int64_t b, int64_t h, int64_t s, int64_t S, int64_t T,
+                            float* q, float* acc, float* m, float* l) {
+  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
+  const float* qsrc = a.q + ((b * a.Hk + h) * a.G) * a.D;
+  for (int64_t i = 0; i < a.G * a.D; ++i) q[i] = qsrc[i] * a.scaling;
+  std::fill(acc, acc + a.G * a.D, 0.f);
+  for (int64_t j = 0; j < a.G; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.f;
+  }
+  return {std::min(len, s * per * T), std::min(len, (s + 1) * per * T), a.mask ? a.mask + b * a.mask_bs : nullptr};
+}
+
+// out[j·ng + g] = Σ of q_j over channel group g (groups of gs; asymmetric keys: the zero-points' weight)
+inline void group_sums(const float* q, int64_t G, int64_t D, int64_t gs, float* out) {
+  const int64_t ng = D / gs;
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t g = 0; g < ng; ++g) {
+      float z = 0.f;
+      for (int64_t i = g * gs; i < (g + 1) * gs; ++i) z += q[j * D + i];
+      out[j * ng + g] = z;
+    }
+}
+
+// The instruction set of an op with one vector path (AVX2 + FMA + F16C) and a scalar fallback: the best the CPU
+// has, capped to scalar by KVSLIM_ISA=scalar or the op's set_isa. An op keeps one in a function-local static.
+inline bool cpu_avx2_fma_f16c() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
+class Avx2OrScalar {
+ public:
+  Avx2OrScalar() {
+    const char* cap = std::getenv("KVSLIM_ISA");
+    scalar_.store(!cpu_avx2_fma_f16c() || (cap != nullptr && std::string(cap) == "scalar"));
+  }
+  std::string isa() const { return scalar_.load() ? "scalar" : "avx2"; }
+  // select "avx2" or "scalar" (tests run both in one process); returns the previous one. fn: the op's set_isa
+  // name, for the errors
+  std::string set(const char* fn, const std::string& isa) {
+    TORCH_CHECK_VALUE(isa == "scalar" || isa == "avx2", fn, ": isa must be 'avx2' or 'scalar', got '", isa, "'");
+    TORCH_CHECK_VALUE(isa == "scalar" || cpu_avx2_fma_f16c(), fn, ": this CPU has no AVX2 + FMA + F16C");
+    const std::string previous = this->isa();
+    scalar_.store(isa == "scalar");
+    return previous;
+  }
+
+ private:
+  std::atomic<bool> scalar_{false};
+};
 
 // splits of the sequence when batch × KV heads would leave threads idle (flash-decoding)
 inline int64_t auto_splits(int64_t tasks, int64_t n, int64_t T) {

@@ -9,6 +9,7 @@
 // attended after the codes in the last split, read in place. Every index is bounded by QArgs (set from tensor
 // metadata by the op and checked there).
 
+#include "decode_task_body.h"  // parameter rows, the fp32 tail, block_softmax
 #include "dots4_body.h"
 
 // one group of `len` codes starting at a group boundary -> fp32 (x = q·s [+ z])
@@ -117,8 +118,6 @@ inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, i
   }
 }
 
-#include "block_softmax_body.h"
-
 // acc[j] += Σ_t p[j][t] · v_t (tokens with weight 0 skipped: a masked row is never read); D a multiple of V::W
 inline void block_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t vrs, int64_t m,
                          float* acc) {
@@ -182,32 +181,6 @@ inline void from_chunk_order(float* x, float* tmp, int64_t D) {
       x[c + 2 * m] = tmp[c + m];
       x[c + 2 * m + 1] = tmp[c + V::W + m];
     }
-}
-
-// n contiguous parameters (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32
-inline void params_f32(const void* p, int sdt, float* o, int64_t n) {
-  if (sdt == 0) {
-    std::memcpy(o, p, n * sizeof(float));
-    return;
-  }
-  const uint16_t* hp = static_cast<const uint16_t*>(p);
-  int64_t i = 0;
-  for (; i + V::W <= n; i += V::W) V::store(o + i, sdt == 1 ? V::f16(hp + i) : V::load(hp + i));
-  for (; i < n; ++i) o[i] = sdt == 1 ? kvslim_vec::QuantScalar::f16(hp + i) : kvslim_vec::QuantScalar::load(hp + i);
-}
-
-inline const void* param_ptr(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t) {
-  return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
-}
-
-// per-token parameters of tokens [t0, t0 + m) into dst[(t - t0)·ng + g] (fp32)
-inline void load_params(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t t0, int64_t m, float* dst) {
-  const int64_t ng = a.D / a.gs;
-  if (st.ts == ng) {  // rows back to back: one run
-    params_f32(param_ptr(st, a.sdt, b, h, t0), a.sdt, dst, m * ng);
-    return;
-  }
-  for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
 }
 
 #include "qscores_body.h"  // key_rows4 and the integer score path
@@ -441,16 +414,6 @@ inline void fast_values(const QArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   }
 }
 
-// KIVI keys: the D per-channel parameters of token group g (rows [g·kivi, (g+1)·kivi), D/kivi each) -> fp32
-inline void kivi_row(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g, float* out) {
-  const int64_t per = a.D / a.kivi;
-  if (st.ts == per) {  // rows back to back: one run of D
-    params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi), a.sdt, out, a.D);
-    return;
-  }
-  for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
-}
-
 // the parameters of token group g + 1 into cache while group g is scored (each group's row is read once, so
 // without this every group starts with a miss); rows back to back only, never past the coded tokens
 inline void prefetch_kivi(const QArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g) {
@@ -496,17 +459,10 @@ template <int BITS, bool ASYM>
 void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
               Scratch& sp) {
   const int64_t G = a.G, D = a.D, T = sp.T;
-  const int64_t len = a.lengths ? a.lengths[b] : a.n;
-  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
-  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
-  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) sp.q[i] = qsrc[i] * a.scaling;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < G; ++j) {
-    mo[j] = -INFINITY;
-    lo[j] = 0.f;
-  }
-  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  const auto task =
+      kvslim_decode::start_task(a, a.lengths ? a.lengths[b] : a.n, b, h, s, S, T, sp.q.data(), acc, mo, lo);
+  const int64_t t_begin = task.begin, t_end = task.end;
+  const float* mask = task.mask;
   sp.row_group = -1;
   const bool fast = fast_ok<BITS>(a);
   const bool perm = fast && BITS == 4;  // int4 fast path: query and accumulator in chunk order
@@ -520,13 +476,7 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   const bool qd = qdot_ok(a);  // integer scores (keys read in natural order: no chunk-order query needed)
   if (qd && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j) qdot_prep<BITS, ASYM>(a, sp, j, sp.q.data() + j * D, ng);
-  if ((fast || qd) && ASYM && a.kivi == 0)
-    for (int64_t j = 0; j < G; ++j)
-      for (int64_t g = 0; g < ng; ++g) {
-        float z = 0.f;
-        for (int64_t i = g * a.gs; i < (g + 1) * a.gs; ++i) z += sp.q[j * D + i];
-        sp.qsum[j * ng + g] = z;
-      }
+  if ((fast || qd) && ASYM && a.kivi == 0) kvslim_decode::group_sums(sp.q.data(), G, D, a.gs, sp.qsum.data());
   for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
     const int64_t m = std::min(T, t_end - t0);
     const float* mk = mask ? mask + t0 : nullptr;
@@ -597,15 +547,7 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   // the online-softmax rescaling and the split merge)
   if (a.vunrot)
     for (int64_t j = 0; j < G; ++j) times_matrix(acc + j * D, a.vunrot, D, sp.zrow.data());
-  if (s != S - 1 || a.r == 0) return;
-  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
-    const int64_t m = std::min(T, a.r - t0);
-    const float* kt = a.kt.at<float>(b, h, t0);
-    const float* vt = a.vt.at<float>(b, h, t0);
-    block_scores(sp.q.data(), G, D, kt, a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
-    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    block_values(sp.sc.data(), T, G, D, vt, a.vt.ts, m, acc);
-  }
+  if (s == S - 1) attend_tail(a, b, h, sp.q.data(), mask, T, sp.sc.data(), mo, lo, acc, block_scores, block_values);
 }
 
 inline TaskFn pick(int bits, bool asym) {

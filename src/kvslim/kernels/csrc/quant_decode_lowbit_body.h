@@ -13,41 +13,7 @@
 // (residual window) is attended after the codes in the last split, read in place. Every index is bounded by
 // LArgs (set from tensor metadata by the op and checked there).
 
-// n parameters of one row (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32; n a multiple of 8 or not
-inline void params_f32(const void* p, int sdt, float* o, int64_t n) {
-  if (sdt == 0) {
-    std::memcpy(o, p, n * sizeof(float));
-    return;
-  }
-  const uint16_t* hp = static_cast<const uint16_t*>(p);
-  int64_t i = 0;
-  for (; i + V::W <= n; i += V::W) V::store(o + i, V::params16(hp + i, sdt));
-  for (; i < n; ++i) o[i] = sdt == 1 ? half_to_float(hp[i]) : kvslim_vec::bf16_to_f32(hp[i]);
-}
-
-inline const void* param_ptr(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t) {
-  return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
-}
-
-// per-token parameters of tokens [t0, t0 + m) -> dst[(t - t0)·ng + g]
-inline void load_params(const LArgs& a, const Strided& st, int64_t b, int64_t h, int64_t t0, int64_t m, float* dst) {
-  const int64_t ng = a.D / a.gs;
-  if (st.ts == ng) {  // rows back to back: one run
-    params_f32(param_ptr(st, a.sdt, b, h, t0), a.sdt, dst, m * ng);
-    return;
-  }
-  for (int64_t t = 0; t < m; ++t) params_f32(param_ptr(st, a.sdt, b, h, t0 + t), a.sdt, dst + t * ng, ng);
-}
-
-// KIVI keys: the D per-channel parameters of token group g (rows [g·kivi, (g+1)·kivi), D/kivi each) -> fp32
-inline void kivi_row(const LArgs& a, const Strided& st, int64_t b, int64_t h, int64_t g, float* out) {
-  const int64_t per = a.D / a.kivi;
-  if (st.ts == per) {  // rows back to back: one run of D
-    params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi), a.sdt, out, a.D);
-    return;
-  }
-  for (int64_t r = 0; r < a.kivi; ++r) params_f32(param_ptr(st, a.sdt, b, h, g * a.kivi + r), a.sdt, out + r * per, per);
-}
+#include "decode_task_body.h"  // parameter rows, the fp32 tail, block_softmax
 
 // sv[j][r] = q_j · codes_r over units [u0, u1) of 8 channels, for HC heads (q rows of stride D) and NR (4 or 8)
 // token rows cr[0..NR); `ends`: unit u1 − 1 is the last of the row (loaded from its end). HC·NR independent
@@ -125,32 +91,6 @@ inline void code_scores(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   if (a.G - j0 == 2) scores_heads<BITS, 2, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
   if (a.G - j0 == 1) scores_heads<BITS, 1, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
 }
-
-// sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
-inline void row_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t rs, int64_t m, const float* mask,
-                       float* sc, int64_t ps) {
-  for (int64_t t = 0; t < m; ++t)
-    for (int64_t j = 0; j < G; ++j) {
-      auto acc = V::zero();
-      for (int64_t i = 0; i < D; i += V::W) acc = V::fma(V::load(q + j * D + i), V::load(k + t * rs + i), acc);
-      sc[j * ps + t] = V::hsum(acc) + (mask ? mask[t] : 0.f);
-    }
-}
-
-// acc[j] += Σ_t p[j][t] · row_t for m fp32 rows (stride rs): the tail
-inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t rs, int64_t m,
-                       float* acc) {
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t t = 0; t < m; ++t) {
-      const float w = p[j * ps + t];
-      if (w == 0.f) continue;
-      const auto vw = V::set1(w);
-      for (int64_t i = 0; i < D; i += V::W)
-        V::store(acc + j * D + i, V::fma(vw, V::load(v + t * rs + i), V::load(acc + j * D + i)));
-    }
-}
-
-#include "block_softmax_body.h"
 
 // acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · codes_t[c, c + 8·NV) for HC heads; tokens whose weights are all 0 are
 // skipped (a masked row is never read). ENDS: the tile's last unit ends the row.
@@ -264,27 +204,13 @@ template <int KB, int VB, bool KIVI>
 void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
               Scratch& sp) {
   const int64_t G = a.G, D = a.D, T = sp.T;
-  const int64_t len = a.lengths ? a.lengths[b] : a.n;
-  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
-  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
-  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
   float* q = sp.q.data();
-  for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < G; ++j) {
-    mo[j] = -INFINITY;
-    lo[j] = 0.f;
-  }
-  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
-  const int64_t kng = D / a.gs;
+  const auto task = kvslim_decode::start_task(a, a.lengths ? a.lengths[b] : a.n, b, h, s, S, T, q, acc, mo, lo);
+  const int64_t t_begin = task.begin, t_end = task.end;
+  const float* mask = task.mask;
   const auto kdown = V::template lanes<KB, -1>();  // the key units' lane factors, undone on the query
   if (!KIVI) {
-    for (int64_t j = 0; j < G; ++j)
-      for (int64_t g = 0; g < kng; ++g) {
-        float z = 0.f;
-        for (int64_t i = g * a.gs; i < (g + 1) * a.gs; ++i) z += q[j * D + i];
-        sp.qsum[j * kng + g] = z;
-      }
+    kvslim_decode::group_sums(q, G, D, a.gs, sp.qsum.data());
     for (int64_t i = 0; i < G * D; i += V::W) V::store(sp.qs.data() + i, V::mul(V::load(q + i), kdown));
   }
   int64_t row_group = -1;
@@ -325,13 +251,7 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   }
   const auto vdown = V::template lanes<VB, -1>();  // the accumulator back to the values' basis (exact)
   for (int64_t i = 0; i < G * D; i += V::W) V::store(acc + i, V::mul(V::load(acc + i), vdown));
-  if (s != S - 1 || a.r == 0) return;
-  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
-    const int64_t m = std::min(T, a.r - t0);
-    row_scores(q, G, D, a.kt.at<float>(b, h, t0), a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
-    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    row_values(sp.sc.data(), T, G, D, a.vt.at<float>(b, h, t0), a.vt.ts, m, acc);
-  }
+  if (s == S - 1) attend_tail(a, b, h, q, mask, T, sp.sc.data(), mo, lo, acc, row_scores, row_values);
 }
 
 inline TaskFn pick(int kb, int vb, bool kivi) {

@@ -7,6 +7,7 @@
 //              natural element order: lo = elements [0, W), hi = elements [W, 2W); `sign` sign-extends the nibble
 //              (two's complement, symmetric codes) or not (unsigned, asymmetric codes).
 //   f16(p)     W IEEE half-precision values -> W floats (AVX2: F16C)
+//   params16(p, sdt) W fp16 (sdt 1) or bf16 (sdt 2) parameters -> W floats (decode_task_body.h params_f32)
 //   i4p(p, ev, od) W bytes of packed nibbles -> 2W floats in *chunk order*: ev = elements 0, 2, ..., 2W-2 (low
 //              nibbles), od = elements 1, 3, ..., 2W-1 (high nibbles). Cheaper than i4 (no byte interleave); the
 //              kernel permutes the query (scores) and its accumulator (values) to match once per task.
@@ -31,24 +32,8 @@
 namespace kvslim_vec {
 
 struct QuantScalar : VecScalar {
-  static inline R f16(const uint16_t* p) {  // IEEE binary16 -> binary32, subnormals and inf/nan included
-    const uint32_t h = *p, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    uint32_t bits;
-    if (e == 0x1F) {
-      bits = sign | 0x7F800000u | (m << 13);
-    } else if (e != 0) {
-      bits = sign | ((e + 112) << 23) | (m << 13);
-    } else if (m == 0) {
-      bits = sign;
-    } else {  // subnormal: m · 2^-24
-      float f = static_cast<float>(m) * 5.9604644775390625e-8f;
-      std::memcpy(&bits, &f, 4);
-      bits |= sign;
-    }
-    float out;
-    std::memcpy(&out, &bits, 4);
-    return out;
-  }
+  static inline R f16(const uint16_t* p) { return half_to_f32(*p); }  // subnormals and inf/nan included
+  static inline R params16(const uint16_t* p, int sdt) { return sdt == 1 ? f16(p) : load(p); }
   static inline R i8(const int8_t* p) { return static_cast<float>(*p); }
   static inline R u8(const uint8_t* p) { return static_cast<float>(*p); }
   template <bool sign>
@@ -184,6 +169,7 @@ namespace kvslim_vec {
 
 struct QuantAVX2 : VecAVX2 {
   static inline R f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline R params16(const uint16_t* p, int sdt) { return sdt == 1 ? f16(p) : load(p); }
   static inline R i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -378,6 +364,7 @@ struct QuantAVX512 : VecAVX512 {
   static inline R f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static inline R params16(const uint16_t* p, int sdt) { return sdt == 1 ? f16(p) : load(p); }
   static inline R i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

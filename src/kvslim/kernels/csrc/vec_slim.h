@@ -21,6 +21,25 @@ inline float bf16_to_f32(uint16_t b) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+// IEEE binary16 -> binary32 (subnormals, inf, nan included): the scalar twin of F16C's vcvtph2ps
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = (static_cast<uint32_t>(h) & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    bits = sign;
+  } else {  // subnormal: m · 2^-24
+    float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
 
