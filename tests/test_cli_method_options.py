@@ -91,3 +91,23 @@ def test_python_m_kvslim_is_the_kvslim_command():
 
     out = subprocess.run([sys.executable, "-m", "kvslim", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: kvslim ") and "plan" in out.stdout
+
+
+def test_plan_refuses_a_model_type_apply_refuses(tmp_path, capsys):
+    """A GPT-NeoX config: every method's row says why (apply refuses that model_type), none shows bytes."""
+    cfg = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 128, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--config", str(tmp_path), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records and not any(r["applies"] for r in records)
+    assert "does not support model_type 'gpt_neox'" in {r["method"]: r for r in records}["int4"]["reason"]
+
+
+def test_eval_takes_every_llm_name_demo_takes():
+    """A name that works with ``kvslim demo --model`` works with ``kvslim eval --model`` (gemma-3-270m was refused)."""
+    from kvslim.cli.demo_models import MODEL_NAMES
+    from kvslim.cli.eval import BUILTINS
+
+    llms = [n for n in MODEL_NAMES if not n.startswith("whisper")]
+    assert llms and not [n for n in llms if n not in BUILTINS]

@@ -18,6 +18,8 @@ CASES = {"dense": {}, "int8": {}, "int4": {"residual": 8, "flush": 4, "key_chann
          "int2": {"residual": 8, "flush": 4, "key_channel_group": 4}, "slim": {}, "mla": {"impl": "elided"}}
 #: slim needs MHA (every query head its own KV head)
 KV_HEADS = {"slim": 4}
+#: turbo3/turbo2 keep a quarter of the key channels at one more bit from head dim 32 on (16: none)
+HEAD_DIM = {"turbo3": 32, "turbo2": 32}
 
 
 def _tokens(model, step, device):
@@ -70,13 +72,15 @@ def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
     assert torch.equal(eager, compiled)
 
 
-#: capturable formats: plain and per-token codes (caches/capture.py) with ``max_length``; the int4/int2 defaults
-#: (sinks, residual window, KIVI keys; caches/capture_residual.py) with ``capturable=True`` and a 120-token prompt,
-#: so that the 16 steps cross the first flush (position 128); slim's K-cache (caches/slim.py) and MLA latents on the
-#: V2-Lite layout (caches/latent.py), each through its Triton kernel; a ring of 8 (caches/capture_ring.py)
+#: capturable formats: plain and per-token codes (caches/capture.py) with ``max_length``; the int4/int2 and turbo
+#: defaults (sinks, residual window, KIVI keys, turbo codes fitted in the prefill; caches/capture_residual.py) with
+#: ``capturable=True`` and a 120-token prompt, so that the 16 steps cross the first flush (position 128); slim's
+#: K-cache (caches/slim.py) and MLA latents on the V2-Lite layout (caches/latent.py), each through its Triton kernel;
+#: a ring of 8 (caches/capture_ring.py)
 CAPTURABLE = {"dense": ("dense", {}), "int8": ("int8", {}),
               "int4": ("int4", {"residual": 0, "key_channel_group": 0, "sink": 0}),
               "int4-default": ("int4", None), "int2-default": ("int2", None),
+              "turbo3-default": ("turbo3", None), "turbo2-default": ("turbo2", None),
               "slim": ("slim", {"cache": "k", "rank": 0}), "mla": ("mla", {}), "window": ("window", {"window": 8})}
 
 
@@ -94,7 +98,8 @@ def test_capturable_steps_under_cuda_graphs_on_cuda(method):
 
         model = deepseek("v2-lite", dtype=torch.bfloat16).to("cuda")
     else:
-        model = tiny_model("llama", kv_heads=KV_HEADS.get(name, 2), dtype=torch.bfloat16).to("cuda")
+        extra = {"head_dim": HEAD_DIM[name]} if name in HEAD_DIM else {}
+        model = tiny_model("llama", kv_heads=KV_HEADS.get(name, 2), dtype=torch.bfloat16, **extra).to("cuda")
     default = opts is None or name == "window"  # the int4/int2 defaults and rings: capturable=True only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -142,10 +142,14 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable
 
 
 def plan_config(config, method: str, dtype: str | torch.dtype = "bfloat16", **options) -> Plan:
-    """Plan ``method`` for an HF config without loading weights (what ``kvslim plan`` prints)."""
+    """Plan ``method`` for an HF config without loading weights (what ``kvslim plan`` prints). Refuses what
+    :func:`apply` would refuse for that config's model, its ``model_type`` included."""
     m = _method(method)
     shape = shape_from_config(config)
     reason = m.not_applicable(shape)
     if reason:
         raise ValueError(f"method {method!r} does not apply to this {shape.model_type} model: {reason}")
+    if not m.supports(shape):  # its model_type (a method with its own adapters checks them in not_applicable)
+        raise ValueError(f"method {method!r} does not support model_type {shape.model_type!r} (apply() refuses it); "
+                         f"supported: {', '.join(m.model_types)}")
     return m.plan(shape, parse_dtype(dtype), **options)

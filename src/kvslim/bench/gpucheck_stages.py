@@ -20,6 +20,7 @@ PYTEST_GROUPS = (
     ("triton-int2", ("tests/test_triton_quant_decode_lowbit.py",)),
     ("triton-slim-encdec", ("tests/test_triton_slim.py",)),
     ("triton-mla", ("tests/test_triton_mla.py",)),
+    ("triton-turbo", ("tests/test_triton_turbo_decode.py",)),
     ("sync-debug-mode", ("tests/test_sync_free.py::test_cuda_decode_steps_pass_sync_debug_mode_error",)),
     ("cuda-graph-tokens", ("tests/test_cuda_graphs.py::test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda",)),
     ("capturable-cuda-graphs", ("tests/test_cuda_graphs.py::test_capturable_steps_under_cuda_graphs_on_cuda",)),
@@ -34,7 +35,8 @@ GREEDY_CASES = {"dense": {}, "window": {"window": 64}, "int8": {},
                 "int4": {"residual": 8, "flush": 4, "key_channel_group": 4, "sink": 2},
                 "int3": {"residual": 8, "flush": 8, "key_channel_group": 8, "sink": 0},
                 "int2": {"residual": 8, "flush": 8, "key_channel_group": 8, "sink": 0},
-                "slim": {}, "mla": {}}
+                "slim": {}, "mla": {}, "turbo4": {"residual": 8, "flush": 4, "sink": 2},
+                "turbo3": {"residual": 8, "flush": 4, "sink": 2}, "turbo2": {"residual": 8, "flush": 4, "sink": 2}}
 
 
 # -- stage 1 -------------------------------------------------------------------------------------------------------

