@@ -38,12 +38,16 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "int2": ("int2", {}),
     "int3": ("int3", {}),
     "int8": ("int8", {}),
+    "turbo3": ("turbo3", {}),  # library defaults (RoPE-centred keys, D/4 outlier key channels; issue 35)
+    "turbo2": ("turbo2", {}),
     "quanto 4-bit": ("quanto", {"nbits": 4}),
     "quanto 2-bit": ("quanto", {"nbits": 2}),
     "window 1024": ("window", {"window": 1024}),
 }
-#: the order of the tables' rows and columns (dense, then kvslim by bytes, then the peer, then eviction)
-TABLE_ORDER = ["dense", "int8", "int4", "int3", "int2", "quanto 4-bit", "quanto 2-bit", "window 1024"]
+#: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
+#: row beside the int row of its bits, then the peer, then eviction)
+TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
+               "window 1024"]
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
@@ -119,7 +123,7 @@ def markdown(rec: dict) -> str:
     out = [f"{rec['model']}; filler {rec['filler']}; seed {rec['seed']}; commits {', '.join(rec['commits'])}. "
            f"Accuracy over all tasks with its Wilson 95 % interval (correct/trials), bytes per token measured "
            f"from the filled cache (fp32 model).", "",
-           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token (longest context) |",
+           "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token (its longest context) |",
            "|---|" + "---|" * (len(lengths) + 1)]
     for m in methods:
         cells, bpt = [], None
@@ -152,7 +156,8 @@ def markdown(rec: dict) -> str:
 
 def readme_table(rec: dict) -> str:
     """The README's table: one row per context, one column per method (accuracy over all tasks [Wilson 95 %]
-    (correct/asked)), and the bytes per token at the longest context (``tests/test_docs.py`` checks it)."""
+    (correct/asked)), and the bytes per token at the longest context every method reached (``tests/test_docs.py``
+    checks it)."""
     cell = {(r["method"], r["length"]): r for r in rec["rows"] if r["task"] == "all"}
     methods = rec["methods"]
     label = {m: m if m.startswith("quanto") else f"kvslim {m}" for m in methods}
@@ -165,7 +170,8 @@ def readme_table(rec: dict) -> str:
             cells.append(f"{100 * r['accuracy']:.0f} % [{100 * lo:.0f}, {100 * hi:.0f}] ({r['correct']}/{r['n']})"
                          if r else "—")
         out.append(f"| {n:,} | " + " | ".join(cells) + " |")
-    top = max(rec["lengths"])
+    every = [n for n in rec["lengths"] if all((m, n) in cell for m in methods)]
+    top = max(every or rec["lengths"])  # the longest context every row reached: one context for all the bytes
     out.append(f"| bytes/token at {top:,} | " + " | ".join(
         f"{cell[(m, top)]['bytes_per_token']:,.0f}" if (m, top) in cell else "—" for m in methods) + " |")
     return "\n".join(out) + "\n"

@@ -86,3 +86,64 @@ def test_eval_retrieval_end_to_end(capsys):
     assert "passkey at 200 tokens, 1 haystacks" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["dense"], ["int4"])]
     assert [r[0] for r in rows] == ["dense", "int4"] and all(r[1].endswith("/1") for r in rows)
+
+
+def test_help_lists_the_turbo_methods_and_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    for name in ("turbo4", "turbo3", "turbo2", "int3", "--option", "METHOD.NAME=VALUE"):
+        assert name in out, name
+
+
+def test_bad_method_options_refused_by_name(capsys, tmp_path, monkeypatch, text_file):
+    """Each bad ``--option`` is refused naming it (and what would work), before any model runs, nothing written;
+    one the model's shape cannot take (tiny-mha: head dim 32) is refused at its plan, before any prefill."""
+    monkeypatch.setattr("kvslim.stepwise.compare_specs_steps", lambda *a, **k: pytest.fail("model ran"))
+    monkeypatch.setattr("kvslim.longctx.protocol.prefill_kv", lambda *a: pytest.fail("prefill ran"))
+    t = ["--model", "tiny-mha", "--text", str(text_file), "--tokens", "200", "--steps", "32",
+         "--methods", "turbo3,turbo2"]
+    for option, needles in (
+            ("turbo3.outlier=4", ["--option turbo3", "'outlier'", "allowed", "'outliers'"]),
+            ("turbo3.rope_centred_keys=1", ["--option turbo3", "rope_centred_keys must be True or False"]),
+            ("turbo2.key_bits=5", ["--option turbo2", "key_bits", "got 5"]),
+            ("turbo3.residual=500", ["--option turbo3", "at most 128"]),
+            ("int4.group_size=32", ["--option", "'int4' is not in --methods"]),
+            ("turbo3residual=64", ["--option", "METHOD.NAME=VALUE", "turbo3residual=64"]),
+            ("turbo3.residual=", ["--option", "METHOD.NAME=VALUE"]),
+            ("turbo3.outliers=32", ["--option turbo3", "outliers=32 must be below the head dimension 32"])):
+        _refused(capsys, tmp_path, monkeypatch, [*t, "--option", option], *needles)
+    _refused(capsys, tmp_path, monkeypatch, [*t, "--methods", "dense,turbo3", "--option", "dense.residual=4"],
+             "--option", "dense cache takes no options")
+    _refused(capsys, tmp_path, monkeypatch, [*t, "--option", "turbo3.sink=2", "--option", "turbo3.sink=4"],
+             "turbo3.sink is given twice")
+
+
+def test_eval_turbo_with_options_end_to_end(capsys, text_file):
+    """turbo3 with a smaller window beside turbo2 at its defaults, through both modes on the tiny model: each option
+    reaches the measured cache (bytes per token as ``kvslim plan`` counts that method with those options, and not
+    as it counts the default's)."""
+    import torch
+
+    from kvslim.methods import METHODS
+    from kvslim.models import load_tiny_mha
+
+    small = {"residual": 16, "sink": 2, "flush": 8}
+    base = ["eval", "--model", "tiny-mha", "--text", str(text_file)]
+    opts = [a for k, v in small.items() for a in ("--option", f"turbo3.{k}={v}")]
+    assert main([*base, "--tokens", "200", "--steps", "32", "--methods", "turbo3,turbo2", *opts]) == 0
+    out = capsys.readouterr().out
+    got = {line.split()[0]: float(line.split()[1].replace(",", "")) for line in out.splitlines()
+           if line.split()[:1] in (["turbo3"], ["turbo2"])}
+    model, _ = load_tiny_mha(torch.float32)
+
+    def planned(m, **o):
+        return round(METHODS[m].plan_model(model, **o).cache_bytes(200) / 200)
+
+    assert round(got["turbo3"]) == planned("turbo3", **small) != planned("turbo3")
+    assert round(got["turbo2"]) == planned("turbo2")
+    assert main([*base, "--task", "passkey", "--context", "200", "--trials", "1", "--methods", "turbo3", *opts]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["dense"],
+                                                                                                 ["turbo3"])]
+    assert [r[0] for r in rows] == ["dense", "turbo3"] and all(r[1].endswith("/1") for r in rows)
+    assert round(float(rows[1][-1].replace(",", ""))) == planned("turbo3", **small)

@@ -149,7 +149,9 @@ def test_readme_quality_tables_equal_their_result_files():
              "kvslim int4, 60-token window": "int4 r60 +sink4 (quanto 4-bit's bytes)", "kvslim int3": "int3 (default)",
              "kvslim int2": "int2 (default)",
              "kvslim int4, rotated keys": "int4 keys rotated outside the offset layers",
-             "kvslim int2, rotated keys": "int2 keys rotated outside the offset layers", "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128",
+             "kvslim int2, rotated keys": "int2 keys rotated outside the offset layers",
+             **{f"kvslim int{b}, key rotation from `kvslim.calibrate` (Botchan)":
+                f"int{b}, keys rotated where kvslim.calibrate (Botchan) says" for b in (4, 3, 2)}, "HF QuantizedCache, quanto 4-bit": "quanto 4-bit g64 r128",
              "kvslim turbo3, 123-token window": "turbo3 centred K o16 r123 (<= int3's bytes)",
              "kvslim turbo3, plain centring, 123-token window": "turbo3 centred K o16 r123 (<= int3's bytes)",
              "kvslim turbo3 (RoPE-centred keys, default), 123-token window": "turbo3 RoPE-centred K r123 (<= int3's bytes)",

@@ -1,6 +1,7 @@
 """The long-context retrieval protocol (issue 34, ``kvslim.longctx``) on tiny models at a few hundred tokens:
 tasks deterministic from a seed, every inserted sentence at its stated token position, one shared prefill equal
-to a real prefill through each cache (codes and answers token for token), resume skipping finished cells."""
+to a real prefill through each cache (codes and answers token for token; turbo3/turbo2 included: their first write
+fits the key means and outlier channels, the same write in both), resume skipping finished cells."""
 
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def _methods(model):
            "int4": make_cache_fn(model, "int4", residual=16, sink=2, key_channel_group=16, group_size=16),
            "int3": make_cache_fn(model, "int3"),
            "int2": make_cache_fn(model, "int2", residual=32, key_channel_group=16, group_size=16),
+           "turbo3": make_cache_fn(model, "turbo3", residual=16, sink=2, flush=8),  # RoPE-centred keys, outliers
+           "turbo2": make_cache_fn(model, "turbo2", residual=16, sink=2, flush=8),
            "window 64": make_cache_fn(model, "window", window=64)}
     if QUANTO:
         out["quanto 2-bit"] = make_cache_fn(model, "quanto", nbits=2)

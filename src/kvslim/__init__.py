@@ -13,14 +13,15 @@ __version__ = "0.1.0"
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
-            "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
+            "calibrate": "calibration", "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
 
-__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "get_plan", "make_cache",
-           "plan_config", "restore"]
+__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "get_plan",
+           "make_cache", "plan_config", "restore"]
 
 if TYPE_CHECKING:
     from .api import apply, get_plan, make_cache, plan_config, restore
     from .caches import KVSlimCache
+    from .calibration import calibrate
     from .methods import METHODS
     from .plan import LayerPlan, Plan
 

@@ -10,7 +10,9 @@ mean KL and top-1 agreement against the dense cache (the token protocol of ``ben
 (filler: ``--text`` when given, else the standard library's docstrings).
 
 ``PATH_OR_NAME``: a local Hugging Face folder (config.json and weights), a ``.gguf`` file, or a built-in name
-(see ``BUILTINS``). Nothing is written; bad input is refused before the model is run.
+(see ``BUILTINS``). Methods: the storage methods of ``EVAL_METHODS`` (int8/int4/int3/int2 and the TurboQuant-class
+turbo4/turbo3/turbo2), each with its library defaults unless ``--option METHOD.NAME=VALUE`` (repeatable) sets one of
+its ``apply()`` options. Nothing is written; bad input is refused before the model is run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ BUILTINS = {"smollm2": "load_smollm2", "smollm2-135m": "load_smollm2", "qwen2.5-
             "qwen25": "load_qwen25_coder", "gemma3-270m": "load_gemma3_270m", "tiny-mha": "load_tiny_mha",
             "gemma-3-270m": "load_gemma3_270m"}  # the last: ``kvslim demo --model``'s spelling
 #: storage methods kvslim eval measures (the others change the model's weights or attention)
-EVAL_METHODS = ("dense", "int8", "int4", "int3", "int2")
+EVAL_METHODS = ("dense", "int8", "int4", "int3", "int2", "turbo4", "turbo3", "turbo2")
 TASKS = ("passkey", "multikey", "multivalue", "vartrack", "all")
 
 
@@ -31,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"a local HF folder, a .gguf file, or one of {sorted(BUILTINS)}")
     p.add_argument("--text", default=None, help="a UTF-8 text file (required without --task; the filler with it)")
     p.add_argument("--methods", default="int4,int3,int2", help=f"comma-separated, of {list(EVAL_METHODS)}")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
+                   help="an apply() option of one of --methods, e.g. turbo3.residual=64 or int4.group_size=32 "
+                        "(repeatable; values read as Python literals, else as text)")
     p.add_argument("--tokens", type=int, default=2048, help="text tokens fed (default 2048)")
     p.add_argument("--steps", type=int, default=512, help="single-token steps scored, the last of --tokens "
                                                          "(default 512)")
@@ -47,6 +52,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
     bad = [m for m in methods if m not in EVAL_METHODS]
     if not methods or bad:
         raise ValueError(f"--methods: unknown method(s) {bad or 'none given'}; expected some of {list(EVAL_METHODS)}")
+    args.method_options = parse_options(getattr(args, "option", None) or [], methods)
     tasks = None
     if args.task is not None:
         if args.task not in TASKS:
@@ -70,6 +76,40 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
     if args.threads is not None and args.threads <= 0:
         raise ValueError(f"--threads must be a positive int, got {args.threads}")
     return methods, tasks
+
+
+def parse_options(items: list[str], methods: list[str]) -> dict[str, dict]:
+    """``--option METHOD.NAME=VALUE`` items -> {method: {name: value}}, each checked by the method's own option
+    check (names, values) before any model is loaded; ``ValueError`` naming the item otherwise. Checks that need
+    the model's shape (a head dim an option cannot take) run at the plan, still before any prefill."""
+    import ast
+
+    from ..methods import METHODS
+
+    out: dict[str, dict] = {}
+    for item in items:
+        head, eq, raw = item.partition("=")
+        method, dot, name = head.strip().partition(".")
+        if not eq or not dot or not method or not name.strip() or not raw.strip():
+            raise ValueError(f"--option: expected METHOD.NAME=VALUE (e.g. turbo3.residual=64), got {item!r}")
+        if method not in methods:
+            raise ValueError(f"--option {item!r}: method {method!r} is not in --methods {methods}")
+        if method == "dense":
+            raise ValueError(f"--option {item!r}: the dense cache takes no options")
+        try:
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()  # text: rotation=hadamard, scale_dtype=float16
+        opts = out.setdefault(method, {})
+        if name.strip() in opts:
+            raise ValueError(f"--option {item!r}: {method}.{name.strip()} is given twice")
+        opts[name.strip()] = value
+    for method, opts in out.items():
+        try:
+            METHODS[method].options(**opts)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--option {method}: {e}") from None
+    return out
 
 
 def load_model(name: str):
@@ -103,7 +143,7 @@ def memory_available() -> int | None:
     return None
 
 
-def memory_estimate(model, methods: list[str], context: int) -> int:
+def memory_estimate(model, methods: list[str], context: int, options: dict | None = None) -> int:
     """Bytes a run at ``context`` tokens needs beyond the loaded weights: the dense prefill's keys and values plus
     one cache of each method (``kvslim plan``'s ``cache_bytes``), and the prefill's activations (hidden states
     and the MLP's intermediate rows, fp32, a few live at once)."""
@@ -111,21 +151,36 @@ def memory_estimate(model, methods: list[str], context: int) -> int:
 
     cfg = model.config
     caches = METHODS["dense"].plan_model(model).cache_bytes(context)
-    caches += sum(METHODS[m].plan_model(model).cache_bytes(context) for m in methods if m != "dense")
+    caches += sum(METHODS[m].plan_model(model, **(options or {}).get(m, {})).cache_bytes(context)
+                  for m in methods if m != "dense")
     inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     return caches + context * 4 * (3 * inter + 8 * cfg.hidden_size)
 
 
-def check_memory(model, methods: list[str], context: int, flag: str = "--context") -> None:
+def check_memory(model, methods: list[str], context: int, flag: str = "--context",
+                 options: dict | None = None) -> None:
     """``ValueError`` before any prefill when :func:`memory_estimate` exceeds the memory available, with the
     estimate and the longest context that would fit."""
     avail = memory_available()
-    need = memory_estimate(model, methods, context)
+    need = memory_estimate(model, methods, context, options)
     if avail is not None and need > avail:
         fits = int(context * avail / need) // 256 * 256
         raise ValueError(f"{flag} {context} needs about {need / 2**20:,.0f} MiB (caches as kvslim plan counts "
                          f"them, plus prefill activations) but {avail / 2**20:,.0f} MiB is available; about "
                          f"{fits} tokens would fit")
+
+
+def check_plans(model, methods: list[str], options: dict) -> None:
+    """Each method's plan for the loaded model, before anything runs: ``ValueError`` naming ``--option`` (an
+    option the model's shape cannot take, e.g. more outlier channels than the head dim) or ``--methods`` (a method
+    this model cannot take)."""
+    from ..methods import METHODS
+
+    for m in methods:
+        try:
+            METHODS[m].plan_model(model, **options.get(m, {}))
+        except ValueError as e:
+            raise ValueError(f"{'--option ' + m if options.get(m) else '--methods ' + m}: {e}") from None
 
 
 def _check_context(model, context: int, flag: str) -> None:
@@ -146,18 +201,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     model, tok = load_model(args.model)
+    check_plans(model, methods, args.method_options)
     text = Path(args.text).read_text(encoding="utf-8", errors="replace") if args.text else None
     if tasks is None:
         _check_context(model, args.tokens, "--tokens")
         ids = tok(text, return_tensors="pt", verbose=False).input_ids
         if ids.shape[1] < args.tokens:
             raise ValueError(f"--text: {args.text!r} has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
-        check_memory(model, methods, args.tokens, "--tokens")
+        check_memory(model, methods, args.tokens, "--tokens", args.method_options)
         api.apply(model, "dense")
         print(perplexity_table(model, ids[:, :args.tokens], methods, args))
         return 0
     _check_context(model, args.context, "--context")
-    check_memory(model, methods, args.context)
+    check_memory(model, methods, args.context, options=args.method_options)
     api.apply(model, "dense")
     print(retrieval_table(model, tok, methods, tasks, text, args))
     return 0
@@ -172,7 +228,8 @@ def perplexity_table(model, ids, methods: list[str], args) -> str:
     from ..methods import METHODS
     from ..stepwise import compare_specs_steps
 
-    plans = {m: METHODS[m].plan_model(model) for m in methods}
+    opts = args.method_options
+    plans = {m: METHODS[m].plan_model(model, **opts.get(m, {})) for m in methods}
     res = compare_specs_steps(model, ids, {m: layer_specs_of(p) for m, p in plans.items()}, steps=args.steps)
     kv = prefill_kv(model, ids)
     n = ids.shape[1]
@@ -183,7 +240,7 @@ def perplexity_table(model, ids, methods: list[str], args) -> str:
              f"{'top-1':>7s}"]
     for m in methods:
         q = res[m]
-        bpt = cache_nbytes(fill(make_cache_fn(model, m)(), kv)) / n
+        bpt = cache_nbytes(fill(make_cache_fn(model, m, **opts.get(m, {}))(), kv)) / n
         lo, hi = q.delta_ppl_ci()
         ci = f"{100 * q.delta_ppl:+.2f} % [{100 * lo:+.2f}, {100 * hi:+.2f}]"
         lines.append(f"{m:8s} {bpt:12,.0f} {bpt / dense:8.3f} {ci:>28s} {q.kl.mean().item():9.4f} "
@@ -199,8 +256,9 @@ def retrieval_table(model, tok, methods: list[str], tasks, text: str | None, arg
 
     units = filler_units(text=text) if text else filler_units()
     labels = ["dense"] + [m for m in methods if m != "dense"]
-    records = run(model, tok, {m: make_cache_fn(model, m) for m in labels}, lengths=[args.context],
-                  trials=args.trials, tasks=tasks, units=units, out=None, progress=True)
+    opts = args.method_options
+    records = run(model, tok, {m: make_cache_fn(model, m, **opts.get(m, {})) for m in labels},
+                  lengths=[args.context], trials=args.trials, tasks=tasks, units=units, out=None, progress=True)
     rows = {r["method"]: r for r in summarize(records) if r["task"] == "all"}
     lines = [f"{args.model}: {', '.join(tasks)} at {args.context} tokens, {args.trials} haystacks (depths spread), "
              "answers decoded through each cache", "",
