@@ -74,8 +74,11 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
     calls = []
     op = quant.turbo_decode
 
+    lengths = []
+
     def counted(*args, **kw):
-        calls.append(args[8])  # n: the coded slots the op reads (the whole buffer)
+        calls.append(args[8])  # n: the coded slots of the buffer
+        lengths.append(kw["lengths"].clone())  # the coded tokens the op reads: the rest of the buffer is skipped
         return op(*args, **kw)
 
     quant.turbo_decode = counted
@@ -84,6 +87,9 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
     finally:
         quant.turbo_decode = op
     assert calls and set(calls) == {cache.layers[0].k_store.capacity}
+    assert all(t.dtype == torch.int64 and t.shape == (2,) for t in lengths)
+    assert max(int(t.max()) for t in lengths) < calls[0]  # never the whole buffer here (48 slots, 30 tokens)
+    assert int(lengths[-1][0]) == int(cache.layers[-1].k_store.flushed_t) > 0  # the last layer's coded tokens
     layer = cache.layers[1]
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
@@ -91,6 +97,7 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
         km, _ = layer.update(k, v)
     h = fused.fused_of(km)
     assert h is not None and h.columns is not None and h.k_tail_rotated and h.v_tail_rotated
+    assert torch.equal(h.lengths, layer.k_store.flushed_t.expand(2))
     q = torch.randn(2, 4, 1, 32, generator=g)
     mask = torch.zeros(1, 1, 1, 48).masked_fill_(torch.arange(48) > 30, float("-inf"))  # position 30: this step
     got = quant.decode(h, q, mask, None)

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_turbo_decode import _format, _oracle  # noqa: E402
+from test_turbo_decode import _format, _oracle, _oracle_lengths, spoil_past  # noqa: E402
 from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 from kvslim.caches import StoreSpec  # noqa: E402
@@ -54,6 +54,47 @@ def test_kernel_matches_the_twin_and_a_float64_oracle(spec, tail, masked, biased
         torch.testing.assert_close(a.cpu(), r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec,lens,tail", [
+    (StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2, scale_dtype=torch.float16),
+     (5, 49), False),
+    (StoreSpec(2, codec="turbo", rotation="hadamard", scale_dtype=torch.bfloat16), (0, 70), True),
+    (StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3), (33, 20), True),
+])
+def test_kernel_lengths_skip_the_slots_past_them(spec, lens, tail):
+    """``lengths`` shorter than the buffer (inside one block of 32, across blocks, 0 with a tail, the whole buffer),
+    differing across the batch: the kernel equals the twin and the float64 oracle over each sequence's own rows; NaN
+    scales and garbage codes past the lengths never reach the result."""
+    ks, vs, keys, values = _format(spec, n=70)
+    b, hk, n, d = keys.shape
+    g = torch.Generator().manual_seed(8)
+    lengths = torch.tensor(lens)
+    q = torch.randn(b, hk, 3, d, generator=g)
+    kt = vt = None
+    if tail:
+        kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
+    mask = torch.zeros(b, n + (5 if tail else 0))
+    mask[1, 1] = float("-inf")
+    bias = (torch.randn(b, hk, 3, 16, generator=g), torch.randn(n, 16, generator=g))
+    codes = (spoil_past(ks.data, lengths, 255), spoil_past(ks.scale, lengths, float("nan")),
+             spoil_past(vs.data, lengths, 7), spoil_past(vs.scale, lengths, float("nan")))
+    args = (q, *codes)
+    bits = (spec.outliers, spec.bits, spec.for_values().bits)
+    move = (lambda t: None if t is None else t.to(DEVICE))  # noqa: E731
+    got = tt.turbo_decode_triton(*[move(t) for t in args], *bits, kernel.levels(DEVICE), n, move(kt), move(vt),
+                                 move(mask), 0.125, *[move(t) for t in bias], move(lengths))
+    ref = kernel.reference(*args, *bits, n, kt, vt, mask, 0.125, *bias, lengths=lengths)
+    exact = _oracle_lengths(q, keys, values, kt, vt, mask, 0.125, lengths, bias)
+    for a, r, e in zip(got, ref, exact):
+        torch.testing.assert_close(a.cpu().double(), e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.cpu(), r, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="lengths"):  # the op's own checks: a value past n, a wrong dtype
+        tt.turbo_decode_triton(*[move(t) for t in args], *bits, kernel.levels(DEVICE), n, move(kt), move(vt),
+                               move(mask), 0.125, None, None, move(torch.tensor([n + 1, 0])))
+    with pytest.raises(ValueError, match="lengths"):
+        tt.turbo_decode_triton(*[move(t) for t in args], *bits, kernel.levels(DEVICE), n, move(kt), move(vt),
+                               move(mask), 0.125, None, None, move(lengths.int()))
+
+
 def test_dispatch_by_backend(monkeypatch):
     spec = StoreSpec(3, codec="turbo", rotation="hadamard")
     ks, vs, _, _ = _format(spec, n=20)
@@ -74,9 +115,9 @@ def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import turbo_decode as tt
 types = {name: "*fp32" for name in ("Q", "LEV", "KT", "VT", "MASK", "BAB", "BROWS", "OUT", "LSE")}
-types.update({name: "*u8" for name in ("KC", "VC")}, KS="*fp16", VS="*fp16", scaling="fp32")
+types.update({name: "*u8" for name in ("KC", "VC")}, KS="*fp16", VS="*fp16", scaling="fp32", LENGTHS="*i64")
 for kout, kb in ((0, 3), (16, 3), (8, 2), (0, 4)):
     build(tt._turbo_decode, types, dict(D=64, D_PAD=64, G_PAD=16, BLOCK_N=32, KOUT=kout, KB=kb, VB=kb,
           KBYTES=(kout * (kb + 1) + (64 - kout) * kb) // 8, VBYTES=8 * kb, KPARTS=2 if kout else 1, HAS_TAIL=True,
-          HAS_MASK=True, HAS_BIAS=kout > 0, W_PAD=64), 4)
+          HAS_MASK=True, HAS_BIAS=kout > 0, W_PAD=64, HAS_LEN=kout != 8), 4)
 ''')

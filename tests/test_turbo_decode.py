@@ -146,3 +146,82 @@ def test_fused_decode_steps_equal_the_unfused_reads(opts, monkeypatch):
     for a, b in zip(fused.logits, plain.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     kvslim.restore(model)
+
+
+def _oracle_lengths(q, keys, values, kt, vt, mask, scaling, lengths, bias=None):
+    """float64 attention per sequence over its first ``lengths[b]`` coded rows then the tail (mask columns alike)."""
+    n = keys.shape[2]
+    outs, lses = [], []
+    for b, ln in enumerate(lengths.tolist()):
+        cols = list(range(ln)) + list(range(n, n + (0 if kt is None else kt.shape[2])))
+        m = None if mask is None else mask[b if mask.shape[0] > 1 else 0][cols][None]
+        bb = None if bias is None else (bias[0][b:b + 1], bias[1])
+        o, s = _oracle(q[b:b + 1], keys[b:b + 1, :, :ln], values[b:b + 1, :, :ln],
+                       None if kt is None else kt[b:b + 1], None if vt is None else vt[b:b + 1], m, scaling, bb)
+        outs.append(o)
+        lses.append(s)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def spoil_past(t: torch.Tensor, lengths: torch.Tensor, value) -> torch.Tensor:
+    """A copy of (B, Hk, T, ·) ``t`` with every slot past its sequence's length set to ``value`` (never read)."""
+    t = t.clone()
+    for b, ln in enumerate(lengths.tolist()):
+        t[b, :, ln:] = value
+    return t
+
+
+@pytest.mark.parametrize("spec", [
+    StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2, scale_dtype=torch.float16),
+    StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3, scale_dtype=torch.bfloat16),
+])
+@pytest.mark.parametrize("lens,tail", [((5, 200), False), ((0, 140), True), ((301, 77), True)])
+def test_op_lengths_skip_the_slots_past_them(spec, lens, tail, isa):
+    """``lengths`` shorter than the buffer (inside one block, across blocks, 0 with a tail, the whole buffer),
+    differing across the batch: the C++ op and the twin equal the float64 oracle over each sequence's own rows;
+    NaN scales and garbage codes past the lengths never reach the result."""
+    ks, vs, keys, values = _format(spec, n=301)
+    b, hk, n, d = keys.shape
+    g = torch.Generator().manual_seed(9)
+    lengths = torch.tensor(lens)
+    q = torch.randn(b, hk, 2, d, generator=g)
+    kt = vt = None
+    if tail:
+        kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
+    mask = torch.zeros(1, n + (5 if tail else 0))
+    mask[0, 2] = float("-inf")
+    bias = (torch.randn(b, hk, 2, 16, generator=g), torch.randn(n, 16, generator=g))
+    codes = (spoil_past(ks.data, lengths, 255), spoil_past(ks.scale, lengths, float("nan")),
+             spoil_past(vs.data, lengths, 7), spoil_past(vs.scale, lengths, float("nan")))
+    args = (q, *codes, spec.outliers, spec.bits, spec.for_values().bits, n, kt, vt, mask, 0.125, *bias)
+    exact = _oracle_lengths(q, keys, values, kt, vt, mask, 0.125, lengths, bias)
+    ref = kernel.reference(*args, lengths=lengths)
+    for r, e in zip(ref, exact):
+        torch.testing.assert_close(r.double(), e, rtol=1e-4, atol=1e-5)
+    for splits in (0, 3):
+        got = torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), *args[8:], splits, lengths)
+        for a, e in zip(got, exact):
+            torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+    got = kernel.turbo_decode(*args, lengths=lengths)  # the dispatching wrapper
+    for a, e in zip(got, exact):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,what", [
+    (torch.tensor([3]), "shape"), (torch.tensor([[3, 3]]), "shape"), (torch.tensor([3, 3], dtype=torch.int32), "dtype"),
+    (torch.tensor([3.0, 3.0]), "dtype"), (torch.tensor([3, 3], device="meta"), "device"),
+    (torch.tensor([-1, 3]), "value"), (torch.tensor([3, 9]), "value"),
+])
+def test_lengths_refused_by_name(bad, what):
+    """A wrong shape / dtype / device or a value outside [0, n]: ValueError naming ``lengths`` (the wrapper on every
+    backend, and the C++ op itself)."""
+    spec = StoreSpec(3, codec="turbo", rotation="hadamard")
+    ks, vs, _, _ = _format(spec, n=8)
+    q = torch.randn(2, 2, 1, 64)
+    args = (q, ks.data, ks.scale, vs.data, vs.scale, 0, 3, 3, 8)
+    with pytest.raises(ValueError, match="lengths"):
+        kernel.turbo_decode(*args, lengths=bad)
+    if what != "device":
+        with pytest.raises(ValueError, match="lengths"):
+            torch.ops.kvslim.turbo_decode(*args[:8], kernel.levels("cpu"), 8, None, None, None, 1.0, None, None, 0,
+                                          bad)

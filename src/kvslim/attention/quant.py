@@ -103,7 +103,7 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
-                          h.kernel_mask(mask), scaling, *bias)
+                          h.kernel_mask(mask), scaling, *bias, lengths=h.lengths)
     out = out.reshape(b * hk * g, d) @ v.rotations[0].T
     return out.view(b, 1, hk * g, d).to(dtype)
 

@@ -47,8 +47,8 @@ computed eagerly and kept at static addresses (``TurboStore.frozen``, ``kept_row
 
 Turbo codes: the coded store is a ``TurboStore`` (slot j = position ``sink + j``, its RoPE table by device positions);
 the window is also kept in the codes' basis (``coded``, fp32: one row transformed per step), which the fused op
-``kvslim.turbo_decode`` attends as its tail after the whole coded buffer (masked by ``columns``; the op has no
-``lengths`` input: it reads every coded slot, ``max_length`` rows, where the eager layout reads the coded tokens).
+``kvslim.turbo_decode`` attends as its tail after the whole coded buffer (masked by ``columns``, with
+``lengths = flushed``: the op reads no coded slot past the coded tokens).
 The flush group (64 rows for the defaults) is rotated and coded every step: for D = 128, ~2·64·D² multiply-adds per
 sequence and KV head (arithmetic, not measured). Pre-RoPE keys (``prerope_keys``) are capturable through the
 unfused reads (every slot decoded per step).

@@ -1,6 +1,7 @@
 """Decode attention straight from TurboQuant-class codes (``turbo2``/``turbo3``/``turbo4``): ``kvslim.turbo_decode``.
 
-For one query token per sequence, the G query heads of each KV head attend over the first ``n`` coded tokens, then
+For one query token per sequence, the G query heads of each KV head attend over the first ``n`` coded tokens (or
+``lengths[b]`` ≤ n of them, a (B,) int64 tensor: no block past them is read), then
 over an optional fp32 tail (sinks and the residual window), all in the stores' coded bases (the caller rotates the
 query and the tail in and the output back once, :mod:`kvslim.attention.quant`):
 
@@ -42,7 +43,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
-          bias_ab=None, bias_rows=None, splits=0):
+          bias_ab=None, bias_rows=None, splits=0, lengths=None):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -96,12 +97,14 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
               v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
               k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-              bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's pure-torch twin: decode the first ``n`` rows, append the tail, fp32 softmax attention.
 
     ``q`` (B, Hk, G, D); codes (B, Hk, ≥n, bytes) uint8; scales (B, Hk, ≥n, parts); tails (B, Hk, r, D) fp32;
     ``mask`` additive (B|1, n + r); ``bias_ab`` (B, Hk, G, W) and ``bias_rows`` (≥n, W) fp32: ``ab·rows_t`` added to
-    the coded rows' ``q·k``. Returns
+    the coded rows' ``q·k``; ``lengths`` (B,) int64: coded rows used per sequence (≤ n; slots past them are never
+    used, whatever they hold; the tail and its mask columns stay at n). Returns
     (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
     keys = decode_rows(k_codes[:, :, :n], k_scale[:, :, :n], k_out, k_bits)
     values = decode_rows(v_codes[:, :, :n], v_scale[:, :, :n], 0, v_bits)
@@ -114,6 +117,11 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
     scores = scores * scaling
     if mask is not None:
         scores = scores + mask.float()[:, None, None, :]
+    if lengths is not None:  # slots past a sequence's length: no weight, no value (they may hold anything)
+        live = torch.arange(scores.shape[-1], device=q.device)[None, :] < lengths.to(q.device)[:, None]
+        live |= torch.arange(scores.shape[-1], device=q.device)[None, :] >= n  # the tail
+        scores = torch.where(live[:, None, None, :], scores, float("-inf"))
+        values = torch.where(live[:, None, :, None], values, 0.0)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), values)
     return out, lse
@@ -123,19 +131,47 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-                 bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
-    (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU)."""
+    (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU).
+
+    Raises:
+        ValueError: ``lengths`` not an int64 (B,) tensor on ``q``'s device, or (eagerly) a value outside [0, n].
+    """
+    check_lengths("kvslim.turbo_decode", lengths, q, n)
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
               and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
         return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
-                                             bias_ab, bias_rows)
+                                             bias_ab, bias_rows, 0, lengths)
     if kind == "triton":
         from .triton.turbo_decode import turbo_decode_triton
 
         return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab,
-                                   bias_rows)
-    return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows)
+                                   bias_rows, lengths)
+    return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows, lengths)
+
+
+def check_lengths(name: str, lengths: torch.Tensor | None, q: torch.Tensor, n: int) -> None:
+    """``lengths``: ``None`` or an int64 (B,) tensor on ``q``'s device with values in [0, n]. The values are read
+    (one host sync) only eagerly: not while dynamo traces nor while a CUDA graph captures (the kernels clamp).
+
+    Raises:
+        ValueError: naming ``lengths`` and what was expected.
+    """
+    if lengths is None:
+        return
+    b = q.shape[0]
+    if (not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or lengths.dim() != 1
+            or lengths.shape[0] != b or lengths.device != q.device):
+        got = (f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}" if isinstance(lengths, torch.Tensor)
+               else type(lengths).__name__)
+        raise ValueError(f"{name}: lengths must be an int64 tensor of shape (B={b},) on {q.device}, got {got}")
+    if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad = (lengths < 0) | (lengths > n)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: lengths must lie in [0, n={n}], got {lengths.tolist()}")

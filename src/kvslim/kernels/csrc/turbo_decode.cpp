@@ -4,10 +4,11 @@
 //   out[b, h, j] = Σ_t softmax_t(scaling · (q[b, h, j] · k_t + ab[b, h, j] · rows[t]) + mask[b, t]) · v_t  (B, Hk, G, D)
 //   lse[b, h, j] = log Σ_t exp(...)                                                                    (B, Hk, G)
 //
-// over the first n coded tokens, then the r rows of an optional fp32 tail (no bias there). Everything is in the
-// stores' coded bases: the caller rotates (and permutes) the query and the tail into them and rotates the output
-// back once. A coded key row: channels [0, k_out) at k_bits + 1 bits, the rest at k_bits, each part with its own
-// scale (k_scale (B, Hk, T, parts)); k_t[i] = scale[part(i)] · levels[bits(i)][code_i]. A value row: v_bits bits,
+// over the first lengths[b] coded tokens (≤ n; all n without lengths; no block past them is read), then the r
+// rows of an optional fp32 tail (no bias there). Everything is in the stores' coded bases: the caller rotates
+// (and permutes) the query and the tail into them and rotates the output back once. A coded key row: channels
+// [0, k_out) at k_bits + 1 bits, the rest at k_bits, each part with its own scale (k_scale (B, Hk, T, parts));
+// k_t[i] = scale[part(i)] · levels[bits(i)][code_i]. A value row: v_bits bits,
 // one scale. Codes: little-endian bit streams per row (kvslim's packing: code i at bits [b·i, b·i + b) of the row;
 // the outlier part first, the rest from byte k_out·(k_bits + 1)/8). levels: (5, 16) fp32, row b the 2^b levels of
 // the b-bit codebook. Scales fp32, fp16 or bf16. Optional factored score bias on the coded rows: bias_ab fp32
@@ -113,7 +114,8 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
                                                 const c10::optional<at::Tensor>& v_tail,
                                                 const c10::optional<at::Tensor>& mask_in, double scaling,
                                                 const c10::optional<at::Tensor>& bias_ab,
-                                                const c10::optional<at::Tensor>& bias_rows, int64_t splits) {
+                                                const c10::optional<at::Tensor>& bias_rows, int64_t splits,
+                                                const c10::optional<at::Tensor>& lengths) {
   TArgs a;
   TORCH_CHECK_VALUE(q_in.dim() == 4 && q_in.device().is_cpu(), kOp, ": q must be a (B, Hk, G, D) CPU tensor, got ",
                     q_in.sizes(), " on ", q_in.device());
@@ -152,7 +154,9 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
   if (k_tail.has_value() && k_tail->defined()) kt = k_tail->to(at::kFloat);
   if (v_tail.has_value() && v_tail->defined()) vt = v_tail->to(at::kFloat);
   if (mask_in.has_value() && mask_in->defined()) mask = mask_in->to(at::kFloat);
-  const kvslim_decode::Held held = kvslim_decode::bind_common(kOp, a, q, scaling, c10::nullopt, kt, vt, mask);
+  c10::optional<at::Tensor> lens;
+  if (lengths.has_value() && lengths->defined()) lens = *lengths;
+  const kvslim_decode::Held held = kvslim_decode::bind_common(kOp, a, q, scaling, lens, kt, vt, mask);
   at::Tensor ab, rows;
   const bool has_ab = bias_ab.has_value() && bias_ab->defined(), has_rows = bias_rows.has_value() && bias_rows->defined();
   TORCH_CHECK_VALUE(has_ab == has_rows, kOp, ": bias_ab and bias_rows come together");
@@ -206,7 +210,8 @@ std::string turbo_decode_set_isa(const std::string& isa) {
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("turbo_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, int k_out, "
         "int k_bits, int v_bits, Tensor levels, int n, Tensor? k_tail, Tensor? v_tail, Tensor? mask, "
-        "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0) -> (Tensor, Tensor)");
+        "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0, Tensor? lengths=None) -> "
+        "(Tensor, Tensor)");
   m.def("turbo_decode_isa() -> str", &turbo_decode_isa);
   m.def("turbo_decode_set_isa(str isa) -> str", &turbo_decode_set_isa);
 }

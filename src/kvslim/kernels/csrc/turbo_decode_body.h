@@ -245,8 +245,9 @@ template <int OB, int KB, int VB>
 void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
               Scratch& sp) {
   const int64_t G = a.G, D = a.D, T = sp.T;
-  const int64_t blocks = (a.n + T - 1) / T, per = (blocks + S - 1) / S;
-  const int64_t t_begin = std::min(a.n, s * per * T), t_end = std::min(a.n, (s + 1) * per * T);
+  const int64_t len = a.lengths ? a.lengths[b] : a.n;  // the sequence's coded tokens: no block past them is read
+  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
+  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
   const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
   float* q = sp.q.data();
   for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;

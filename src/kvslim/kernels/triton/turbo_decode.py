@@ -1,7 +1,8 @@
 """Triton decode attention straight from TurboQuant-class codes (``turbo2``/``turbo3``/``turbo4``).
 
 The GPU twin of ``csrc/turbo_decode.cpp``, same contract as :func:`kvslim.kernels.turbo_decode.reference`:
-``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 for one query token over the first ``n`` coded tokens of each KV head,
+``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 for one query token over the first ``n`` coded tokens of each KV head
+(or ``lengths[b]`` ≤ n, a (B,) int64 tensor: the block loop stops there, no slot past it is loaded),
 then an optional fp32 tail, with an additive mask (B|1, n + r) and an optional factored score bias on the coded rows
 (``bias_ab`` (B, Hk, G, W) · ``bias_rows`` (≥n, W)ᵀ: RoPE-centred keys' ``q·RoPE_t(μ)``), all in the stores' coded
 bases.
@@ -55,14 +56,14 @@ def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
 
 @triton.jit
 def _turbo_decode(
-    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, OUT, LSE,
+    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, LENGTHS, OUT, LSE,
     s_qb, s_qh, s_qg, s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst,
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb, s_bb, s_bh, s_bg, s_br, W,
     Hk, G, n, r, scaling,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KOUT: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, KBYTES: tl.constexpr, VBYTES: tl.constexpr,
     KPARTS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_PAD: tl.constexpr,
+    W_PAD: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b64 = (bh // Hk).to(tl.int64)
@@ -87,9 +88,12 @@ def _turbo_decode(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
-    for t0 in range(0, n, BLOCK_N):
+    length = n
+    if HAS_LEN:  # the sequence's coded tokens (clamped to [0, n]): no block past them is loaded
+        length = tl.minimum(tl.maximum(tl.load(LENGTHS + b64).to(tl.int32), 0), n)
+    for t0 in range(0, length, BLOCK_N):
         t = t0 + toks
-        t_ok = t < n
+        t_ok = t < length
         k = _rows(kc, t, s_kct, s_kst, ks, LEV, t_ok, cols, col_ok, KOUT, KB, KBYTES, KPARTS)
         v = _rows(vc, t, s_vct, s_vst, vs, LEV, t_ok, cols, col_ok, 0, VB, VBYTES, 1)
         s_add = tl.zeros((G_PAD, BLOCK_N), tl.float32)
@@ -123,9 +127,12 @@ def _turbo_decode(
 
 
 def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask,
-          bias_ab=None, bias_rows=None) -> None:
+          bias_ab=None, bias_rows=None, lengths=None) -> None:
     """The C++ op's argument checks, as named ValueErrors."""
+    from ..turbo_decode import check_lengths
+
     name = "kvslim::turbo_decode_triton"
+    check_lengths(name, lengths, q, n)
     if q.dim() != 4 or q.dtype != torch.float32:
         raise ValueError(f"{name}: q must be float32 (B, Hk, G, D), got {q.dtype} {tuple(q.shape)}")
     b, hk, _, d = q.shape
@@ -162,22 +169,25 @@ def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                         v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-                        bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.kvslim.turbo_decode_triton`` (a custom op with a fake impl: dynamo records one call per step, a
     CUDA graph replays the launch), checks included."""
     return torch.ops.kvslim.turbo_decode_triton(q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits),
                                                 int(v_bits), levels, int(n), k_tail, v_tail, mask, float(scaling),
-                                                bias_ab, bias_rows)
+                                                bias_ab, bias_rows, lengths)
 
 
 def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
            v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
            k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
            mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-           bias_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks, then the kernel launch (the custom op's body)."""
     q = q.float().contiguous()
-    check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows)
+    check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows,
+          lengths)
     b, hk, g, d = q.shape
     k_codes, k_scale, v_codes, v_scale = (unit_last(t) for t in (k_codes, k_scale, v_codes, v_scale))
     out = torch.empty(b, hk, g, d, dtype=torch.float32, device=q.device)
@@ -196,13 +206,15 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_code
     d_pad = max(16, triton.next_power_of_2(d))
     kbytes = (k_out * (k_bits + 1) + (d - k_out) * k_bits) // 8
     _turbo_decode[(b * hk,)](
-        q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, ab, brows, out, lse,
+        q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, ab, brows,
+        q if lengths is None else lengths, out, lse,
         q.stride(0), q.stride(1), q.stride(2), *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3],
         *v_scale.stride()[:3], *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
         hk, g, n, r, scaling,
         D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32, KOUT=k_out, KB=k_bits, VB=v_bits,
         KBYTES=kbytes, VBYTES=d * v_bits // 8, KPARTS=2 if k_out else 1, HAS_TAIL=has_tail,
-        HAS_MASK=mask is not None, HAS_BIAS=has_bias, W_PAD=max(16, triton.next_power_of_2(w)), num_warps=4)
+        HAS_MASK=mask is not None, HAS_BIAS=has_bias, W_PAD=max(16, triton.next_power_of_2(w)), HAS_LEN=lengths is not None,
+        num_warps=4)
     return out, lse
 
 
@@ -216,13 +228,14 @@ def _register() -> None:
                         v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
                         k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None,
                         scaling: float, bias_ab: torch.Tensor | None,
-                        bias_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        bias_rows: torch.Tensor | None,
+                        lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return launch(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask,
-                      scaling, bias_ab, bias_rows)
+                      scaling, bias_ab, bias_rows, lengths)
 
     @turbo_decode_op.register_fake
     def _(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
-          bias_ab, bias_rows):
+          bias_ab, bias_rows, lengths=None):
         b, hk, g, d = q.shape
         return q.new_empty(b, hk, g, d, dtype=torch.float32), q.new_empty(b, hk, g, dtype=torch.float32)
 
