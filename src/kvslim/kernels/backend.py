@@ -119,3 +119,25 @@ def same_device(what: str, *tensors: torch.Tensor | None) -> torch.device:
         raise ValueError(f"{what}: all tensors must be on one device, got {found} (move the cache and the model "
                          "together: cache.to(device))")
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def check_lengths(name: str, lengths: torch.Tensor | None, q: torch.Tensor, n: int) -> None:
+    """``lengths``: ``None`` or an int64 (B,) tensor on ``q``'s device with values in [0, n]. The values are read
+    (one host sync) only eagerly: not while dynamo traces nor while a CUDA graph captures (the kernels clamp).
+
+    Raises:
+        ValueError: naming ``lengths`` and what was expected.
+    """
+    if lengths is None:
+        return
+    b = q.shape[0]
+    if (not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or lengths.dim() != 1
+            or lengths.shape[0] != b or lengths.device != q.device):
+        got = (f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}" if isinstance(lengths, torch.Tensor)
+               else type(lengths).__name__)
+        raise ValueError(f"{name}: lengths must be an int64 tensor of shape (B={b},) on {q.device}, got {got}")
+    if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad = (lengths < 0) | (lengths > n)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: lengths must lie in [0, n={n}], got {lengths.tolist()}")

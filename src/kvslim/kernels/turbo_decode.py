@@ -139,7 +139,7 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     Raises:
         ValueError: ``lengths`` not an int64 (B,) tensor on ``q``'s device, or (eagerly) a value outside [0, n].
     """
-    check_lengths("kvslim.turbo_decode", lengths, q, n)
+    backend.check_lengths("kvslim.turbo_decode", lengths, q, n)
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
               and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
@@ -153,25 +153,3 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab,
                                    bias_rows, lengths)
     return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows, lengths)
-
-
-def check_lengths(name: str, lengths: torch.Tensor | None, q: torch.Tensor, n: int) -> None:
-    """``lengths``: ``None`` or an int64 (B,) tensor on ``q``'s device with values in [0, n]. The values are read
-    (one host sync) only eagerly: not while dynamo traces nor while a CUDA graph captures (the kernels clamp).
-
-    Raises:
-        ValueError: naming ``lengths`` and what was expected.
-    """
-    if lengths is None:
-        return
-    b = q.shape[0]
-    if (not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or lengths.dim() != 1
-            or lengths.shape[0] != b or lengths.device != q.device):
-        got = (f"{lengths.dtype} {tuple(lengths.shape)} on {lengths.device}" if isinstance(lengths, torch.Tensor)
-               else type(lengths).__name__)
-        raise ValueError(f"{name}: lengths must be an int64 tensor of shape (B={b},) on {q.device}, got {got}")
-    if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    bad = (lengths < 0) | (lengths > n)
-    if bool(bad.any()):
-        raise ValueError(f"{name}: lengths must lie in [0, n={n}], got {lengths.tolist()}")

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import check_lengths
 from .merge import finish, softmax_step, unit_last
 
 MAX_HEAD_DIM = 256
@@ -129,8 +130,6 @@ def _turbo_decode(
 def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask,
           bias_ab=None, bias_rows=None, lengths=None) -> None:
     """The C++ op's argument checks, as named ValueErrors."""
-    from ..turbo_decode import check_lengths
-
     name = "kvslim::turbo_decode_triton"
     check_lengths(name, lengths, q, n)
     if q.dim() != 4 or q.dtype != torch.float32:
