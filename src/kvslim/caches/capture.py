@@ -56,6 +56,28 @@ def overflow_error(max_length: int) -> ValueError:
                       "max_length (kvslim.make_cache(model, max_length=...)) or decode past it eagerly")
 
 
+def init_static_state(layer) -> None:
+    """At lazy initialization with ``max_length`` (plain and ring layers alike): zeroed buffers, the device length
+    and overflow flag; their addresses marked static (CUDA graphs replay in place)."""
+    b = layer.k_store.data.shape[0]
+    layer.length_t = torch.zeros(b, dtype=torch.int64, device=layer.device)
+    layer.overflow = torch.zeros((), dtype=torch.bool, device=layer.device)
+    layer.host_stale = False
+    held = [layer.length_t, layer.overflow]
+    for store in layer._stores():
+        for t in store.tensors():
+            t.zero_()
+            held.append(t)
+        if isinstance(store, QuantizedStore):
+            store.nonfinite = torch.zeros((), dtype=torch.bool, device=layer.device)
+            held.append(store.nonfinite)
+        if isinstance(store, StaticResidualStore):
+            held += store.device_state()
+    if not torch.compiler.is_compiling():
+        for t in held:
+            torch._dynamo.mark_static_address(t)
+
+
 class CapturableMixin:
     """The static path of :class:`~kvslim.caches.dense.AppendLayer` (see the module docstring)."""
 
@@ -98,25 +120,8 @@ class CapturableMixin:
         return self.length_t if self._static_now() else None
 
     def _init_static(self) -> None:
-        """At lazy initialization with ``max_length``: zeroed buffers, device length and overflow flag; their
-        addresses marked static (CUDA graphs replay in place)."""
-        b = self.k_store.data.shape[0]
-        self.length_t = torch.zeros(b, dtype=torch.int64, device=self.device)
-        self.overflow = torch.zeros((), dtype=torch.bool, device=self.device)
-        self.host_stale = False
-        held = [self.length_t, self.overflow]
-        for store in self._stores():
-            for t in store.tensors():
-                t.zero_()
-                held.append(t)
-            if isinstance(store, QuantizedStore):
-                store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-                held.append(store.nonfinite)
-            if isinstance(store, StaticResidualStore):
-                held += store.device_state()
-        if not torch.compiler.is_compiling():
-            for t in held:
-                torch._dynamo.mark_static_address(t)
+        """At lazy initialization with ``max_length``: see :func:`init_static_state`."""
+        init_static_state(self)
 
     def _sync_host(self) -> None:
         """After graph steps: the Python-int length and the overflow flag from the device (host reads at an eager

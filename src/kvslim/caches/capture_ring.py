@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .capture import graph_step, overflow_error
+from .capture import graph_step, init_static_state, overflow_error
 from .storage import QuantizedStore
 
 ATTR = "_kvslim_ring_columns"
@@ -84,21 +84,8 @@ class StaticRingMixin:
         return self._static_format()
 
     def _init_static(self) -> None:
-        b = self.k_store.data.shape[0]
-        self.length_t = torch.zeros(b, dtype=torch.int64, device=self.device)
-        self.overflow = torch.zeros((), dtype=torch.bool, device=self.device)
-        self.host_stale = self.refused = False
-        held = [self.length_t, self.overflow]
-        for store in self._stores():
-            for t in store.tensors():
-                t.zero_()
-                held.append(t)
-            if isinstance(store, QuantizedStore):
-                store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-                held.append(store.nonfinite)
-        if not torch.compiler.is_compiling():
-            for t in held:
-                torch._dynamo.mark_static_address(t)
+        init_static_state(self)
+        self.refused = False
 
     def _sync_host(self) -> None:
         if getattr(self, "host_stale", False):
