@@ -11,7 +11,8 @@ subtracted before the rotation; default on), ``key_bits`` (``turbo2``: 3-bit key
 table comes from the model's ``rotary_emb`` under ``apply``, from the config's RoPE base for a plan without
 weights; such keys decode through the layers' reads, not the fused op), ``rope_centred_keys`` (keys stay post-RoPE,
 centred by their pre-RoPE channel means turned to each row's position: pre-RoPE keys' gain, fused; needs
-``center_keys``). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
+``center_keys``), ``per_layer`` (``{i: {"key_scales": (KV heads, head dim)}}`` only: fixed key channel scales coded
+as ``s ⊙ k``, from ``kvslim.calibrate(model, ids, "turbo3")``; docs/quantization.md §13). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
 """
 
 from __future__ import annotations
