@@ -80,36 +80,12 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
 
 def parse_options(items: list[str], methods: list[str]) -> dict[str, dict]:
     """``--option METHOD.NAME=VALUE`` items -> {method: {name: value}}, each checked by the method's own option
-    check (names, values) before any model is loaded; ``ValueError`` naming the item otherwise. Checks that need
-    the model's shape (a head dim an option cannot take) run at the plan, still before any prefill."""
-    import ast
+    check (names, values) before any model is loaded (:func:`kvslim.cli.method_options.parse_method_options`, the
+    parser of every command); ``ValueError`` naming the item otherwise. Checks that need the model's shape (a head
+    dim an option cannot take) run at the plan, still before any prefill."""
+    from .method_options import parse_method_options
 
-    from ..methods import METHODS
-
-    out: dict[str, dict] = {}
-    for item in items:
-        head, eq, raw = item.partition("=")
-        method, dot, name = head.strip().partition(".")
-        if not eq or not dot or not method or not name.strip() or not raw.strip():
-            raise ValueError(f"--option: expected METHOD.NAME=VALUE (e.g. turbo3.residual=64), got {item!r}")
-        if method not in methods:
-            raise ValueError(f"--option {item!r}: method {method!r} is not in --methods {methods}")
-        if method == "dense":
-            raise ValueError(f"--option {item!r}: the dense cache takes no options")
-        try:
-            value = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            value = raw.strip()  # text: rotation=hadamard, scale_dtype=float16
-        opts = out.setdefault(method, {})
-        if name.strip() in opts:
-            raise ValueError(f"--option {item!r}: {method}.{name.strip()} is given twice")
-        opts[name.strip()] = value
-    for method, opts in out.items():
-        try:
-            METHODS[method].options(**opts)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"--option {method}: {e}") from None
-    return out
+    return parse_method_options(items, methods)
 
 
 def load_model(name: str):
