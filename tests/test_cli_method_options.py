@@ -183,7 +183,7 @@ def test_demo_option_reaches_the_runs_of_its_method(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("flags, expected", [
     (["--model", "tiny-mha", "--option", "int4.residual=64"], "method 'int4' is not in the methods of this demo"),
-    (["--option", "int4.residual=500"], "--option int4: residual must be at most 128"),
+    (["--option", "int4.residual=500"], "--option int4: residual=500: a layer keeps at most 128"),
     (["--option", "dense.chunk=8"], "the dense cache takes no options"),
     (["--model", "whisper-base", "--option", "slim.cache=k"], "is not in the methods of this demo"),
 ])
@@ -201,3 +201,21 @@ def test_every_command_that_takes_a_method_takes_option(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--option METHOD.NAME=VALUE" in capsys.readouterr().out, command
+
+
+@pytest.mark.parametrize("method, opts, says", [
+    # the defaults' 4 sinks shrink for a larger window: the refusal names the residual set, not "sink=0 + ..."
+    ("turbo3", dict(residual=500), ["residual=500:", "at most 128", "residual=128 or less", "residual=124 keeps"]),
+    ("int4", dict(residual=500), ["residual=500:", "at most 128", "residual=124 keeps all 4"]),
+    ("int8", dict(residual=129), ["residual=129:", "residual=128 or less"]),
+    ("turbo2", dict(residual=126, sink=4), ["sink=4 + residual=126 = 130", "sink=4 with residual=124"]),
+    ("int3", dict(sink=10), ["sink=10 beside the default residual=124", "residual=118 or less", "sink=4 or fewer"]),
+])
+def test_full_precision_refusals_name_what_was_set_and_what_works(method, opts, says):
+    from kvslim.methods import METHODS
+
+    with pytest.raises(ValueError) as e:
+        METHODS[method].options(**opts)
+    assert "sink=0" not in str(e.value) and all(s in str(e.value) for s in says), str(e.value)
+    fixed = dict(opts, residual=128) if "sink" not in opts else dict(opts, residual=128 - opts["sink"])
+    METHODS[method].options(**fixed)  # what the message proposes is taken
