@@ -194,10 +194,37 @@ def test_demo_refuses_bad_options_before_loading_anything(capsys, tmp_path, flag
     assert not (tmp_path / "out").exists()
 
 
+def test_bench_option_reaches_the_kinds_of_its_method():
+    """``kvslim bench --option int8.group_size=8``: the kvslim-int8 kind runs with it (more scale bytes than its
+    default group), its record says so; other kinds untouched."""
+    from conftest import tiny_model
+
+    from kvslim.bench import decode
+
+    model = tiny_model("llama")
+    plain = decode.measure_group(model, "tiny", ["kvslim-int8", "kvslim-int4"], 1, 32, 1, 1, 10.0)
+    opts = decode.measure_group(model, "tiny", ["kvslim-int8", "kvslim-int4"], 1, 32, 1, 1, 10.0,
+                                {"int8": {"group_size": 8}})
+    assert opts[0]["options"] == {"group_size": 8} and "options" not in plain[0] and "options" not in opts[1]
+    assert opts[0]["cache_bytes"] > plain[0]["cache_bytes"] and opts[1]["cache_bytes"] == plain[1]["cache_bytes"]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--methods", "hf-dynamic,kvslim-int4", "--option", "int8.group_size=8"],
+     "method 'int8' is not in the methods of --methods ['int4']"),
+    (["--methods", "kvslim-turbo3-rc", "--option", "turbo3.residual=500"], "--option turbo3: residual=500:"),
+    (["--quick", "--option", "int4.residual=64"], "--option: the GPU table"),
+])
+def test_bench_refuses_bad_options_before_measuring(capsys, flags, expected):
+    assert main(["bench", *flags]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured
+
+
 def test_every_command_that_takes_a_method_takes_option(capsys):
-    """plan, eval and demo list ``--option METHOD.NAME=VALUE`` in their help (bench takes preset kinds, not methods;
-    transcribe one method, slim, at its defaults)."""
-    for command in ("plan", "eval", "demo"):
+    """plan, eval, demo and bench list ``--option METHOD.NAME=VALUE`` in their help (transcribe runs one method,
+    slim, at its defaults)."""
+    for command in ("plan", "eval", "demo", "bench"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--option METHOD.NAME=VALUE" in capsys.readouterr().out, command

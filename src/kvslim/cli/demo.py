@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
                    help="an apply() option of one method for every row that runs it, e.g. int4.residual=64 "
-                        "(repeatable; the spelling of kvslim plan and eval too)")
+                        "(repeatable; the spelling of kvslim plan, eval and bench too)")
     p.add_argument("--out", default=None,
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
     p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,

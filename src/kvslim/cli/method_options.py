@@ -1,5 +1,5 @@
 """Method options written on a command line: ``--option METHOD.NAME=VALUE`` (every command that runs or plans a
-method: ``kvslim plan``, ``eval``, ``demo``), ``--per-layer 15-24:bits=8``, and the deprecated
+method: ``kvslim plan``, ``eval``, ``demo``, ``bench``), ``--per-layer 15-24:bits=8``, and the deprecated
 ``kvslim plan --turbo rope_centred_keys=false`` (= ``--option turbo4/turbo3/turbo2.NAME=VALUE``).
 
 ``parse_method_options(["turbo3.residual=64"], methods)`` -> ``{"turbo3": {"residual": 64}}``, each method's options

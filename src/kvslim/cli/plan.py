@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "value_rotation); repeatable")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
                    help="an apply() option of one method, e.g. turbo3.prerope_keys=true or int4.residual=64 "
-                        "(repeatable; the spelling of kvslim eval and demo too)")
+                        "(repeatable; the spelling of kvslim eval, demo and bench too)")
     p.add_argument("--turbo", default=None, metavar="OPTION=VALUE[,...]",
                    help="deprecated: options of turbo4/turbo3/turbo2 at once (use --option turbo3.NAME=VALUE)")
     p.add_argument("--ranks", type=int, default=None,
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     turbo = None
     if getattr(args, "turbo", None):
         deprecated("plan", "--turbo OPTION=VALUE", "--option turbo3.OPTION=VALUE, once per turbo method (the "
-                   "spelling of plan, eval and demo)")
+                   "spelling of plan, eval, demo and bench)")
         turbo = parse_options(args.turbo, "--turbo")
     config = load_config(args.config)
     records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks,
