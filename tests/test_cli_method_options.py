@@ -186,6 +186,8 @@ def test_demo_option_reaches_the_runs_of_its_method(monkeypatch, tmp_path):
     (["--option", "int4.residual=500"], "--option int4: residual=500: a layer keeps at most 128"),
     (["--option", "dense.chunk=8"], "the dense cache takes no options"),
     (["--model", "whisper-base", "--option", "slim.cache=k"], "is not in the methods of this demo"),
+    (["--methods", "int4", "--option", "int8.group_size=32"], "method 'int8' is not in the methods of this demo"),
+    (["--methods", "int4", "--option", "slim.cache=v"], "method 'slim' is not in the methods of this demo"),
 ])
 def test_demo_refuses_bad_options_before_loading_anything(capsys, tmp_path, flags, expected):
     assert main(["demo", "--out", str(tmp_path / "out"), *flags]) == 2

@@ -243,12 +243,19 @@ def _select(runs, methods: str | None, known=None):
     return tuple(r for i, r in enumerate(runs) if i == 0 or r[0] in wanted)
 
 
-def demo_methods(model: str) -> list[str]:
-    """The methods ``kvslim demo --model model`` runs (what ``--option`` may name; none for Whisper)."""
+def demo_methods(model: str, methods: str | None = None) -> list[str]:
+    """The methods ``kvslim demo --model model [--methods methods]`` runs (what ``--option`` may name; none for
+    Whisper)."""
     from .demo_long import LONG_RUNS
     from .demo_models import LM_RUNS
 
-    runs = {"smollm2": LONG_RUNS + TINY_RUNS, "tiny-mha": TINY_RUNS}.get(model) or LM_RUNS.get(model, ("", "", ()))[2]
+    tiny = TINY_RUNS + TINY_RUNS_BF16
+    if model == "smollm2":  # with --methods, SmolLM2's rows alone (the tiny table is left out)
+        runs = _select(LONG_RUNS, methods) + (() if methods else tiny)
+    elif model == "tiny-mha":
+        runs = _select(TINY_RUNS, methods, tiny) + _select(TINY_RUNS_BF16, methods, tiny)
+    else:
+        runs = _select(LM_RUNS[model][2], methods) if model in LM_RUNS else ()
     return [m for m in dict.fromkeys(m for _, m, _ in runs) if m != "dense"]
 
 
@@ -345,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         args.quality_tokens = 256 if args.full else 64
     from .method_options import parse_method_options
 
-    args.options = parse_method_options(getattr(args, "option", None), demo_methods(args.model),
+    args.options = parse_method_options(getattr(args, "option", None), demo_methods(args.model, args.methods),
                                         among=f"the methods of this demo (--model {args.model})")
     out = out_dir(args)  # a bad --out fails now, not after the measurement
     import torch
