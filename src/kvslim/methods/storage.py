@@ -151,6 +151,7 @@ class StorageMethod(Method):
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(allowed)}")
+        check_full_precision(options, self.defaults)
         merged = dict(self.defaults)
         if "window" in options and options["window"] is not None:
             merged.pop("residual", None)  # a ring buffer keeps no residual window (nor sinks beside it)
@@ -252,6 +253,32 @@ def _scale_rows(value, where: str) -> tuple[tuple[float, ...], ...]:
         raise ValueError(f"{where}: key_scales must be a (KV heads, head dim) tensor or nested list of floats, got "
                          f"{tuple(t.shape) if t is not None else type(value).__name__}")
     return tuple(tuple(float(f) for f in row) for row in t.tolist())
+
+
+def check_full_precision(options: dict, defaults: dict) -> None:
+    """The full-precision tokens a caller set (``residual``, ``sink``), checked before the defaults adapt to them
+    (the default sinks shrink to fit a larger window): ``ValueError`` naming what was set and what would work. Values
+    that are not ints are left to :class:`StorageOptions`' own checks."""
+    def given(name):
+        v = options.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    res, sink, cap = given("residual"), given("sink"), MAX_RESIDUAL
+    if res is not None and res + (sink or 0) > cap:
+        if sink:
+            raise ValueError(f"sink={sink} + residual={res} = {sink + res} full-precision tokens: at most {cap} "
+                             f"per layer; e.g. sink={sink} with residual={max(0, cap - sink)}, or fewer sinks")
+        room = defaults.get("sink", 0)
+        fit = (f" (the default {room} sink tokens shrink to fit: residual={cap - room} keeps all {room})" if room
+               else "")
+        raise ValueError(f"residual={res}: a layer keeps at most {cap} full-precision tokens (sinks + residual "
+                         f"window); take residual={cap} or less{fit}")
+    if sink is not None and res is None and "window" not in options:
+        default = defaults.get("residual", 0)
+        if sink + default > cap:
+            raise ValueError(f"sink={sink} beside the default residual={default} makes {sink + default} "
+                             f"full-precision tokens: at most {cap} per layer; set residual={cap - sink} or less too, "
+                             f"or sink={cap - default} or fewer")
 
 
 def _normalized_per_layer(per_layer, quantized: bool) -> tuple:

@@ -25,7 +25,7 @@ from ..adapters.shape import ModelShape
 from ..caches.factories import append_factory
 from ..caches.storage import MAX_RESIDUAL
 from ..plan import Plan
-from .storage import StorageMethod, StorageOptions
+from .storage import StorageMethod, StorageOptions, check_full_precision
 
 TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
                  "scale_dtype",
@@ -74,6 +74,7 @@ class TurboMethod(StorageMethod):
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(TURBO_OPTIONS)}")
         options = dict(options)
+        check_full_precision(options, self.defaults)
         rope = self._rope_mode(options)
         for name in ROPE_OPTIONS:
             options.pop(name, None)

@@ -8,32 +8,10 @@
 // (never decoded into memory); plus the optional per-row bias (RoPE-centred keys) and the mask; (2) online softmax
 // per head (block_softmax_body.h); (3) acc[j] += Σ_t (p_jt s_t) L[c_t] as a register tile over columns, the value
 // scale folded into the weight. The fp32 tail (sinks + window) is attended after the codes in the last split, read
-// in place. Every index is bounded by TArgs (set from tensor metadata by the op and checked there).
+// in place (decode_task_body.h's attend_tail, as the int ops; its scale rows, start_task likewise). Every index is
+// bounded by TArgs (set from tensor metadata by the op and checked there).
 
-// n scales starting at p (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32
-inline void scales_f32(const void* p, int sdt, float* o, int64_t n) {
-  if (sdt == 0) {
-    std::memcpy(o, p, n * sizeof(float));
-    return;
-  }
-  const uint16_t* hp = static_cast<const uint16_t*>(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) V::store(o + i, V::params16(hp + i, sdt));
-  for (; i < n; ++i) o[i] = sdt == 1 ? kvslim_lowbit::half_to_float(hp[i]) : kvslim_vec::bf16_to_f32(hp[i]);
-}
-
-// the `w` scales of tokens [t0, t0 + m) -> dst[(t − t0)·w + part]
-inline void load_scales(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t0, int64_t m, int64_t w,
-                        float* dst) {
-  auto at = [&](int64_t t) {
-    return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
-  };
-  if (st.ts == w) {
-    scales_f32(at(t0), sdt, dst, m * w);
-    return;
-  }
-  for (int64_t t = 0; t < m; ++t) scales_f32(at(t0 + t), sdt, dst + t * w, w);
-}
+#include "decode_task_body.h"  // parameter rows, the fp32 tail, block_softmax
 
 // sv[j][r] = q_j · L[codes_r] over units [u0, u1) of one part (BITS bits, its units at byte `off` + (u − u0)·BITS
 // of each row), for HC heads and NR token rows; ENDS: unit u1 − 1 ends the row
@@ -102,8 +80,8 @@ inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64
   const int64_t rs = a.k.ts;
   const int kp = OB ? 2 : 1;
   constexpr int NR = HC == 1 ? 8 : 4;
-  const Tab<typename V::R> tr = V::table(a.lev + KB * 16);
-  const Tab<typename V::R> to = V::table(a.lev + (OB ? OB : KB) * 16);
+  const Tab<typename V::R> tr = V::template table<KB>(a.lev + KB * 16);
+  const Tab<typename V::R> to = V::template table<OB ? OB : KB>(a.lev + (OB ? OB : KB) * 16);
   for (int64_t t = 0; t < m; t += NR) {
     const int64_t rn = std::min<int64_t>(NR, m - t);
     const uint8_t* c0 = a.k.at<uint8_t>(b, h, t0 + t);
@@ -136,32 +114,6 @@ inline void code_scores(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   if (a.G - j0 == 2) scores_heads<OB, KB, 2>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
   if (a.G - j0 == 1) scores_heads<OB, KB, 1>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
 }
-
-// sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
-inline void row_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t rs, int64_t m, const float* mask,
-                       float* sc, int64_t ps) {
-  for (int64_t t = 0; t < m; ++t)
-    for (int64_t j = 0; j < G; ++j) {
-      auto acc = V::zero();
-      for (int64_t i = 0; i < D; i += V::W) acc = V::fma(V::load(q + j * D + i), V::load(k + t * rs + i), acc);
-      sc[j * ps + t] = V::hsum(acc) + (mask ? mask[t] : 0.f);
-    }
-}
-
-// acc[j] += Σ_t p[j][t] · row_t for m fp32 rows (stride rs): the tail
-inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t rs, int64_t m,
-                       float* acc) {
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t t = 0; t < m; ++t) {
-      const float w = p[j * ps + t];
-      if (w == 0.f) continue;
-      const auto vw = V::set1(w);
-      for (int64_t i = 0; i < D; i += V::W)
-        V::store(acc + j * D + i, V::fma(vw, V::load(v + t * rs + i), V::load(acc + j * D + i)));
-    }
-}
-
-#include "block_softmax_body.h"
 
 // acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · L[codes_t][c, c + 8·NV) for HC heads (pw: weight × the row's
 // scale); tokens whose weights are all 0 are skipped. ENDS: the tile's last unit ends the row.
@@ -230,7 +182,7 @@ inline void code_values(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_
     float* o = pw + j * T;
     for (int64_t t = 0; t < m; ++t) o[t] = pj[t] == 0.f ? 0.f : pj[t] * vs[t];  // a zero weight never reads a scale
   }
-  const Tab<typename V::R> tab = V::table(a.lev + VB * 16);
+  const Tab<typename V::R> tab = V::template table<VB>(a.lev + VB * 16);
   const uint8_t* base = a.v.at<uint8_t>(b, h, t0);
   const int64_t rs = a.v.ts;
   int64_t j0 = 0;
@@ -245,18 +197,10 @@ template <int OB, int KB, int VB>
 void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
               Scratch& sp) {
   const int64_t G = a.G, D = a.D, T = sp.T;
-  const int64_t len = a.lengths ? a.lengths[b] : a.n;  // the sequence's coded tokens: no block past them is read
-  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
-  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
-  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
   float* q = sp.q.data();
-  for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < G; ++j) {
-    mo[j] = -INFINITY;
-    lo[j] = 0.f;
-  }
-  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
+  // the sequence's coded tokens: no block past them is read
+  const auto task = kvslim_decode::start_task(a, a.lengths ? a.lengths[b] : a.n, b, h, s, S, T, q, acc, mo, lo);
+  const float* mask = task.mask;
   float* ab = nullptr;  // the bias factors of the G heads, times scaling
   if (a.bias_ab) {
     ab = sp.ab.data();
@@ -265,21 +209,15 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
       for (int64_t i = 0; i < a.bias_w; ++i) ab[j * a.bias_w + i] = src[j * a.bias_gs + i] * a.scaling;
   }
   const int64_t kp = OB ? 2 : 1;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
-    const int64_t m = std::min(T, t_end - t0);
-    load_scales(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
+  for (int64_t t0 = task.begin; t0 < task.end; t0 += T) {
+    const int64_t m = std::min(T, task.end - t0);
+    load_rows(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
     code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    load_scales(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
+    load_rows(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
     code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
   }
-  if (s != S - 1 || a.r == 0) return;
-  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
-    const int64_t m = std::min(T, a.r - t0);
-    row_scores(q, G, D, a.kt.at<float>(b, h, t0), a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
-    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    row_values(sp.sc.data(), T, G, D, a.vt.at<float>(b, h, t0), a.vt.ts, m, acc);
-  }
+  if (s == S - 1) attend_tail(a, b, h, q, mask, T, sp.sc.data(), mo, lo, acc, row_scores, row_values);
 }
 
 template <int OB, int KB>
