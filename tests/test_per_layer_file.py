@@ -160,3 +160,29 @@ def test_cli_calibrate_then_eval_demo_bench(capsys, tmp_path, monkeypatch):
     _refused(capsys, ["bench", "--quick", "--per-layer-file", out], "--per-layer-file", "GPU table")
     _refused(capsys, ["bench", "--methods", "kvslim-int2", "--per-layer-file", out], "--per-layer-file",
              "not in the methods of --methods")
+
+
+def test_demo_rows_and_bench_records_run_the_file(model, tmp_path):
+    """demo's rows (label names the file, options carry its dict) and bench's CPU records (its kinds' caches follow
+    it; the record is JSON) on a tiny model, with the file's check against the loaded model."""
+    import argparse
+
+    from kvslim.bench.decode import make_filled_cache, measure_group
+    from kvslim.cli.demo import file_options, with_options
+    from kvslim.cli.method_options import with_per_layer_file
+
+    per_layer = {0: {"rotation": "hadamard"}, 2: {"rotation": "hadamard"}}
+    path = kvslim.save_per_layer(tmp_path / "c.st", per_layer, model, "int4", name="tiny", options=OPTS)
+    calib = read_per_layer(path)
+    args = argparse.Namespace(options={"int4": dict(OPTS)}, calibration=calib, model="tiny")
+    ((label, method, opts),) = with_options((("int4", "int4", {}),), file_options(args, model))
+    assert label == f"int4 residual=32,sink=2,key_channel_group=16,per_layer=<{path.name}>"
+    assert opts == {**OPTS, "per_layer": per_layer}
+    options = with_per_layer_file({"int4": {**OPTS, "per_layer": {2: {"rotation": None}}}}, calib, model, "tiny")
+    assert options["int4"]["per_layer"] == {0: {"rotation": "hadamard"}, 2: {"rotation": None}}  # --option wins
+    cache = make_filled_cache(model, "kvslim-int4", 1, 64, 2, {"int4": opts})
+    kvslim.restore(model)
+    assert [layer.spec.rotation for layer in cache.layers] == ["hadamard", None, "hadamard"]
+    (rec,) = measure_group(model, "tiny", ["kvslim-int4"], 1, 64, 1, 1, 1.0, {"int4": opts})
+    assert "skipped" not in rec and json.loads(json.dumps(rec))["options"]["per_layer"] == {
+        "0": {"rotation": "hadamard"}, "2": {"rotation": "hadamard"}}
