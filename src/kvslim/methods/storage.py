@@ -58,6 +58,7 @@ class StorageOptions:
     codec: str = "int"
     outliers: int = 0
     center_keys: bool = False
+    key_scales: tuple | None = None  # turbo keys' fixed channel scales (per_layer only; StoreSpec.key_scales)
     per_layer: tuple = ()  # ((layer, ((option, value), ...)), ...), normalized from the {layer: {option: value}} given
 
     def __post_init__(self) -> None:
@@ -109,7 +110,8 @@ class StorageOptions:
                              asymmetric=self.asymmetric, rotation=self.rotation,
                              channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
                              value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation,
-                             sink=self.sink, codec=self.codec, outliers=self.outliers, center=self.center_keys)
+                             sink=self.sink, codec=self.codec, outliers=self.outliers, center=self.center_keys,
+                             key_scales=self.key_scales)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None
@@ -237,7 +239,20 @@ class StorageMethod(Method):
                     sliding_window=shape.sliding_window)
 
 
-PER_LAYER_OPTIONS = ("bits", "key_bits", "rotation", "value_rotation")
+PER_LAYER_OPTIONS = ("bits", "key_bits", "rotation", "value_rotation", "key_scales")
+
+
+def _scale_rows(value, where: str) -> tuple[tuple[float, ...], ...]:
+    """``key_scales`` given as a (H, D) tensor or nested sequence -> a tuple of H tuples of D floats (hashable, as a
+    frozen spec keeps it); ``ValueError`` naming ``where`` for anything else (values are checked by the spec)."""
+    try:
+        t = torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.dim() != 2 or 0 in t.shape:
+        raise ValueError(f"{where}: key_scales must be a (KV heads, head dim) tensor or nested list of floats, got "
+                         f"{tuple(t.shape) if t is not None else type(value).__name__}")
+    return tuple(tuple(float(f) for f in row) for row in t.tolist())
 
 
 def check_full_precision(options: dict, defaults: dict) -> None:
@@ -290,6 +305,8 @@ def _normalized_per_layer(per_layer, quantized: bool) -> tuple:
                              f"{', '.join(PER_LAYER_OPTIONS)}")
         if "bits" in over and (over["bits"] not in (2, 3, 4, 8) or isinstance(over["bits"], bool)):
             raise ValueError(f"per_layer[{i}]: bits must be 2, 3, 4 or 8, got {over['bits']!r}")
+        if "key_scales" in over:
+            over = {**over, "key_scales": _scale_rows(over["key_scales"], f"per_layer[{i}]")}
         out.append((i, tuple(sorted(over.items()))))
     return tuple(sorted(out))
 
