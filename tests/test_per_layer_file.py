@@ -14,7 +14,7 @@ from conftest import tiny_model
 from safetensors.torch import save_file
 
 import kvslim
-from kvslim.calibration import CALIBRATED_METHODS, calibrate
+from kvslim.calibration import calibrate
 from kvslim.cli.main import main
 from kvslim.per_layer_file import FORMAT, read_per_layer
 
@@ -59,19 +59,23 @@ def test_tensor_entries_round_trip_exactly(model, tmp_path):
     assert back[2]["rotation"] == "hadamard"
 
 
-@pytest.mark.skipif("turbo3" not in CALIBRATED_METHODS, reason="kvslim.calibrate does not choose turbo key scales "
-                                                              "in this checkout")
 def test_turbo_key_scales_round_trip(model, ids, tmp_path):
-    per_layer = calibrate(model, ids, "turbo3", queries=32)
-    path = kvslim.save_per_layer(tmp_path / "k.st", per_layer, model, "turbo3")
+    """``calibrate(model, ids, "turbo3")``'s key scales (nested lists) round trip exactly; saved as tensors they come
+    back as tensors, and ``--per-layer-file``'s merge hands the plan the same floats as lists."""
+    from kvslim.cli.method_options import with_per_layer_file
+
+    turbo = dict(residual=8, flush=4, sink=2)
+    per_layer = calibrate(model, ids, "turbo3", queries=32, **turbo)
+    assert sorted(per_layer) == [0, 1, 2]
+    path = kvslim.save_per_layer(tmp_path / "k.st", per_layer, model, "turbo3", options=turbo)
+    assert kvslim.load_per_layer(path, model, "turbo3") == per_layer
+    as_tensors = {i: {"key_scales": torch.tensor(o["key_scales"], dtype=torch.float64)} for i, o in per_layer.items()}
+    path = kvslim.save_per_layer(tmp_path / "t.st", as_tensors, model, "turbo3", options=turbo)
     back = kvslim.load_per_layer(path, model, "turbo3")
-    assert back.keys() == per_layer.keys()
-    for i, over in per_layer.items():
-        got = back[i]["key_scales"]
-        got = got.tolist() if isinstance(got, torch.Tensor) else got
-        want = over["key_scales"].tolist() if isinstance(over["key_scales"], torch.Tensor) else over["key_scales"]
-        assert got == want
-    kvslim.apply(model, "turbo3", per_layer=back)
+    assert all(torch.equal(back[i]["key_scales"], as_tensors[i]["key_scales"]) for i in per_layer)
+    opts = with_per_layer_file({"turbo3": dict(turbo)}, read_per_layer(path), model, "tiny")["turbo3"]
+    assert opts["per_layer"] == per_layer
+    kvslim.apply(model, "turbo3", **opts)
     kvslim.restore(model)
 
 

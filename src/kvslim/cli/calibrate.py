@@ -5,7 +5,8 @@
 ``--tokens`` tokens of ``--text`` (default: the shipped development text, Botchan, 1,536 tokens, as the
 benchmarks calibrate), its ``per_layer`` dict written to ``FILE`` with ``kvslim.save_per_layer`` (safetensors:
 the model's identity, method, options, text and token count beside it), and a summary: the layers whose options
-changed and the seconds the calibration took. ``kvslim eval / demo / bench --per-layer-file FILE`` run with it.
+changed and the seconds the calibration took (int methods: a key rotation per layer;
+turbo methods: key channel scales in every layer). ``kvslim eval / demo / bench --per-layer-file FILE`` run with it.
 ``--model`` as ``kvslim eval``'s. Bad input is refused before the model is loaded; nothing is written on failure.
 """
 
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", required=True, help=f"a local HF folder, a .gguf file, or one of {sorted(BUILTINS)}")
     p.add_argument("--method", default="int4", help="the method calibrated (int8/int4/int3/int2: per-layer key "
-                                                    "rotation; default int4)")
+                                                    "rotation; turbo4/turbo3/turbo2: key channel scales; default int4)")
     p.add_argument("--out", required=True, help="the file written (safetensors)")
     p.add_argument("--text", default="botchan", help="a UTF-8 text file, or a shipped text by name (default "
                                                      "botchan, the development text)")
@@ -62,8 +63,12 @@ def summary(per_layer: dict, n: int) -> str:
     lines = {}
     for i, over in per_layer.items():
         for key, value in over.items():
-            shown = f"{key} (KV heads x head dim {tuple(value.shape)})" if hasattr(value, "shape") else (
-                f"{key} (set)" if isinstance(value, (list, tuple)) else f"{key} -> {value}")
+            if hasattr(value, "shape"):
+                shown = f"{key} (a {' x '.join(map(str, value.shape))} tensor)"
+            elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+                shown = f"{key} ({len(value)} x {len(value[0])} values)"
+            else:
+                shown = f"{key} -> {value}"
             lines.setdefault(shown, []).append(i)
     return "\n".join(f"  {shown}: layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))} ({len(ix)} of {n})"
                      for shown, ix in lines.items())
