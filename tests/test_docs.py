@@ -203,6 +203,24 @@ def test_readme_quickstart_runs_quietly():
     assert int(lines[-1].split()[-1]) >= 16, f"the quickstart generates (almost) nothing: {run.stdout[-1500:]}"
 
 
+#: a command line in the docs: kvslim, python (-m x), torchrun or bash, at a line start or a code span's
+_COMMAND = re.compile(r"(?:^|`|\n)\s*((?:\.venv/bin/)?(?:kvslim|python(?: -m [\w.]+)?|torchrun|bash) [^`\n]*)")
+
+
+def test_doc_commands_name_files_a_clone_has():
+    """Every file a command in the README or docs names (.json, .txt, .wav, .py, .gguf, .sh, .jsonl; relative to the
+    repository root, as a clone runs them) exists; placeholders in capitals (FILE.wav, CONFIG.json) and absolute paths
+    are left alone (``--text botchan.txt`` and ``--config llama2-7b.json`` were not in a clone)."""
+    missing = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in _COMMAND.findall(doc.read_text()):
+            for word in re.split(r"[\s=,|\[\]()]+", line):
+                if (re.search(r"\.(json|txt|wav|py|gguf|sh|jsonl)$", word) and not word.startswith(("/", "~", "$"))
+                        and not Path(word).name.split(".")[0].isupper() and not (ROOT / word).exists()):
+                    missing.append(f"{doc.relative_to(ROOT)}: {word} in {line.strip()!r}")
+    assert not missing, "\n".join(missing)
+
+
 def _scripts() -> list[Path]:
     return sorted((ROOT / "benchmarks").glob("*.py"))
 
