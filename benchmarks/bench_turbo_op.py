@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,7 +108,11 @@ def main() -> None:
             print(lines[-1])
     tag = f"_{args.tag}" if args.tag else ""
     RESULTS.mkdir(exist_ok=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - informational only
+        commit = "unknown"
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
             "turbo_isa": kernel.isa(), "int3_isa": lowbit.isa(), "threads": args.threads, "rounds": args.rounds,
             "load_avg": list(os.getloadavg()), "command": "python " + " ".join(sys.argv), "note": args.note}
