@@ -190,3 +190,17 @@ def test_demo_rows_and_bench_records_run_the_file(model, tmp_path):
     (rec,) = measure_group(model, "tiny", ["kvslim-int4"], 1, 64, 1, 1, 1.0, {"int4": opts})
     assert "skipped" not in rec and json.loads(json.dumps(rec))["options"]["per_layer"] == {
         "0": {"rotation": "hadamard"}, "2": {"rotation": "hadamard"}}
+
+
+def test_bench_refuses_a_file_for_another_model_before_measuring_it(capsys, model, tmp_path, monkeypatch):
+    path = kvslim.save_per_layer(tmp_path / "c.st", {0: {"rotation": "hadamard"}}, model, "int4", name="tiny")
+    other = tiny_model("llama", kv_heads=2, num_hidden_layers=2)
+    monkeypatch.setattr("kvslim.bench.roofline.measure_bandwidth",
+                        lambda device: {"read_gbps": 1.0, "copy_gbps": 1.0, "roofline_gbps": 1.0})
+    monkeypatch.setattr("kvslim.cli.bench.load_model", lambda name, dtype, device: other)
+    monkeypatch.setattr("kvslim.bench.decode.measure_group", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["bench", "--models", "mha-100m", "--methods", "kvslim-int4", "--per-layer-file", str(path),
+                      "--out", str(tmp_path / "out")], "--per-layer-file", "calibrated for model 'tiny'",
+             "--models mha-100m")
+    assert not (tmp_path / "out").exists()

@@ -131,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("decode points", total=total)
         for model_name in models:
             model = load_model(model_name, dtype, args.device)
-            model_options = with_per_layer_file(options, calib, model, model_name)
+            try:
+                model_options = with_per_layer_file(options, calib, model, model_name)
+            except ValueError as e:  # e.g. the default --models runs mha-100m too: name the model to leave out
+                raise ValueError(f"{e} (--models {model_name}; run the models the file was calibrated for)") from None
             for batch in batches:
                 for context in contexts:
                     group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,

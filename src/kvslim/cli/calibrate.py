@@ -70,7 +70,8 @@ def summary(per_layer: dict, n: int) -> str:
             else:
                 shown = f"{key} -> {value}"
             lines.setdefault(shown, []).append(i)
-    return "\n".join(f"  {shown}: layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))} ({len(ix)} of {n})"
+    return "\n".join(f"  {shown}: " + (f"every layer ({n})" if len(ix) == n > 1 else
+                                        f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))} ({len(ix)} of {n})")
                      for shown, ix in lines.items())
 
 
