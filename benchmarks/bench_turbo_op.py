@@ -20,8 +20,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +76,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tag", default="")
+    p.add_argument("--note", default="", help="what the record measures, e.g. which sources the op was built from")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -104,11 +108,17 @@ def main() -> None:
             print(lines[-1])
     tag = f"_{args.tag}" if args.tag else ""
     RESULTS.mkdir(exist_ok=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - informational only
+        commit = "unknown"
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "turbo_isa": kernel.isa(), "int3_isa": lowbit.isa(), "threads": args.threads, "rounds": args.rounds}
+            "turbo_isa": kernel.isa(), "int3_isa": lowbit.isa(), "threads": args.threads, "rounds": args.rounds,
+            "load_avg": list(os.getloadavg()), "command": "python " + " ".join(sys.argv), "note": args.note}
     (RESULTS / f"bench_turbo_op{tag}.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=1))
-    (RESULTS / f"bench_turbo_op{tag}.md").write_text("\n".join(lines) + "\n")
+    note = f"\n{args.note}\n" if args.note else ""
+    (RESULTS / f"bench_turbo_op{tag}.md").write_text("\n".join(lines) + "\n" + note)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Generate with each method on the built-in model and print one comparison table (no download).
 
 ``kvslim demo [--model NAME] [--prompt-tokens N] [--quality-tokens N] [--new-tokens N] [--methods dense,int4,...]
-[--option METHOD.NAME=VALUE ...] [--out DIR] [--full]`` (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository).
+[--option METHOD.NAME=VALUE ...] [--per-layer-file FILE] [--out DIR] [--full]`` (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository).
 SmolLM2's table (:mod:`.demo_long`): one prefill of 2,000 tokens of Botchan, then per method (dense, int8, int4, int3,
 int2 at their defaults) 64 tokens teacher-forced on the true continuation and 32 greedy tokens: bytes, Δppl,
 agreement with dense, decode tokens/s. Then our tiny MHA model with slim attention. ``--full`` scores 256
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
                    help="an apply() option of one method for every row that runs it, e.g. int4.residual=64 "
                         "(repeatable; the spelling of kvslim plan, eval and bench too)")
+    from .method_options import add_per_layer_file
+
+    add_per_layer_file(p, "every row that runs it")
     p.add_argument("--out", default=None,
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
     p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,
@@ -270,6 +273,14 @@ def with_options(runs, options: dict[str, dict]):
     return tuple(out)
 
 
+def file_options(args: argparse.Namespace, model) -> dict[str, dict]:
+    """``--option``'s options with ``--per-layer-file``'s ``per_layer`` under its method, checked against the loaded
+    ``model`` (:func:`kvslim.cli.method_options.with_per_layer_file`)."""
+    from .method_options import with_per_layer_file
+
+    return with_per_layer_file(args.options, getattr(args, "calibration", None), model, args.model)
+
+
 def out_dir(args: argparse.Namespace) -> Path:
     """``--out``, default ``<kvslim cache>/demo`` (``~/.cache/kvslim/demo``), created and checked writable now,
     before anything is measured."""
@@ -329,8 +340,8 @@ def run_real(args: argparse.Namespace, console, out: Path) -> int:
 
     if args.model in LM_RUNS:
         model, tokenizer, label, runs = load_lm(args.model)
-        rows = _long_rows(args, model, tokenizer, with_options(_select(runs, args.methods), args.options), args.model,
-                          console)
+        runs = with_options(_select(runs, args.methods), file_options(args, model))
+        rows = _long_rows(args, model, tokenizer, runs, args.model, console)
         print_table(console, f"{label}, CPU", rows, long_caption(rows))
         console.print(f"dense continues: {rows[0]['text']!r}", highlight=False)
         records = [{k: v for k, v in r.items() if k != "plan"} | {"model": args.model} for r in rows]
@@ -354,6 +365,11 @@ def run(args: argparse.Namespace) -> int:
 
     args.options = parse_method_options(getattr(args, "option", None), demo_methods(args.model, args.methods),
                                         among=f"the methods of this demo (--model {args.model})")
+    from .method_options import read_per_layer_file
+
+    args.calibration = read_per_layer_file(getattr(args, "per_layer_file", None),
+                                           demo_methods(args.model, args.methods),
+                                           among=f"the methods of this demo (--model {args.model})")
     out = out_dir(args)  # a bad --out fails now, not after the measurement
     import torch
     from rich.console import Console
@@ -367,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
         from ..models import load_smollm2
         from .demo_long import LONG_RUNS, long_caption
 
-        runs = with_options(_select(LONG_RUNS, args.methods), args.options)
         model, tokenizer = load_smollm2(torch.float32)
+        runs = with_options(_select(LONG_RUNS, args.methods), file_options(args, model))
         with clock:
             rows = _long_rows(args, model, tokenizer, runs, "SmolLM2", console)
         print_table(console, "SmolLM2-135M-Instruct (GQA 9/3, fp32, CPU): KV cache after a long prompt", rows,

@@ -12,7 +12,7 @@ mean KL and top-1 agreement against the dense cache (the token protocol of ``ben
 ``PATH_OR_NAME``: a local Hugging Face folder (config.json and weights), a ``.gguf`` file, or a built-in name
 (see ``BUILTINS``). Methods: the storage methods of ``EVAL_METHODS`` (int8/int4/int3/int2 and the TurboQuant-class
 turbo4/turbo3/turbo2), each with its library defaults unless ``--option METHOD.NAME=VALUE`` (repeatable) sets one of
-its ``apply()`` options. Nothing is written; bad input is refused before the model is run.
+its ``apply()`` options; ``--per-layer-file FILE`` (``kvslim calibrate``'s) gives its method per-layer options. Nothing is written; bad input is refused before the model is run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
                    help="an apply() option of one of --methods, e.g. turbo3.residual=64 or int4.group_size=32 "
                         "(repeatable; values read as Python literals, else as text)")
+    from .method_options import add_per_layer_file
+
+    add_per_layer_file(p, "every table")
     p.add_argument("--tokens", type=int, default=2048, help="text tokens fed (default 2048)")
     p.add_argument("--steps", type=int, default=512, help="single-token steps scored, the last of --tokens "
                                                          "(default 512)")
@@ -54,6 +57,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
     if not methods or bad:
         raise ValueError(f"--methods: unknown method(s) {bad or 'none given'}; expected some of {list(EVAL_METHODS)}")
     args.method_options = parse_options(getattr(args, "option", None) or [], methods)
+    from .method_options import read_per_layer_file
+
+    args.calibration = read_per_layer_file(getattr(args, "per_layer_file", None), methods)
     tasks = None
     if args.task is not None:
         if args.task not in TASKS:
@@ -187,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     model, tok = load_model(args.model)
+    from .method_options import with_per_layer_file
+
+    args.method_options = with_per_layer_file(args.method_options, args.calibration, model, args.model)
     check_plans(model, methods, args.method_options)
     text = read_text(args.text) if args.text else None
     if tasks is None:

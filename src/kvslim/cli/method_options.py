@@ -112,3 +112,67 @@ def parse_per_layer(specs: list[str] | None) -> dict[int, dict]:
                 raise ValueError(f"--per-layer: layer {i} given twice")
             out[i] = dict(opts)
     return out
+
+
+PER_LAYER_FILE = "--per-layer-file"
+
+
+def add_per_layer_file(p, what: str = "the run") -> None:
+    """``--per-layer-file FILE`` on a command's parser (``kvslim eval``, ``demo``, ``bench``)."""
+    p.add_argument(PER_LAYER_FILE, default=None, metavar="FILE",
+                   help=f"a per_layer file written by kvslim calibrate: its method runs with those per-layer options in "
+                        f"{what} (refused for another model or a method not run)")
+
+
+class FileLayers(dict):
+    """A ``per_layer`` dict read from a file: prints as the file's name (row labels), JSON as the dict."""
+
+    source = ""
+
+    def __repr__(self) -> str:
+        return f"<{self.source}>"
+
+
+def read_per_layer_file(path: str | None, methods, among: str = "--methods"):
+    """``--per-layer-file``'s :class:`kvslim.per_layer_file.CalibrationFile` (None without the flag), read before
+    any model is loaded; ``ValueError`` naming the flag for a missing file, a file that is not a calibration file,
+    or one whose method is not among ``methods`` (what the command runs)."""
+    if path is None:
+        return None
+    from ..per_layer_file import read_per_layer
+
+    try:
+        calib = read_per_layer(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"{PER_LAYER_FILE}: {e}") from None
+    if calib.method not in methods:
+        raise ValueError(f"{PER_LAYER_FILE} {path!r}: calibrated for method {calib.method!r}, which is not in {among} "
+                         f"{list(methods)}")
+    return calib
+
+
+def with_per_layer_file(options: dict[str, dict], calib, model, model_name: str, methods=None) -> dict[str, dict]:
+    """``options`` ({method: {name: value}}) with ``calib``'s ``per_layer`` under its method, after checking the file
+    against the loaded ``model`` (``ValueError`` naming the flag: another model, a layer outside it). A ``per_layer``
+    given with ``--option`` wins layer by layer. Unchanged without a file or when ``methods`` (what runs on this
+    model) leaves the file's method out. Options that differ from the calibration's: one note on stderr."""
+    if calib is None or (methods is not None and calib.method not in methods):
+        return options
+    import torch
+
+    try:
+        calib.check(model, model_name=model_name)
+    except ValueError as e:
+        raise ValueError(f"{PER_LAYER_FILE}: {e}") from None
+    mine = dict(options.get(calib.method, {}))
+    merged = FileLayers({i: {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in over.items()}
+                         for i, over in calib.per_layer.items()})
+    for i, over in (mine.get("per_layer") or {}).items():
+        merged[i] = {**merged.get(i, {}), **over}
+    merged.source = calib.path.rsplit("/", 1)[-1]
+    ran = {k: v for k, v in mine.items() if k != "per_layer"}
+    cal = {k: v for k, v in calib.options.items() if k != "per_layer"}
+    if ran != cal:
+        print(f"note: {PER_LAYER_FILE} {calib.path}: calibrated with {calib.method} options {cal or 'the defaults'}, "
+              f"run with {ran or 'the defaults'}", file=sys.stderr)
+    return {**options, calib.method: {**mine, "per_layer": merged}}
