@@ -78,6 +78,19 @@ def init_static_state(layer) -> None:
             torch._dynamo.mark_static_address(t)
 
 
+def reset_static_state(layer) -> None:
+    """At ``reset`` of a layer with ``max_length`` (plain and ring layers alike; nothing without): the device length
+    and overflow flag zeroed in place, and the stores' non-finite flags allocated again (stores reset theirs to
+    ``None``; graph steps need them allocated)."""
+    if layer.length_t is None:
+        return
+    layer.length_t.zero_()
+    layer.overflow.zero_()
+    for store in layer._stores():
+        if hasattr(store, "nonfinite"):
+            store.nonfinite = torch.zeros((), dtype=torch.bool, device=layer.device)
+
+
 class CapturableMixin:
     """The static path of :class:`~kvslim.caches.dense.AppendLayer` (see the module docstring)."""
 

@@ -12,7 +12,7 @@ import torch
 
 from . import fused
 from .base import KVStoreLayer, check_crop
-from .capture import CapturableMixin, graph_step
+from .capture import CapturableMixin, graph_step, reset_static_state
 from .spec import StoreSpec
 
 
@@ -123,13 +123,7 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
     def reset(self) -> None:
         super().reset()
         self.host_stale = self.refused = False
-        for t in (self.length_t, self.overflow):
-            if t is not None:
-                t.zero_()
-        if self.length_t is not None:
-            for store in self._stores():  # stores reset their flags to None: graph steps need them allocated
-                if hasattr(store, "nonfinite"):
-                    store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        reset_static_state(self)
 
     def _map_batch(self, fn) -> None:
         super()._map_batch(fn)

@@ -14,7 +14,7 @@ import torch
 
 from . import fused
 from .base import KVStoreLayer, check_crop
-from .capture import graph_step
+from .capture import graph_step, reset_static_state
 from .capture_ring import StaticRingMixin
 from .spec import StoreSpec
 
@@ -105,12 +105,7 @@ class RingLayer(StaticRingMixin, KVStoreLayer):
         super().reset()
         self._snapshot, self._log = None, []
         self.host_stale = self.refused = False
-        if self.length_t is not None:
-            self.length_t.zero_()
-            self.overflow.zero_()
-            for store in self._stores():  # stores reset their flags to None: graph steps need them allocated
-                if hasattr(store, "nonfinite"):
-                    store.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        reset_static_state(self)
 
     def _map_batch(self, fn) -> None:
         super()._map_batch(fn)
