@@ -7,6 +7,10 @@ import os
 # Triton kernels run on CPU tensors through Triton's interpreter; Triton reads this when it is first imported (its own
 # @jit helpers such as tl.zeros are decorated then), and torch.compile imports it: set before any test module loads
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist (the README's command runs 2 workers on 2 cores): one intra-op thread per worker and per process a
+# test starts, so that the workers do not oversubscribe the cores (set before torch is imported)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

@@ -46,18 +46,18 @@ def publish_dir(out: Path) -> Iterator[Path]:
 
 @contextmanager
 def converting(out: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``out`` (the file ``.<name>.lock`` beside it) for the block, so that
-    processes converting the same folder at once (two CLI runs, pytest-xdist workers) take turns: the caller checks
-    again inside the block and finds the first one's folder instead of converting again and replacing it while the
-    first one reads it. Without ``fcntl`` (not POSIX) the block runs unlocked."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Hold an exclusive advisory lock on ``out`` for the block, so that processes converting the same folder at
+    once (two CLI runs, pytest-xdist workers) take turns: the caller checks again inside the block and finds the first
+    one's folder instead of converting again and replacing it while the first one reads it. The lock file lives in the
+    system's temporary folder, named by a hash of ``out``'s absolute path (the cache folder holds only conversions).
+    Without ``fcntl`` (not POSIX) the block runs unlocked."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    with open(out.parent / f".{out.name}.lock", "w") as fh:
+    key = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"kvslim-convert-{key}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
