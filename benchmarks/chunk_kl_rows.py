@@ -9,7 +9,8 @@ rows worth keeping go through ``quality_rows.py``.
 
     .venv/bin/python benchmarks/chunk_kl_rows.py --model smollm2 --rows rows.json --out quality_dev_<what>.json
 
-``rows.json`` as ``quality_rows.py``'s (``[[label, method, {option: value}], ...]``).
+``rows.json`` as ``quality_rows.py``'s (``[[label, method, {option: value}], ...]``; an option ``"calibrate": {"text":
+"botchan", "tokens": 1536}`` is replaced by ``per_layer=kvslim.calibrate(...)`` on those tokens, as there).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 from bench_quality import MODELS, RESULTS, git_commit, load_model
 
+import kvslim
 from kvslim import heldout
 from kvslim.calibration import chunk_kl, chunk_reference
 from kvslim.methods import METHODS
@@ -46,6 +48,10 @@ def main() -> None:
         opts = dict(opts)
         if "per_layer" in opts:
             opts["per_layer"] = {int(k): v for k, v in opts["per_layer"].items()}
+        cal = opts.pop("calibrate", None)
+        if cal is not None:
+            cal_ids = heldout.text_ids(tok, cal.get("text", "botchan"), cal.get("tokens", 1536))
+            opts["per_layer"] = kvslim.calibrate(model, cal_ids, method, **opts)
         plan = METHODS[method].plan_model(model, **opts)
         out.append({"label": name, "chunk_kl": chunk_kl(model, ref, plan),
                     "coded_bytes_per_token": sum(lp.bytes_per_token for lp in plan.layers),

@@ -63,9 +63,9 @@ def test_given_per_layer_is_kept(model, ids):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(method="turbo3"), "method must be one of int8, int4, int3, int2"),
+    (dict(method="window"), "method must be one of int8, int4, int3, int2, turbo4, turbo3, turbo2"),
     (dict(method="dense"), "method must be one of"),
-    (dict(choose="bits"), "choose must be one of"),
+    (dict(choose="bits"), "choose must be 'rotation' (int methods) or 'key_scales' (turbo methods)"),
     (dict(queries=0), "queries must be a positive int"),
     (dict(queries=True), "queries must be a positive int"),
     (dict(ids=torch.zeros(96)), "ids must be a (1, T) tensor"),

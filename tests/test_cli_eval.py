@@ -64,8 +64,19 @@ def test_text_that_does_not_fit_is_refused_before_prefill(capsys, tmp_path, monk
                                              "--steps", "32"], "--tokens 1000 needs about", "tokens would fit")
 
 
-def test_eval_perplexity_end_to_end(capsys, text_file):
-    assert main(["eval", "--model", "tiny-mha", "--text", str(text_file), "--tokens", "200", "--steps", "32",
+def test_text_is_a_file_or_a_shipped_text_by_name(tmp_path, monkeypatch, text_file):
+    """``--text botchan`` (what docs/longctx.md runs) reads the shipped novel without its source line; a file of that
+    name wins; anything else is refused naming the shipped texts."""
+    assert cli_eval.read_text("botchan") == load_text("botchan") == cli_eval.read_text(str(text_file))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "botchan").write_text("my own text")
+    assert cli_eval.read_text("botchan") == "my own text"
+    with pytest.raises(FileNotFoundError, match="no such file 'botchan.txt' .*shipped with kvslim: botchan"):
+        cli_eval.read_text("botchan.txt")
+
+
+def test_eval_perplexity_end_to_end(capsys):
+    assert main(["eval", "--model", "tiny-mha", "--text", "botchan", "--tokens", "200", "--steps", "32",
                  "--methods", "int4,int2"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["int4"], ["int2"])}

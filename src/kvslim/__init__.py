@@ -13,16 +13,18 @@ __version__ = "0.1.0"
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
-            "calibrate": "calibration", "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
+            "calibrate": "calibration", "load_per_layer": "per_layer_file", "save_per_layer": "per_layer_file",
+            "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
 
 __all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "get_plan",
-           "make_cache", "plan_config", "restore"]
+           "load_per_layer", "make_cache", "plan_config", "restore", "save_per_layer"]
 
 if TYPE_CHECKING:
     from .api import apply, get_plan, make_cache, plan_config, restore
     from .caches import KVSlimCache
     from .calibration import calibrate
     from .methods import METHODS
+    from .per_layer_file import load_per_layer, save_per_layer
     from .plan import LayerPlan, Plan
 
 

@@ -110,15 +110,67 @@ def layer_errors(model, ids: torch.Tensor, method: str, candidates, queries: int
     return out
 
 
-CHOICES = ("rotation",)
-CALIBRATED_METHODS = ("int8", "int4", "int3", "int2")
+CHOICES = {"rotation": ("int8", "int4", "int3", "int2"), "key_scales": ("turbo4", "turbo3", "turbo2")}
+CALIBRATED_METHODS = tuple(m for ms in CHOICES.values() for m in ms)
 
 
-def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str = "rotation", queries: int = 256,
+def key_scales(q: torch.Tensor, k: torch.Tensor, spec) -> torch.Tensor:
+    """(Hk, D) float64 key scales s of one layer for the turbo key ``spec`` from its prefill queries ``q`` (1, H, T, D)
+    and keys ``k`` (1, Hk, T, D), post-RoPE: ``s_j = (a_j / b_j)^(1/4)`` with ``a_j = Σ_g E[q_j²]`` over the query
+    heads of a KV head and ``b_j = E[r_j²]`` of the residual the store codes (``k − RoPE_t(μ)`` for RoPE-centred
+    keys, μ the pre-RoPE channel means; ``k − mean`` for plain centring; ``k``), normalized to a geometric mean of 1
+    per head. Minimizes the expected squared logit error ``(Σ a/s²)(Σ b s²)`` of a code whose error is white in
+    the rotated basis (docs/quantization.md §13)."""
+    from .ops.rope import rotate, unrotate
+
+    q, k = q[0].double(), k[0].double()
+    hk, t, d = k.shape
+    a = q.pow(2).mean(1).view(hk, -1, d).sum(1)
+    if spec.rope_centred:
+        inv = torch.tensor(spec.rope, dtype=torch.float64)
+        freqs = torch.arange(t, dtype=torch.float64)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        mu = unrotate(k, cos, sin).mean(1, keepdim=True)
+        r = k - rotate(mu.expand(hk, t, d), cos, sin)
+    elif spec.center:
+        r = k - k.mean(1, keepdim=True)
+    else:
+        r = k
+    b = r.pow(2).mean(1)
+    tiny = torch.finfo(torch.float32).tiny
+    a = torch.maximum(a, a.amax(-1, keepdim=True) * 1e-6 + tiny)
+    b = torch.maximum(b, b.amax(-1, keepdim=True) * 1e-6 + tiny)
+    s = (a / b).pow(0.25)
+    return s / s.log().mean(-1, keepdim=True).exp()
+
+
+def _calibrate_key_scales(model, ids: torch.Tensor, method: str, given: dict, options: dict) -> dict[int, dict]:
+    from .methods import METHODS
+
+    plan = METHODS[method].plan_model(model, **options)
+    spec = plan.layers[0].factory.keywords["spec"]
+    if spec.rope is not None and not spec.rope_centred:
+        raise ValueError("prerope_keys=True: key scales are calibrated for post-RoPE codes (the query meets the "
+                         "coded basis there); calibrate without prerope_keys")
+    if spec.smooth:
+        raise ValueError("smooth_keys=True: key scales replace smoothing; calibrate with smooth_keys=False")
+    out = {i: dict(over) for i, over in given.items()}
+    for i, (q, k, v) in enumerate(capture_qkv(model, ids)):
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all() and torch.isfinite(q).all()):
+            raise ValueError(f"ids: calibration saw non-finite queries, keys or values in layer {i}; nothing chosen")
+        if "key_scales" not in given.get(i, {}):
+            out[i] = {**out.get(i, {}), "key_scales": key_scales(q, k, spec).tolist()}
+    return dict(sorted(out.items()))
+
+
+def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str | None = None, queries: int = 256,
               **options) -> dict[int, dict]:
     """Per-layer options of ``method`` for ``model``, chosen on calibration tokens: a ``per_layer`` dict.
 
-    ``choose="rotation"``: each layer's keys are rotated (``{"rotation": "hadamard"}``) or not (``None``),
+    ``choose="key_scales"`` (the turbo methods' choice, their default): every layer gets fixed key channel scales
+    (:func:`key_scales`, from the whole prefill's queries and keys; nested lists of floats, KV heads × head dim).
+    ``choose="rotation"`` (the int methods' default): each layer's keys are rotated (``{"rotation": "hadamard"}``) or not (``None``),
     whichever gives the layer the lower attention-output error on the prefill of ``ids`` (module docstring); the
     dict names the layers whose choice differs from the method's ``rotation``. ``options`` are the method's ``apply`` options (a ``per_layer`` among them is kept and merged:
     layers it gives a rotation are not chosen for). Use the result as
@@ -131,7 +183,8 @@ def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str = "
             layers), the model the plan is for.
         ids: (1, T) token ids of the calibration text; T must exceed the method's full-precision tokens (sinks +
             window) by at least ``queries``, so that the last ``queries`` queries see coded keys.
-        method: ``"int8"``, ``"int4"``, ``"int3"`` or ``"int2"``.
+        method: ``"int8"``, ``"int4"``, ``"int3"`` or ``"int2"`` (rotation); ``"turbo4"``, ``"turbo3"`` or
+            ``"turbo2"`` (key scales).
         queries: the last queries of the prefill over which the error is measured.
     Raises:
         ValueError naming the argument: another method or choice, ids of the wrong type, shape or length, queries
@@ -141,8 +194,11 @@ def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str = "
 
     if method not in CALIBRATED_METHODS:
         raise ValueError(f"method must be one of {', '.join(CALIBRATED_METHODS)} for calibrate, got {method!r}")
-    if choose not in CHOICES:
-        raise ValueError(f"choose must be one of {CHOICES}, got {choose!r}")
+    if choose is None:
+        choose = next(c for c, ms in CHOICES.items() if method in ms)
+    if choose not in CHOICES or method not in CHOICES[choose]:
+        raise ValueError(f"choose must be 'rotation' (int methods) or 'key_scales' (turbo methods), got {choose!r} "
+                         f"for {method!r}")
     if not isinstance(queries, int) or isinstance(queries, bool) or queries <= 0:
         raise ValueError(f"queries must be a positive int, got {queries!r}")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.is_floating_point():
@@ -159,6 +215,8 @@ def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str = "
         raise ValueError(f"model: calibrate needs Llama-style attention (model.model.layers[i].self_attn with "
                          f"q_proj, k_proj, v_proj), got {type(model).__name__}")
     given = dict(options.get("per_layer") or {})
+    if choose == "key_scales":
+        return _calibrate_key_scales(model, ids, method, given, options)
     candidates = (None, "hadamard")
     errors = layer_errors(model, ids, method, tuple({"rotation": c} for c in candidates), queries, **options)
     out = {i: dict(over) for i, over in given.items()}

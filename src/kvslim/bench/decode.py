@@ -42,8 +42,9 @@ class Point:
     batch: int
 
 
-def make_filled_cache(model, kind: str, batch: int, context: int, steps: int):
-    """A cache of ``kind`` holding ``context`` random tokens per sequence, room for ``steps`` more."""
+def make_filled_cache(model, kind: str, batch: int, context: int, steps: int, options: dict | None = None):
+    """A cache of ``kind`` holding ``context`` random tokens per sequence, room for ``steps`` more; ``options``
+    ({method: {name: value}}, ``kvslim bench --option``) over a kvslim kind's own."""
     shape = shape_from_config(model.config)
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     api.restore(model)
@@ -53,6 +54,7 @@ def make_filled_cache(model, kind: str, batch: int, context: int, steps: int):
         cache = StaticCache(config=model.config, max_cache_len=context + steps + 1)
     elif kind in KVSLIM_KINDS:
         method, opts = KVSLIM_KINDS[kind]
+        opts = {**opts, **(options or {}).get(method, {})}
         with warnings.catch_warnings():  # random weights: slim's fp32 K-cache error is measured elsewhere
             warnings.simplefilter("ignore")
             api.apply(model, method, **opts)
@@ -109,10 +111,11 @@ def measure_point(model, model_name: str, kind: str, batch: int, context: int, s
 
 
 def measure_group(model, model_name: str, kinds: list[str], batch: int, context: int, steps: int, rounds: int,
-                  roofline_gbps: float) -> list[dict]:
+                  roofline_gbps: float, options: dict | None = None) -> list[dict]:
     """One JSON record per kind: median over ``rounds`` × ``steps`` interleaved decode steps, cache bytes, bytes
     read per step, effective GB/s; a kvslim method that does not apply to ``model`` gives a record with only a
-    ``skipped`` reason. ``model`` itself is left unapplied; each kind runs on its own copy."""
+    ``skipped`` reason. ``model`` itself is left unapplied; each kind runs on its own copy. ``options``: {method:
+    {name: value}} over the kinds' own (``kvslim bench --option``; a record names the options it ran with)."""
     if steps <= 0 or rounds <= 0:
         raise ValueError(f"steps and rounds must be positive ints, got steps={steps}, rounds={rounds}")
     api.restore(model)
@@ -121,7 +124,7 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
     for kind in kinds:  # every copy and cache is built before any timing
         m = copy.deepcopy(model)
         try:
-            cache = make_filled_cache(m, kind, batch, context, room)
+            cache = make_filled_cache(m, kind, batch, context, room, options)
         except ValueError as err:  # the method does not apply to this model (e.g. slim on a GQA model)
             if kind not in KVSLIM_KINDS:
                 raise
@@ -150,6 +153,9 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
                         "tokens_per_s": batch / step, "cache_bytes": run["bytes"],
                         "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
                         "roofline_fraction": gbps / roofline_gbps})
+        method = KVSLIM_KINDS.get(kind, ("", {}))[0]
+        if (options or {}).get(method):
+            records[-1]["options"] = {**KVSLIM_KINDS[kind][1], **options[method]}
         del run
     return records
 

@@ -50,6 +50,10 @@ class StoreSpec:
       before coding and rotated back on read (:mod:`kvslim.caches.turbo`). ``rope_centred`` (with ``rope`` and
       ``center``): the keys stay post-RoPE; only the centring uses the table: the channel means μ are fitted before
       RoPE and a row at slot s is coded as ``k − RoPE_s(μ)`` (fusable: the decode adds ``q·RoPE_s(μ)`` per row).
+      ``key_scales`` (turbo keys only): fixed per-head channel scales ``s`` (a tuple of H tuples of D positive
+      finite floats, e.g. from ``kvslim.calibrate(model, ids, "turbo3")``): the (centred) key row is coded as
+      ``s ⊙ k`` and read as ``k̂ / s``; the fused decode moves the query as ``q / s`` (the smoothing machinery with
+      fixed factors; docs/quantization.md §13). Not with ``smooth``.
     * ``smooth`` (per-token keys only) divides each channel by a per-sequence, per-head factor before the
       grouped quantization and multiplies it back on read: ``sqrt(max_t |x[t, c]|)`` over the first write (the
       prefill), kept in fp32 (D values per head per sequence). Keys have outlier channels that otherwise set
@@ -75,6 +79,7 @@ class StoreSpec:
     center: bool = False
     rope: tuple[float, ...] | None = None
     rope_centred: bool = False
+    key_scales: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in ("int", "turbo"):
@@ -82,6 +87,9 @@ class StoreSpec:
         if self.codec == "turbo":
             self._check_turbo()
             return
+        if self.key_scales is not None:
+            raise ValueError("key_scales are fixed channel scales of turbo keys (codec='turbo'): grouped integer "
+                             "codes take none")
         if self.outliers or self.seed or self.center or self.rope is not None or self.rope_centred:
             raise ValueError(f"outliers, seed, center, rope and rope_centred are options of turbo codes "
                              f"(codec='turbo'), got outliers={self.outliers!r}, seed={self.seed!r}, "
@@ -152,6 +160,16 @@ class StoreSpec:
             raise ValueError("rope_centred=True centres keys by their RoPE-turned channel means: it needs rope (the "
                              f"RoPE inverse frequencies) and center=True, got rope="
                              f"{'set' if self.rope is not None else None}, center={self.center!r}")
+        if self.key_scales is not None:
+            ks = self.key_scales
+            if not (isinstance(ks, tuple) and ks and all(isinstance(r, tuple) and r and len(r) == len(ks[0])
+                                                         for r in ks)):
+                raise ValueError("key_scales must be None or a tuple of H equal-length tuples of floats (one per KV "
+                                 f"head), got {type(ks).__name__}")
+            if not all(isinstance(f, float) and math.isfinite(f) and f > 0 for r in ks for f in r):
+                raise ValueError("key_scales must be positive finite floats")
+            if self.smooth:
+                raise ValueError("key_scales are fixed key channel factors: they replace smoothing (smooth=False)")
         if self.asymmetric or self.channel_group:
             raise ValueError("asymmetric and channel_group (KIVI keys) are options of the grouped integer codes, not "
                              "of turbo codes (one scale per row, no zero-point)")
@@ -219,6 +237,8 @@ class StoreSpec:
 
         if not 0 <= self.outliers < dim:
             raise ValueError(f"outliers={self.outliers} must be below the head dimension {dim}")
+        if self.key_scales is not None and len(self.key_scales[0]) != dim:
+            raise ValueError(f"key_scales: rows of {len(self.key_scales[0])} scales, the head dimension is {dim}")
         if self.rope is not None and 2 * len(self.rope) > dim:
             raise ValueError(f"rope: {len(self.rope)} frequencies rotate {2 * len(self.rope)} channels, more than the "
                              f"head dimension {dim}")
@@ -278,6 +298,8 @@ class StoreSpec:
                 parts.append(self.rotation)
         if self.smooth:
             parts.append("smooth-k")
+        if self.key_scales is not None:
+            parts.append("scaled-k")
         if self.codec == "turbo" and self.rope_centred:
             parts.append("rope-centred-k")
         elif self.codec == "turbo":
@@ -297,7 +319,7 @@ def _values_spec(spec: StoreSpec) -> StoreSpec:
     if spec.codec == "turbo":
         return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, value_rotation=None,
                        rotation=spec.value_rotation or spec.rotation, seed=spec.seed + 1, outliers=0, center=False, rope=None,
-                       rope_centred=False)
+                       rope_centred=False, key_scales=None)
     rotation = spec.rotation if spec.value_rotation is None else spec.value_rotation
     return replace(spec, bits=spec.value_bits or spec.bits, value_bits=None, smooth=False, channel_group=0,
                    rotation=None if rotation == "none" else rotation, value_rotation=None)

@@ -22,7 +22,12 @@ padding as for pre-RoPE keys (with left padding the fitted μ is the true one tu
 ``q·RoPE_s(μ)`` (:meth:`TurboStore.bias_factors`, inputs of the decode op), the window is not centred.
 
 Layout per row: ``data`` (B, H, capacity, bytes) = the outliers' packed codes, then the rest's (kvslim's packing,
-``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``. The fused decode op
+``ops/quant_formats.pack_codes``); ``scale`` (B, H, capacity, parts) in ``scale_dtype``.
+
+``spec.key_scales`` (fixed per-head channel scales s, calibrated: ``kvslim.calibrate(model, ids, "turbo3")``) take
+the smoothing factors' place as ``channel = 1 / s``, shared by every sequence: the (centred) row is coded as
+``s ⊙ k`` (the outlier channels are then fitted on the scaled row), read as ``k̂ / s``, the query moved as ``q / s``
+by the same kept matrix; like the rotations they are the plan's parameters, not bytes of the sequence. The fused decode op
 (``kernels/turbo_decode.py``) reads the codes; the full-precision window goes in through :meth:`to_coded_basis`
 (``caches/fused.turbo_tail``, one new row per decode step).
 """
@@ -53,6 +58,13 @@ class TurboStore(TensorStore):
                           for j, (w, _) in enumerate(self.parts)]
         self.perm: torch.Tensor | None = None  # (B, H, D) int16, fitted by the first write (outliers only)
         self.channel: torch.Tensor | None = None  # (B, H, 1, D) fp32 key smoothing, fitted by the first write
+        self.fixed_channel = None  # (1, H, 1, D) fp32 1 / spec.key_scales: fixed factors in smoothing's place
+        if spec.key_scales is not None:
+            if len(spec.key_scales) != heads:
+                raise ValueError(f"key_scales: {len(spec.key_scales)} rows of scales for {heads} KV heads")
+            s = torch.tensor(spec.key_scales, dtype=torch.float64, device=device)
+            self.fixed_channel = (1.0 / s).float()[None, :, None, :].contiguous()
+            self.channel = self.fixed_channel
         self.mean: torch.Tensor | None = None  # (B, H, 1, D) fp32 channel means (``center``), fitted by the first write
         self.position_offset = 0  # position of slot 0 (RoPE table; make_store sets it behind sinks)
         self._inv_freq = None if spec.rope is None else torch.tensor(spec.rope, dtype=torch.float32, device=device)
@@ -316,7 +328,7 @@ class TurboStore(TensorStore):
 
     def map_sequences(self, fn) -> None:
         super().map_sequences(fn)
-        if self.channel is not None:
+        if self.channel is not None and self.fixed_channel is None:  # fixed factors: one row per head, no batch
             self.channel = fn(self.channel)
         if self.perm is not None:
             self.perm = fn(self.perm)
@@ -326,13 +338,15 @@ class TurboStore(TensorStore):
             self._freeze()
 
     def _fixed_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.channel, self.perm, self.mean) if t is not None)
+        fitted = (None if self.fixed_channel is not None else self.channel, self.perm, self.mean)
+        return sum(t.numel() * t.element_size() for t in fitted if t is not None)  # fixed key scales: the plan's
 
     def allocated_nbytes(self) -> int:
         return super().allocated_nbytes() + self._fixed_nbytes()
 
     def reset(self) -> None:
         self.channel = self.perm = self.mean = None
+        self.channel = self.fixed_channel
         self.nonfinite = None
         self.frozen = self.kept_rows = None
         if self.fitted:

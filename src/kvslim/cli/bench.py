@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,4096,8192", help="context lengths (tokens)")
     p.add_argument("--batches", default="1,8", help="batch sizes")
     p.add_argument("--methods", default=",".join(ALL_KINDS), help=f"from {', '.join(ALL_KINDS)}")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
+                   help="an apply() option of one method for every kvslim kind that runs it, e.g. int4.residual=64 "
+                        "(repeatable; the CPU table; the spelling of kvslim plan, eval and demo too)")
+    from .method_options import add_per_layer_file
+
+    add_per_layer_file(p, "the CPU table (each model of --models is checked against it)")
     p.add_argument("--steps", type=int, default=3, help="timed decode steps per method per round")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds (A B C A B C ...); the median over rounds × steps is reported")
@@ -88,12 +94,26 @@ def run(args: argparse.Namespace) -> int:
     from ..methods.base import parse_dtype
 
     if args.device.startswith("cuda") or args.quick:
+        if getattr(args, "per_layer_file", None):
+            raise ValueError("--per-layer-file: the GPU table (--device cuda, --quick) runs its kinds as they are; "
+                             "--per-layer-file sets the CPU table's methods")
+        if getattr(args, "option", None):
+            raise ValueError("--option: the GPU table (--device cuda, --quick) runs its kinds as they are; --option "
+                             "sets the CPU table's methods")
         return run_gpu_table(args)
     if args.name is None:
         args.name = "bench_decode"
     models = _names(args.models, MODELS, "--models")
     contexts, batches = _ints(args.contexts, "--contexts"), _ints(args.batches, "--batches")
     kinds = _names(args.methods, ALL_KINDS, "--methods")
+    from ..bench.kinds import KVSLIM_KINDS
+    from .method_options import parse_method_options
+
+    methods = [m for m in dict.fromkeys(KVSLIM_KINDS[k][0] for k in kinds if k in KVSLIM_KINDS) if m != "dense"]
+    options = parse_method_options(getattr(args, "option", None), methods, among="the methods of --methods")
+    from .method_options import read_per_layer_file, with_per_layer_file
+
+    calib = read_per_layer_file(getattr(args, "per_layer_file", None), methods, among="the methods of --methods")
     if args.steps <= 0:
         raise ValueError(f"--steps must be a positive int, got {args.steps}")
     if args.rounds <= 0:
@@ -111,10 +131,14 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("decode points", total=total)
         for model_name in models:
             model = load_model(model_name, dtype, args.device)
+            try:
+                model_options = with_per_layer_file(options, calib, model, model_name)
+            except ValueError as e:  # e.g. the default --models runs mha-100m too: name the model to leave out
+                raise ValueError(f"{e} (--models {model_name}; run the models the file was calibrated for)") from None
             for batch in batches:
                 for context in contexts:
                     group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,
-                                          bandwidth["roofline_gbps"])
+                                          bandwidth["roofline_gbps"], model_options)
                     records += group
                     base = next((r for r in group if r["method"] == "kvslim-dense"), None)
                     for rec in group:

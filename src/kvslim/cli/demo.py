@@ -1,7 +1,7 @@
 """Generate with each method on the built-in model and print one comparison table (no download).
 
 ``kvslim demo [--model NAME] [--prompt-tokens N] [--quality-tokens N] [--new-tokens N] [--methods dense,int4,...]
-[--out DIR] [--full]`` (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository).
+[--option METHOD.NAME=VALUE ...] [--per-layer-file FILE] [--out DIR] [--full]`` (results go to ``--out``, default ``~/.cache/kvslim/demo``, never into the repository).
 SmolLM2's table (:mod:`.demo_long`): one prefill of 2,000 tokens of Botchan, then per method (dense, int8, int4, int3,
 int2 at their defaults) 64 tokens teacher-forced on the true continuation and 32 greedy tokens: bytes, Δppl,
 agreement with dense, decode tokens/s. Then our tiny MHA model with slim attention. ``--full`` scores 256
@@ -27,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continuation tokens teacher-forced per method for Δppl / top-1 (default 64; --full: 256)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per method (default 32)")
     p.add_argument("--methods", default=None, help="comma-separated labels to run (default: all)")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
+                   help="an apply() option of one method for every row that runs it, e.g. int4.residual=64 "
+                        "(repeatable; the spelling of kvslim plan, eval and bench too)")
+    from .method_options import add_per_layer_file
+
+    add_per_layer_file(p, "every row that runs it")
     p.add_argument("--out", default=None,
                    help="folder for demo.json and the PNG plot (default: ~/.cache/kvslim/demo)")
     p.add_argument("--model", default="smollm2", choices=MODEL_NAMES,
@@ -240,6 +246,41 @@ def _select(runs, methods: str | None, known=None):
     return tuple(r for i, r in enumerate(runs) if i == 0 or r[0] in wanted)
 
 
+def demo_methods(model: str, methods: str | None = None) -> list[str]:
+    """The methods ``kvslim demo --model model [--methods methods]`` runs (what ``--option`` may name; none for
+    Whisper)."""
+    from .demo_long import LONG_RUNS
+    from .demo_models import LM_RUNS
+
+    tiny = TINY_RUNS + TINY_RUNS_BF16
+    if model == "smollm2":  # with --methods, SmolLM2's rows alone (the tiny table is left out)
+        runs = _select(LONG_RUNS, methods) + (() if methods else tiny)
+    elif model == "tiny-mha":
+        runs = _select(TINY_RUNS, methods, tiny) + _select(TINY_RUNS_BF16, methods, tiny)
+    else:
+        runs = _select(LM_RUNS[model][2], methods) if model in LM_RUNS else ()
+    return [m for m in dict.fromkeys(m for _, m, _ in runs) if m != "dense"]
+
+
+def with_options(runs, options: dict[str, dict]):
+    """``runs`` with ``--option``'s options over each run's own (label: the options appended)."""
+    out = []
+    for label, method, opts in runs:
+        mine = options.get(method, {})
+        if mine:
+            label += " " + ",".join(f"{k}={v}" for k, v in mine.items())
+        out.append((label, method, {**opts, **mine}))
+    return tuple(out)
+
+
+def file_options(args: argparse.Namespace, model) -> dict[str, dict]:
+    """``--option``'s options with ``--per-layer-file``'s ``per_layer`` under its method, checked against the loaded
+    ``model`` (:func:`kvslim.cli.method_options.with_per_layer_file`)."""
+    from .method_options import with_per_layer_file
+
+    return with_per_layer_file(args.options, getattr(args, "calibration", None), model, args.model)
+
+
 def out_dir(args: argparse.Namespace) -> Path:
     """``--out``, default ``<kvslim cache>/demo`` (``~/.cache/kvslim/demo``), created and checked writable now,
     before anything is measured."""
@@ -299,7 +340,8 @@ def run_real(args: argparse.Namespace, console, out: Path) -> int:
 
     if args.model in LM_RUNS:
         model, tokenizer, label, runs = load_lm(args.model)
-        rows = _long_rows(args, model, tokenizer, _select(runs, args.methods), args.model, console)
+        runs = with_options(_select(runs, args.methods), file_options(args, model))
+        rows = _long_rows(args, model, tokenizer, runs, args.model, console)
         print_table(console, f"{label}, CPU", rows, long_caption(rows))
         console.print(f"dense continues: {rows[0]['text']!r}", highlight=False)
         records = [{k: v for k, v in r.items() if k != "plan"} | {"model": args.model} for r in rows]
@@ -319,6 +361,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     if args.quality_tokens is None:
         args.quality_tokens = 256 if args.full else 64
+    from .method_options import parse_method_options
+
+    args.options = parse_method_options(getattr(args, "option", None), demo_methods(args.model, args.methods),
+                                        among=f"the methods of this demo (--model {args.model})")
+    from .method_options import read_per_layer_file
+
+    args.calibration = read_per_layer_file(getattr(args, "per_layer_file", None),
+                                           demo_methods(args.model, args.methods),
+                                           among=f"the methods of this demo (--model {args.model})")
     out = out_dir(args)  # a bad --out fails now, not after the measurement
     import torch
     from rich.console import Console
@@ -332,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
         from ..models import load_smollm2
         from .demo_long import LONG_RUNS, long_caption
 
-        runs = _select(LONG_RUNS, args.methods)
         model, tokenizer = load_smollm2(torch.float32)
+        runs = with_options(_select(LONG_RUNS, args.methods), file_options(args, model))
         with clock:
             rows = _long_rows(args, model, tokenizer, runs, "SmolLM2", console)
         print_table(console, "SmolLM2-135M-Instruct (GQA 9/3, fp32, CPU): KV cache after a long prompt", rows,
@@ -363,6 +414,7 @@ def tiny_table(args: argparse.Namespace, console, clock: Clock) -> list[dict]:
     for dtype, tiny_runs in runs:
         if args.model == "tiny-mha":  # (with smollm2, --methods names SmolLM2's rows and the tiny table is left out)
             tiny_runs = _select(tiny_runs, args.methods, known)
+        tiny_runs = with_options(tiny_runs, getattr(args, "options", {}))
         tiny, tiny_tok = load_tiny_mha(dtype)
         prompt, text = code_ids(tiny_tok)
         with clock:

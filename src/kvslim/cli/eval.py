@@ -12,7 +12,7 @@ mean KL and top-1 agreement against the dense cache (the token protocol of ``ben
 ``PATH_OR_NAME``: a local Hugging Face folder (config.json and weights), a ``.gguf`` file, or a built-in name
 (see ``BUILTINS``). Methods: the storage methods of ``EVAL_METHODS`` (int8/int4/int3/int2 and the TurboQuant-class
 turbo4/turbo3/turbo2), each with its library defaults unless ``--option METHOD.NAME=VALUE`` (repeatable) sets one of
-its ``apply()`` options. Nothing is written; bad input is refused before the model is run.
+its ``apply()`` options; ``--per-layer-file FILE`` (``kvslim calibrate``'s) gives its method per-layer options. Nothing is written; bad input is refused before the model is run.
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ TASKS = ("passkey", "multikey", "multivalue", "vartrack", "all")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"a local HF folder, a .gguf file, or one of {sorted(BUILTINS)}")
-    p.add_argument("--text", default=None, help="a UTF-8 text file (required without --task; the filler with it)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file, or a shipped text by name ('botchan', without "
+                                                "its source line) (required without --task; the filler with it)")
     p.add_argument("--methods", default="int4,int3,int2", help=f"comma-separated, of {list(EVAL_METHODS)}")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
                    help="an apply() option of one of --methods, e.g. turbo3.residual=64 or int4.group_size=32 "
                         "(repeatable; values read as Python literals, else as text)")
+    from .method_options import add_per_layer_file
+
+    add_per_layer_file(p, "every table")
     p.add_argument("--tokens", type=int, default=2048, help="text tokens fed (default 2048)")
     p.add_argument("--steps", type=int, default=512, help="single-token steps scored, the last of --tokens "
                                                          "(default 512)")
@@ -53,6 +57,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
     if not methods or bad:
         raise ValueError(f"--methods: unknown method(s) {bad or 'none given'}; expected some of {list(EVAL_METHODS)}")
     args.method_options = parse_options(getattr(args, "option", None) or [], methods)
+    from .method_options import read_per_layer_file
+
+    args.calibration = read_per_layer_file(getattr(args, "per_layer_file", None), methods)
     tasks = None
     if args.task is not None:
         if args.task not in TASKS:
@@ -67,49 +74,34 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...] | N
         if args.steps < 2 or args.tokens < args.steps + 2:
             raise ValueError(f"--tokens must exceed --steps + 1 and --steps be >= 2, got --tokens {args.tokens} "
                              f"--steps {args.steps}")
-    if args.text is not None:
-        path = Path(args.text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--text: no such file {args.text!r}")
-        if not path.read_text(encoding="utf-8", errors="replace").strip():
-            raise ValueError(f"--text: {args.text!r} is empty")
+    if args.text is not None and not read_text(args.text).strip():
+        raise ValueError(f"--text: {args.text!r} is empty")
     if args.threads is not None and args.threads <= 0:
         raise ValueError(f"--threads must be a positive int, got {args.threads}")
     return methods, tasks
 
 
+def read_text(text: str) -> str:
+    """``--text``: a file's text, or a text shipped with kvslim by name (:data:`kvslim.evaluate.TEXTS`, without its
+    source line); a file of that name wins. ``FileNotFoundError`` naming both when it is neither."""
+    path = Path(text)
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    from ..evaluate import TEXTS, load_text
+
+    if text in TEXTS:
+        return load_text(text)
+    raise FileNotFoundError(f"--text: no such file {text!r} (nor a text shipped with kvslim: {', '.join(TEXTS)})")
+
+
 def parse_options(items: list[str], methods: list[str]) -> dict[str, dict]:
     """``--option METHOD.NAME=VALUE`` items -> {method: {name: value}}, each checked by the method's own option
-    check (names, values) before any model is loaded; ``ValueError`` naming the item otherwise. Checks that need
-    the model's shape (a head dim an option cannot take) run at the plan, still before any prefill."""
-    import ast
+    check (names, values) before any model is loaded (:func:`kvslim.cli.method_options.parse_method_options`, the
+    parser of every command); ``ValueError`` naming the item otherwise. Checks that need the model's shape (a head
+    dim an option cannot take) run at the plan, still before any prefill."""
+    from .method_options import parse_method_options
 
-    from ..methods import METHODS
-
-    out: dict[str, dict] = {}
-    for item in items:
-        head, eq, raw = item.partition("=")
-        method, dot, name = head.strip().partition(".")
-        if not eq or not dot or not method or not name.strip() or not raw.strip():
-            raise ValueError(f"--option: expected METHOD.NAME=VALUE (e.g. turbo3.residual=64), got {item!r}")
-        if method not in methods:
-            raise ValueError(f"--option {item!r}: method {method!r} is not in --methods {methods}")
-        if method == "dense":
-            raise ValueError(f"--option {item!r}: the dense cache takes no options")
-        try:
-            value = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            value = raw.strip()  # text: rotation=hadamard, scale_dtype=float16
-        opts = out.setdefault(method, {})
-        if name.strip() in opts:
-            raise ValueError(f"--option {item!r}: {method}.{name.strip()} is given twice")
-        opts[name.strip()] = value
-    for method, opts in out.items():
-        try:
-            METHODS[method].options(**opts)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"--option {method}: {e}") from None
-    return out
+    return parse_method_options(items, methods)
 
 
 def load_model(name: str):
@@ -201,8 +193,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     model, tok = load_model(args.model)
+    from .method_options import with_per_layer_file
+
+    args.method_options = with_per_layer_file(args.method_options, args.calibration, model, args.model)
     check_plans(model, methods, args.method_options)
-    text = Path(args.text).read_text(encoding="utf-8", errors="replace") if args.text else None
+    text = read_text(args.text) if args.text else None
     if tasks is None:
         _check_context(model, args.tokens, "--tokens")
         ids = tok(text, return_tensors="pt", verbose=False).input_ids

@@ -21,6 +21,8 @@ COMMANDS = {
                                  "a kvslim cache."),
     "eval": ("eval", "Quality of kvslim's methods on your own model and text, or a retrieval check at a long "
                      "context."),
+    "calibrate": ("calibrate", "Choose a method's per-layer options for your model on a calibration text and write "
+                               "them to a file."),
 }
 
 

@@ -1,7 +1,8 @@
 """Bytes per method for any Hugging Face config, loading no weights.
 
 ``kvslim plan --config CONFIG.json [--context N] [--batch B] [--dtype D] [--window W] [--group-size G]
-[--per-layer 15-24:bits=8] [--turbo OPTION=VALUE,...] [--ranks N] [--json]``
+[--per-layer 15-24:bits=8] [--option METHOD.NAME=VALUE ...] [--ranks N] [--json]`` (``--turbo OPTION=VALUE,...``:
+deprecated, ``--option`` for each of turbo4/turbo3/turbo2)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from .method_options import parse_options, parse_per_layer
+from .method_options import OPTION, deprecated, parse_method_options, parse_options, parse_per_layer
 
 # torch, transformers and rich are imported inside the functions: ``kvslim plan --help`` stays instant
 
@@ -29,8 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8/int4/int3/int2: options of some layers over the method's (per_layer), e.g. "
                         "15-24:bits=8 or 0,3:rotation=hadamard (options: bits, key_bits, rotation, "
                         "value_rotation); repeatable")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
+                   help="an apply() option of one method, e.g. turbo3.prerope_keys=true or int4.residual=64 "
+                        "(repeatable; the spelling of kvslim eval, demo and bench too)")
     p.add_argument("--turbo", default=None, metavar="OPTION=VALUE[,...]",
-                   help="options of turbo4/turbo3/turbo2, e.g. rope_centred_keys=false or prerope_keys=true")
+                   help="deprecated: options of turbo4/turbo3/turbo2 at once (use --option turbo3.NAME=VALUE)")
     p.add_argument("--ranks", type=int, default=None,
                    help="sequence-parallel ranks (kvslim.distributed): also show cache bytes per rank and bytes "
                         "each rank sends per decode step")
@@ -90,8 +94,9 @@ TURBO = ("turbo4", "turbo3", "turbo2")
 
 
 def method_options(name: str, window: int | None, group_size: int | None, per_layer: dict | None = None,
-                   turbo: dict | None = None) -> dict:
-    """The options ``kvslim plan``'s flags give method ``name`` (flags left out: the method's defaults)."""
+                   turbo: dict | None = None, options: dict | None = None) -> dict:
+    """The options ``kvslim plan``'s flags give method ``name`` (flags left out: the method's defaults);
+    ``options``: ``--option``'s {method: {name: value}}, over the other flags' (one option set twice: ValueError)."""
     opts = {}
     if name in ("window", "int8", "int4") and window:
         opts["window"] = window
@@ -99,15 +104,22 @@ def method_options(name: str, window: int | None, group_size: int | None, per_la
         opts |= ({"group_size": group_size} if group_size else {}) | ({"per_layer": per_layer} if per_layer else {})
     if name in TURBO and turbo:
         opts |= turbo
-    return opts
+    mine = (options or {}).get(name, {})
+    both = sorted(set(opts) & set(mine))
+    if both:
+        raise ValueError(f"{OPTION} {name}: {', '.join(both)} also set by --window/--group-size/--per-layer/--turbo; "
+                         "give it once")
+    return opts | mine
 
 
 def method_records(config, context: int, batch: int, dtype, window: int | None, group_size: int | None,
-                   ranks: int | None = None, per_layer: dict | None = None, turbo: dict | None = None) -> list[dict]:
+                   ranks: int | None = None, per_layer: dict | None = None, turbo: dict | None = None,
+                   options: dict | None = None) -> list[dict]:
     """One record per registered method: bytes, ratio, or the reason it does not apply (with ``ranks``: also
     the per-rank cache and traffic of a sequence-parallel job, see :mod:`kvslim.distributed.plan`). A
     ``per_layer`` option the method refuses, or a ``turbo`` option no turbo method knows, is a ``ValueError``
-    naming the flag, not a row."""
+    naming the flag, not a row; so is any refusal of a method ``options`` (``--option``) sets, where the method
+    applies to the model."""
     from ..adapters.shape import shape_from_config
     from ..api import plan_config
     from ..methods import METHODS
@@ -115,7 +127,7 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
     shape = shape_from_config(config)
     records = []
     for name in METHODS:
-        opts = method_options(name, window, group_size, per_layer, turbo)
+        opts = method_options(name, window, group_size, per_layer, turbo, options)
         rec = {"method": name, "model_type": shape.model_type, "family": shape.family, "context": context,
                "batch": batch, "dtype": str(dtype).replace("torch.", "")}
         try:
@@ -126,6 +138,8 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
                 raise ValueError(f"--per-layer: {why}") from None
             if turbo and name in TURBO and "unknown option" in str(exc):  # a value one of them refuses: its row
                 raise ValueError(f"--turbo: {exc}") from None
+            if (options or {}).get(name) and not METHODS[name].not_applicable(shape):
+                raise ValueError(f"{OPTION} {name}: {exc}") from None
             rec |= {"applies": False, "reason": str(exc)}
         else:
             rec |= {"applies": True, "cache_bytes": plan.cache_bytes(context, batch),
@@ -161,10 +175,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be a positive int, got {value}")
     dtype = parse_dtype(args.dtype, "--dtype")
     per_layer = parse_per_layer(getattr(args, "per_layer", None))
-    turbo = parse_options(args.turbo, "--turbo") if getattr(args, "turbo", None) else None
+    from ..methods import METHODS
+
+    options = parse_method_options(getattr(args, "option", None), list(METHODS), among="the methods")
+    turbo = None
+    if getattr(args, "turbo", None):
+        deprecated("plan", "--turbo OPTION=VALUE", "--option turbo3.OPTION=VALUE, once per turbo method (the "
+                   "spelling of plan, eval, demo and bench)")
+        turbo = parse_options(args.turbo, "--turbo")
     config = load_config(args.config)
     records = method_records(config, args.context, args.batch, dtype, args.window, args.group_size, ranks,
-                             per_layer, turbo)
+                             per_layer, turbo, options)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0

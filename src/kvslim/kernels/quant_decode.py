@@ -18,6 +18,10 @@ the op when it is built, CUDA tensors (or CPU ones under ``KVSLIM_BACKEND=triton
 the Triton kernels of :mod:`kvslim.kernels.triton.quant_decode` (exact scores and values only: they ignore
 ``scores``/``values``), anything else (or ``KVSLIM_BACKEND=torch``) to the twin.
 
+A sequence with nothing to attend to (``lengths[b] = 0`` or ``n = 0`` and no tail, or every column masked) gets
+``out`` zeros and ``lse`` −inf on every backend (the merge of partials checks it once, at the end), as torch's
+SDPA gives a fully masked row zeros (``tests/test_empty_rows.py``).
+
 Score paths (``scores``): ``"exact"`` computes ``q · k_t`` in fp32 from the codes; ``"int8"`` (llama.cpp's q8_0
 technique) rounds the query the codes see (``scaling·q``, or ``scaling·q ⊙ s`` per KIVI token
 group) to int8 per block of 32 channels (``d_b = max|u_b| / 127``, round half to even) and multiplies it with the

@@ -16,6 +16,9 @@ values with the softmax weight folded into the scale). Source: ``csrc/quant_deco
 in fp32); :func:`quant_decode_lowbit` dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the op
 when it is built and takes the inputs, CUDA tensors to the Triton kernels (:mod:`kvslim.kernels.triton.quant_decode_lowbit`),
 anything else to the twin.
+A sequence with nothing to attend to (``lengths[b] = 0`` or ``n = 0`` and no tail, or every column masked) gets
+``out`` zeros and ``lse`` −inf on every backend (the merge of partials checks it once, at the end), as torch's
+SDPA gives a fully masked row zeros (``tests/test_empty_rows.py``).
 Rotations and key smoothing are undone on the query and the output by the caller (:mod:`kvslim.attention.quant`).
 """
 

@@ -12,6 +12,10 @@ query and the tail in and the output back once, :mod:`kvslim.attention.quant`):
 (the factored score bias, optional, coded rows only: ``bias_ab`` (B, Hk, G, W), ``bias_rows`` (≥n, W), W a multiple
 of 8: RoPE-centred keys' ``q·RoPE_t(μ)``, ``caches/turbo.TurboStore.bias_factors``.)
 
+A sequence with nothing to attend to (``lengths[b] = 0`` or ``n = 0`` and no tail, or every column masked) gets
+``out`` zeros and ``lse`` −inf on every backend (the merge of partials checks it once, at the end), as torch's
+SDPA gives a fully masked row zeros (``tests/test_empty_rows.py``).
+
 Codes are little-endian bit streams per row (kvslim's packing, :mod:`kvslim.ops.quant_formats`), the outlier part
 first. :func:`reference` is the pure-torch twin (decode, then fp32 softmax attention); :func:`turbo_decode`
 dispatches by device (:mod:`kvslim.kernels.backend`): CPU tensors to the C++ op (``csrc/turbo_decode.cpp``: AVX2
@@ -123,8 +127,8 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
         scores = torch.where(live[:, None, None, :], scores, float("-inf"))
         values = torch.where(live[:, None, :, None], values, 0.0)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), values)
-    return out, lse
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with nothing to attend to -> zeros
+    return torch.einsum("bhgt,bhtd->bhgd", weights, values), lse
 
 
 def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,

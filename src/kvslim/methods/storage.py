@@ -58,6 +58,7 @@ class StorageOptions:
     codec: str = "int"
     outliers: int = 0
     center_keys: bool = False
+    key_scales: tuple | None = None  # turbo keys' fixed channel scales (per_layer only; StoreSpec.key_scales)
     per_layer: tuple = ()  # ((layer, ((option, value), ...)), ...), normalized from the {layer: {option: value}} given
 
     def __post_init__(self) -> None:
@@ -109,7 +110,8 @@ class StorageOptions:
                              asymmetric=self.asymmetric, rotation=self.rotation,
                              channel_group=self.key_channel_group, residual=self.residual, flush=self.flush,
                              value_bits=self.bits if kb != self.bits else None, value_rotation=self.value_rotation,
-                             sink=self.sink, codec=self.codec, outliers=self.outliers, center=self.center_keys)
+                             sink=self.sink, codec=self.codec, outliers=self.outliers, center=self.center_keys,
+                             key_scales=self.key_scales)
         except ValueError as e:  # name the option, not the store field
             msg = str(e).replace("channel_group", "key_channel_group")
             raise ValueError(msg.replace("key_key_", "key_")) from None
@@ -149,6 +151,7 @@ class StorageMethod(Method):
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(allowed)}")
+        check_full_precision(options, self.defaults)
         merged = dict(self.defaults)
         if "window" in options and options["window"] is not None:
             merged.pop("residual", None)  # a ring buffer keeps no residual window (nor sinks beside it)
@@ -236,7 +239,46 @@ class StorageMethod(Method):
                     sliding_window=shape.sliding_window)
 
 
-PER_LAYER_OPTIONS = ("bits", "key_bits", "rotation", "value_rotation")
+PER_LAYER_OPTIONS = ("bits", "key_bits", "rotation", "value_rotation", "key_scales")
+
+
+def _scale_rows(value, where: str) -> tuple[tuple[float, ...], ...]:
+    """``key_scales`` given as a (H, D) tensor or nested sequence -> a tuple of H tuples of D floats (hashable, as a
+    frozen spec keeps it); ``ValueError`` naming ``where`` for anything else (values are checked by the spec)."""
+    try:
+        t = torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.dim() != 2 or 0 in t.shape:
+        raise ValueError(f"{where}: key_scales must be a (KV heads, head dim) tensor or nested list of floats, got "
+                         f"{tuple(t.shape) if t is not None else type(value).__name__}")
+    return tuple(tuple(float(f) for f in row) for row in t.tolist())
+
+
+def check_full_precision(options: dict, defaults: dict) -> None:
+    """The full-precision tokens a caller set (``residual``, ``sink``), checked before the defaults adapt to them
+    (the default sinks shrink to fit a larger window): ``ValueError`` naming what was set and what would work. Values
+    that are not ints are left to :class:`StorageOptions`' own checks."""
+    def given(name):
+        v = options.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    res, sink, cap = given("residual"), given("sink"), MAX_RESIDUAL
+    if res is not None and res + (sink or 0) > cap:
+        if sink:
+            raise ValueError(f"sink={sink} + residual={res} = {sink + res} full-precision tokens: at most {cap} "
+                             f"per layer; e.g. sink={sink} with residual={max(0, cap - sink)}, or fewer sinks")
+        room = defaults.get("sink", 0)
+        fit = (f" (the default {room} sink tokens shrink to fit: residual={cap - room} keeps all {room})" if room
+               else "")
+        raise ValueError(f"residual={res}: a layer keeps at most {cap} full-precision tokens (sinks + residual "
+                         f"window); take residual={cap} or less{fit}")
+    if sink is not None and res is None and "window" not in options:
+        default = defaults.get("residual", 0)
+        if sink + default > cap:
+            raise ValueError(f"sink={sink} beside the default residual={default} makes {sink + default} "
+                             f"full-precision tokens: at most {cap} per layer; set residual={cap - sink} or less too, "
+                             f"or sink={cap - default} or fewer")
 
 
 def _normalized_per_layer(per_layer, quantized: bool) -> tuple:
@@ -263,6 +305,8 @@ def _normalized_per_layer(per_layer, quantized: bool) -> tuple:
                              f"{', '.join(PER_LAYER_OPTIONS)}")
         if "bits" in over and (over["bits"] not in (2, 3, 4, 8) or isinstance(over["bits"], bool)):
             raise ValueError(f"per_layer[{i}]: bits must be 2, 3, 4 or 8, got {over['bits']!r}")
+        if "key_scales" in over:
+            over = {**over, "key_scales": _scale_rows(over["key_scales"], f"per_layer[{i}]")}
         out.append((i, tuple(sorted(over.items()))))
     return tuple(sorted(out))
 

@@ -11,7 +11,8 @@ subtracted before the rotation; default on), ``key_bits`` (``turbo2``: 3-bit key
 table comes from the model's ``rotary_emb`` under ``apply``, from the config's RoPE base for a plan without
 weights; such keys decode through the layers' reads, not the fused op), ``rope_centred_keys`` (keys stay post-RoPE,
 centred by their pre-RoPE channel means turned to each row's position: pre-RoPE keys' gain, fused; needs
-``center_keys``). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
+``center_keys``), ``per_layer`` (``{i: {"key_scales": (KV heads, head dim)}}`` only: fixed key channel scales coded
+as ``s ⊙ k``, from ``kvslim.calibrate(model, ids, "turbo3")``; docs/quantization.md §13). Measured against int3/int2 at equal bytes in docs/quantization.md §10.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from ..adapters.shape import ModelShape
 from ..caches.factories import append_factory
 from ..caches.storage import MAX_RESIDUAL
 from ..plan import Plan
-from .storage import StorageMethod, StorageOptions
+from .storage import StorageMethod, StorageOptions, check_full_precision
 
 TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
                  "scale_dtype",
-                 "chunk", "seed", "value_rotation", "prerope_keys", "rope_centred_keys"}
+                 "chunk", "seed", "value_rotation", "prerope_keys", "rope_centred_keys", "per_layer"}
+TURBO_PER_LAYER = ("key_scales",)  # what a turbo layer may set of its own (kvslim.calibrate(model, ids, "turbo3"))
 ROPE_OPTIONS = ("prerope_keys", "rope_centred_keys")  # the options that need the model's RoPE table
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (a static table)
 
@@ -72,6 +74,7 @@ class TurboMethod(StorageMethod):
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
                              f"{sorted(TURBO_OPTIONS)}")
         options = dict(options)
+        check_full_precision(options, self.defaults)
         rope = self._rope_mode(options)
         for name in ROPE_OPTIONS:
             options.pop(name, None)
@@ -88,7 +91,13 @@ class TurboMethod(StorageMethod):
             merged["sink"] = max(0, min(merged["sink"], MAX_RESIDUAL - merged["residual"])) if merged["residual"] else 0
         if "flush" not in options:
             merged["flush"] = min(merged["flush"], merged["residual"]) or 1
-        return StorageOptions(bits=self.bits, **merged)
+        opts = StorageOptions(bits=self.bits, **merged)
+        for i, over in opts.per_layer:
+            other = sorted(set(dict(over)) - set(TURBO_PER_LAYER))
+            if other:
+                raise ValueError(f"per_layer[{i}]: a {self.name} layer may set {', '.join(TURBO_PER_LAYER)}, got "
+                                 f"{other}")
+        return opts
 
     def _rope_mode(self, options: dict) -> str | None:
         """Which RoPE option is on (``"prerope_keys"``, ``"rope_centred_keys"`` or ``None``), each checked by name.
@@ -143,6 +152,9 @@ class TurboMethod(StorageMethod):
             spec = replace(spec, seed=2 * (seed * len(plan.layers) + lp.index), rope=rope if mode else None,
                            rope_centred=mode == "rope_centred_keys")
             spec.check_dim(shape.head_dim)
+            if spec.key_scales is not None and len(spec.key_scales) != shape.num_kv_heads:
+                raise ValueError(f"per_layer[{lp.index}]: key_scales has {len(spec.key_scales)} rows, the model has "
+                                 f"{shape.num_kv_heads} KV heads")
             fixed = shape.num_kv_heads * (spec.fixed_bytes(shape.head_dim)
                                           + spec.for_values().fixed_bytes(shape.head_dim))
             layers.append(replace(lp, fixed_bytes=fixed, factory=append_factory(spec, lp.factory.keywords["chunk"])))

@@ -25,10 +25,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -87,24 +85,14 @@ namespace kvslim_turbo {
 
 constexpr const char* kOp = "kvslim::turbo_decode";
 
-inline bool cpu_avx2() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return ok;
+// the path in force: AVX2 + FMA + F16C when the CPU has them, capped to scalar by KVSLIM_ISA=scalar or
+// turbo_decode_set_isa
+inline kvslim_decode::Avx2OrScalar& isa_switch() {
+  static kvslim_decode::Avx2OrScalar sw;
+  return sw;
 }
 
-// the path in force: the best the CPU has, capped to scalar by KVSLIM_ISA=scalar or turbo_decode_set_isa
-inline std::atomic<bool>& use_scalar() {
-  static std::atomic<bool> flag([] {
-    const char* cap = std::getenv("KVSLIM_ISA");
-    return !cpu_avx2() || (cap != nullptr && std::string(cap) == "scalar");
-  }());
-  return flag;
-}
-
-inline std::string cpu_isa() { return use_scalar().load() ? "scalar" : "avx2"; }
+inline std::string cpu_isa() { return isa_switch().isa(); }
 
 std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at::Tensor& k_codes,
                                                 const at::Tensor& k_scale, const at::Tensor& v_codes,
@@ -196,13 +184,7 @@ std::string turbo_decode_isa() { return kvslim_turbo::cpu_isa(); }
 
 // select the path ("avx2" or "scalar"; tests run both in one process); returns the previous one
 std::string turbo_decode_set_isa(const std::string& isa) {
-  using namespace kvslim_turbo;
-  TORCH_CHECK_VALUE(isa == "scalar" || isa == "avx2", "kvslim::turbo_decode_set_isa: isa must be 'avx2' or 'scalar', "
-                    "got '", isa, "'");
-  TORCH_CHECK_VALUE(isa == "scalar" || cpu_avx2(), "kvslim::turbo_decode_set_isa: this CPU has no AVX2 + FMA + F16C");
-  const std::string previous = cpu_isa();
-  use_scalar().store(isa == "scalar");
-  return previous;
+  return kvslim_turbo::isa_switch().set("kvslim::turbo_decode_set_isa", isa);
 }
 
 #pragma GCC visibility pop

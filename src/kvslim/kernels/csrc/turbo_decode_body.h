@@ -3,54 +3,29 @@
 // (vec_turbo.h) and the matching #pragma GCC target).
 //
 // Per block of T tokens: (1) scores of the G query heads of the KV group straight from the key codes, NR token
-// rows at a time (transpose-reduced), one part at a time (the outlier channels at KB + 1 bits, then the rest at
-// KB): q·k_t = s_out,t (q_out · L[c_out]) + s_rest,t (q_rest · L[c_rest]), the codebook looked up in registers
-// (never decoded into memory); plus the optional per-row bias (RoPE-centred keys) and the mask; (2) online softmax
-// per head (block_softmax_body.h); (3) acc[j] += Σ_t (p_jt s_t) L[c_t] as a register tile over columns, the value
+// rows at a time (transpose-reduced), one part after the other into one accumulator per (head, row) (the outlier
+// channels at KB + 1 bits, then the rest at KB): q·k_t = q_out · (s_out,t L)[c_out] + q_rest · (s_rest,t L)[c_rest],
+// each row's part scales folded into its copy of the codebook, looked up in registers (never decoded into memory);
+// plus the optional factored score bias (RoPE-centred keys) into the same accumulators, and the mask; (2) online
+// softmax per head (block_softmax_body.h); (3) acc[j] += Σ_t (p_jt s_t) L[c_t] as a register tile over columns, the value
 // scale folded into the weight. The fp32 tail (sinks + window) is attended after the codes in the last split, read
-// in place. Every index is bounded by TArgs (set from tensor metadata by the op and checked there).
+// in place (decode_task_body.h's attend_tail, as the int ops; its scale rows, start_task likewise). Every index is
+// bounded by TArgs (set from tensor metadata by the op and checked there).
 
-// n scales starting at p (sdt 0 fp32, 1 fp16, 2 bf16) -> fp32
-inline void scales_f32(const void* p, int sdt, float* o, int64_t n) {
-  if (sdt == 0) {
-    std::memcpy(o, p, n * sizeof(float));
-    return;
-  }
-  const uint16_t* hp = static_cast<const uint16_t*>(p);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) V::store(o + i, V::params16(hp + i, sdt));
-  for (; i < n; ++i) o[i] = sdt == 1 ? kvslim_lowbit::half_to_float(hp[i]) : kvslim_vec::bf16_to_f32(hp[i]);
-}
+#include "decode_task_body.h"  // parameter rows, the fp32 tail, block_softmax
 
-// the `w` scales of tokens [t0, t0 + m) -> dst[(t − t0)·w + part]
-inline void load_scales(const Strided& st, int sdt, int64_t b, int64_t h, int64_t t0, int64_t m, int64_t w,
-                        float* dst) {
-  auto at = [&](int64_t t) {
-    return sdt == 0 ? static_cast<const void*>(st.at<float>(b, h, t)) : static_cast<const void*>(st.at<uint16_t>(b, h, t));
-  };
-  if (st.ts == w) {
-    scales_f32(at(t0), sdt, dst, m * w);
-    return;
-  }
-  for (int64_t t = 0; t < m; ++t) scales_f32(at(t0 + t), sdt, dst + t * w, w);
-}
-
-// sv[j][r] = q_j · L[codes_r] over units [u0, u1) of one part (BITS bits, its units at byte `off` + (u − u0)·BITS
-// of each row), for HC heads and NR token rows; ENDS: unit u1 − 1 ends the row
+// acc[j][r] += q_j · (s_r L)[codes_r] over units [u0, u1) of one part (BITS bits, its units at byte `off` +
+// (u − u0)·BITS of each row), for HC heads and NR token rows; tb[r]: the part's codebook times row r's part scale.
+// ENDS: unit u1 − 1 ends the row
 template <int BITS, int HC, int NR, bool ENDS>
-inline void part_dots(const uint8_t* const* cr, int64_t off, const Tab<typename V::R>& tab, const float* q, int64_t D,
-                      int64_t u0, int64_t u1, float (*sv)[8]) {
-  typename V::R acc[HC][NR];
-#pragma GCC unroll 4
-  for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+inline void part_dots(const uint8_t* const* cr, int64_t off, const Tab<typename V::R>* tb, const float* q, int64_t D,
+                      int64_t u0, int64_t u1, typename V::R (&acc)[HC][NR]) {
   const int64_t ue = ENDS ? u1 - 1 : u1;
   for (int64_t u = u0; u < ue; ++u) {
     const int64_t o = off + (u - u0) * BITS;
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      const auto x = V::template lut<BITS, false>(cr[r] + o, tab);
+      const auto x = V::template lut<BITS, false>(cr[r] + o, tb[r]);
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * u), x, acc[j][r]);
     }
@@ -59,42 +34,40 @@ inline void part_dots(const uint8_t* const* cr, int64_t off, const Tab<typename 
     const int64_t o = off + (ue - u0) * BITS;
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      const auto x = V::template lut<BITS, true>(cr[r] + o, tab);
+      const auto x = V::template lut<BITS, true>(cr[r] + o, tb[r]);
 #pragma GCC unroll 4
       for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(q + j * D + 8 * ue), x, acc[j][r]);
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 2
-    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
 }
 
-// sv[j][r] = ab_j · rows_r over W fp32 values (W a multiple of 8), HC heads, NR rows: the factored score bias
+// acc[j][r] += ab_j · rows_r over W fp32 values (W a multiple of 8), HC heads, NR rows: the factored score bias
 template <int HC, int NR>
-inline void bias_dots(const float* const* br, const float* ab, int64_t W, float (*sv)[8]) {
-  typename V::R acc[HC][NR];
-#pragma GCC unroll 4
-  for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+inline void bias_dots(const float* const* br, const float* ab, int64_t W, typename V::R (&acc)[HC][NR]) {
   for (int64_t i = 0; i < W; i += 8) {
+    typename V::R f[HC];
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j) f[j] = V::load(ab + j * W + i);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const auto x = V::load(br[r] + i);
 #pragma GCC unroll 4
-      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(V::load(ab + j * W + i), x, acc[j][r]);
+      for (int j = 0; j < HC; ++j) acc[j][r] = V::fma(f[j], x, acc[j][r]);
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < HC; ++j)
-#pragma GCC unroll 2
-    for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
+}
+
+// the codebook t times scale s (the high half only for 4-bit codes, the only ones that read it)
+template <int BITS>
+inline Tab<typename V::R> scaled(const Tab<typename V::R>& t, float s) {
+  const auto f = V::set1(s);
+  return {V::mul(t.lo, f), BITS == 4 ? V::mul(t.hi, f) : t.hi};
 }
 
 // sc[j·ps + t] = q_j · k_t + ab_j · rows_t + mask_t for coded tokens [t0, t0 + m), heads [j0, j0 + HC) (q and ab
-// already times scaling; ab null: no bias). OB: the outlier part's bits (0: no outlier part), KB the rest's.
-// ks: the block's key scales (kparts per token).
+// already times scaling; ab null: no bias). OB: the outlier part's bits (0: no outlier part), KB the rest's. ks: the
+// block's key scales (kparts per token), folded into per-row codebooks: both parts and the bias add into one
+// accumulator per (head, row), one reduction.
 template <int OB, int KB, int HC>
 inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* q, int64_t j0,
                          const float* ks, const float* ab, const float* mask, float* sc, int64_t ps) {
@@ -102,29 +75,41 @@ inline void scores_heads(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64
   const int64_t rs = a.k.ts;
   const int kp = OB ? 2 : 1;
   constexpr int NR = HC == 1 ? 8 : 4;
-  const Tab<typename V::R> tr = V::table(a.lev + KB * 16);
-  const Tab<typename V::R> to = V::table(a.lev + (OB ? OB : KB) * 16);
+  const Tab<typename V::R> tr = V::template table<KB>(a.lev + KB * 16);
+  const Tab<typename V::R> to = V::template table<OB ? OB : KB>(a.lev + (OB ? OB : KB) * 16);
   for (int64_t t = 0; t < m; t += NR) {
     const int64_t rn = std::min<int64_t>(NR, m - t);
     const uint8_t* c0 = a.k.at<uint8_t>(b, h, t0 + t);
     kvslim_decode::prefetch_span(c0 + kvslim_decode::kPrefetchRows * rs, NR * rs);
     const uint8_t* cr[NR];
-    for (int r = 0; r < NR; ++r) cr[r] = r < rn ? c0 + r * rs : c0;  // rows past m repeat row 0 (never used)
-    float so[HC][8] = {}, sr[HC][8], sb[HC][8] = {};
-    if (OB) part_dots<OB ? OB : 2, HC, NR, false>(cr, 0, to, q + j0 * D, D, 0, UO, so);
-    part_dots<KB, HC, NR, true>(cr, ob, tr, q + j0 * D, D, UO, U, sr);
+    Tab<typename V::R> tbo[NR], tbr[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const int64_t rr = r < rn ? r : 0;  // rows past m repeat row 0 (never used)
+      cr[r] = c0 + rr * rs;
+      const float* s = ks + (t + rr) * kp;
+      tbr[r] = scaled<KB>(tr, s[kp - 1]);
+      if (OB) tbo[r] = scaled<OB ? OB : KB>(to, s[0]);
+    }
+    typename V::R acc[HC][NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < HC; ++j)
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) acc[j][r] = V::zero();
+    if (OB) part_dots<OB ? OB : 2, HC, NR, false>(cr, 0, tbo, q + j0 * D, D, 0, UO, acc);
+    part_dots<KB, HC, NR, true>(cr, ob, tbr, q + j0 * D, D, UO, U, acc);
     if (ab) {
       const float* br[NR];
       for (int r = 0; r < NR; ++r) br[r] = a.bias_rows + (t0 + t + (r < rn ? r : 0)) * a.bias_rs;
-      bias_dots<HC, NR>(br, ab + j0 * a.bias_w, a.bias_w, sb);
+      bias_dots<HC, NR>(br, ab + j0 * a.bias_w, a.bias_w, acc);
     }
+    float sv[HC][8];
+#pragma GCC unroll 4
     for (int j = 0; j < HC; ++j)
-      for (int64_t r = 0; r < rn; ++r) {
-        const float* s = ks + (t + r) * kp;
-        float x = sr[j][r] * s[kp - 1] + sb[j][r];
-        if (OB) x += so[j][r] * s[0];
-        sc[(j0 + j) * ps + t + r] = x + (mask ? mask[t + r] : 0.f);
-      }
+#pragma GCC unroll 2
+      for (int r = 0; r < NR; r += 4) V::hsum4(acc[j][r], acc[j][r + 1], acc[j][r + 2], acc[j][r + 3], sv[j] + r);
+    for (int j = 0; j < HC; ++j)
+      for (int64_t r = 0; r < rn; ++r) sc[(j0 + j) * ps + t + r] = sv[j][r] + (mask ? mask[t + r] : 0.f);
   }
 }
 
@@ -137,34 +122,9 @@ inline void code_scores(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   if (a.G - j0 == 1) scores_heads<OB, KB, 1>(a, b, h, t0, m, q, j0, ks, ab, mask, sc, ps);
 }
 
-// sc[j·ps + t] = q_j · row_t + mask for m fp32 rows (stride rs): the tail
-inline void row_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t rs, int64_t m, const float* mask,
-                       float* sc, int64_t ps) {
-  for (int64_t t = 0; t < m; ++t)
-    for (int64_t j = 0; j < G; ++j) {
-      auto acc = V::zero();
-      for (int64_t i = 0; i < D; i += V::W) acc = V::fma(V::load(q + j * D + i), V::load(k + t * rs + i), acc);
-      sc[j * ps + t] = V::hsum(acc) + (mask ? mask[t] : 0.f);
-    }
-}
-
-// acc[j] += Σ_t p[j][t] · row_t for m fp32 rows (stride rs): the tail
-inline void row_values(const float* p, int64_t ps, int64_t G, int64_t D, const float* v, int64_t rs, int64_t m,
-                       float* acc) {
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t t = 0; t < m; ++t) {
-      const float w = p[j * ps + t];
-      if (w == 0.f) continue;
-      const auto vw = V::set1(w);
-      for (int64_t i = 0; i < D; i += V::W)
-        V::store(acc + j * D + i, V::fma(vw, V::load(v + t * rs + i), V::load(acc + j * D + i)));
-    }
-}
-
-#include "block_softmax_body.h"
-
 // acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · L[codes_t][c, c + 8·NV) for HC heads (pw: weight × the row's
-// scale); tokens whose weights are all 0 are skipped. ENDS: the tile's last unit ends the row.
+// scale; a masked token's is 0 and adds exactly 0: every code looks up a finite level, so no token is tested and
+// skipped, which cost more than the lookups it saved). ENDS: the tile's last unit ends the row.
 template <int BITS, int NV, int HC, bool ENDS>
 inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const Tab<typename V::R>& tab, const float* pw,
                        int64_t pws, int64_t c, float* acc, int64_t D) {
@@ -177,14 +137,8 @@ inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const Tab<typ
   for (int64_t t = 0; t < m; ++t, ct += rs) {
     __builtin_prefetch(ct + kvslim_decode::kPrefetchRows * rs, 0, 3);
     typename V::R w[HC];
-    bool any = false;
 #pragma GCC unroll 4
-    for (int j = 0; j < HC; ++j) {
-      const float x = pw[j * pws + t];
-      any |= x != 0.f;
-      w[j] = V::set1(x);
-    }
-    if (!any) continue;
+    for (int j = 0; j < HC; ++j) w[j] = V::set1(pw[j * pws + t]);
 #pragma GCC unroll 8
     for (int u = 0; u < NV; ++u) {
       const auto x = (ENDS && u == NV - 1) ? V::template lut<BITS, true>(ct + u * BITS, tab)
@@ -225,12 +179,14 @@ template <int VB>
 inline void code_values(const TArgs& a, int64_t b, int64_t h, int64_t t0, int64_t m, const float* p, int64_t T,
                         const float* vs, float* pw, float* acc) {
   const int64_t G = a.G, D = a.D;
-  for (int64_t j = 0; j < G; ++j) {
+  for (int64_t j = 0; j < G; ++j) {  // a zero weight never lets its token's scale through (mul_nz)
     const float* pj = p + j * T;
     float* o = pw + j * T;
-    for (int64_t t = 0; t < m; ++t) o[t] = pj[t] == 0.f ? 0.f : pj[t] * vs[t];  // a zero weight never reads a scale
+    int64_t t = 0;
+    for (; t + V::W <= m; t += V::W) V::store(o + t, V::mul_nz(V::load(pj + t), V::load(vs + t)));
+    for (; t < m; ++t) o[t] = pj[t] == 0.f ? 0.f : pj[t] * vs[t];
   }
-  const Tab<typename V::R> tab = V::table(a.lev + VB * 16);
+  const Tab<typename V::R> tab = V::template table<VB>(a.lev + VB * 16);
   const uint8_t* base = a.v.at<uint8_t>(b, h, t0);
   const int64_t rs = a.v.ts;
   int64_t j0 = 0;
@@ -245,19 +201,11 @@ template <int OB, int KB, int VB>
 void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float* acc, float* mo, float* lo,
               Scratch& sp) {
   const int64_t G = a.G, D = a.D, T = sp.T;
-  const int64_t len = a.lengths ? a.lengths[b] : a.n;  // the sequence's coded tokens: no block past them is read
-  const int64_t blocks = (len + T - 1) / T, per = (blocks + S - 1) / S;
-  const int64_t t_begin = std::min(len, s * per * T), t_end = std::min(len, (s + 1) * per * T);
-  const float* qsrc = a.q + ((b * a.Hk + h) * G) * D;
   float* q = sp.q.data();
-  for (int64_t i = 0; i < G * D; ++i) q[i] = qsrc[i] * a.scaling;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < G; ++j) {
-    mo[j] = -INFINITY;
-    lo[j] = 0.f;
-  }
-  const float* mask = a.mask ? a.mask + b * a.mask_bs : nullptr;
-  float* ab = nullptr;  // the bias factors of the G heads, times scaling
+  // the sequence's coded tokens: no block past them is read
+  const auto task = kvslim_decode::start_task(a, a.lengths ? a.lengths[b] : a.n, b, h, s, S, T, q, acc, mo, lo);
+  const float* mask = task.mask;
+  float* ab = nullptr;  // the bias factors of the G heads, times scaling (rows read in the task)
   if (a.bias_ab) {
     ab = sp.ab.data();
     const float* src = a.bias_ab + b * a.bias_bs + h * a.bias_hs;
@@ -265,21 +213,15 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
       for (int64_t i = 0; i < a.bias_w; ++i) ab[j * a.bias_w + i] = src[j * a.bias_gs + i] * a.scaling;
   }
   const int64_t kp = OB ? 2 : 1;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
-    const int64_t m = std::min(T, t_end - t0);
-    load_scales(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
+  for (int64_t t0 = task.begin; t0 < task.end; t0 += T) {
+    const int64_t m = std::min(T, task.end - t0);
+    load_rows(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
     code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    load_scales(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
+    load_rows(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
     code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
   }
-  if (s != S - 1 || a.r == 0) return;
-  for (int64_t t0 = 0; t0 < a.r; t0 += T) {  // full-precision tail, read in place
-    const int64_t m = std::min(T, a.r - t0);
-    row_scores(q, G, D, a.kt.at<float>(b, h, t0), a.kt.ts, m, mask ? mask + a.n + t0 : nullptr, sp.sc.data(), T);
-    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    row_values(sp.sc.data(), T, G, D, a.vt.at<float>(b, h, t0), a.vt.ts, m, acc);
-  }
+  if (s == S - 1) attend_tail(a, b, h, q, mask, T, sp.sc.data(), mo, lo, acc, row_scores, row_values);
 }
 
 template <int OB, int KB>
