@@ -104,15 +104,15 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
 
 
 def test_prerope_keys_compile_once_through_the_unfused_reads():
-    """Pre-RoPE keys (an option; not fused): coded and read by device positions, one graph over 40 steps (10
+    """Pre-RoPE keys (an option; not fused): coded and read by device positions, one graph over 20 steps (5
     flushes), eager's tokens."""
     model = _model("turbo3", layers=1, prerope_keys=True, **SMALL)
-    eager_cache = kvslim.make_cache(model, max_length=24 + 40 + 4)
-    eager, eager_logits = decode_greedy(model, model, eager_cache, 24, 40)
-    cache = kvslim.make_cache(model, max_length=24 + 40 + 4, capturable=True)
-    got, logits = decode_greedy(model, compile_static(model), cache, 24, 40)
+    eager_cache = kvslim.make_cache(model, max_length=24 + 20 + 4)
+    eager, eager_logits = decode_greedy(model, model, eager_cache, 24, 20)
+    cache = kvslim.make_cache(model, max_length=24 + 20 + 4, capturable=True)
+    got, logits = decode_greedy(model, compile_static(model), cache, 24, 20)
     graphs = unique_graphs()
-    assert graphs == 1, f"{graphs} graphs over 40 steps ({dict(counters['recompiles'])})"
+    assert graphs == 1, f"{graphs} graphs over 20 steps ({dict(counters['recompiles'])})"
     assert torch.equal(eager, got)
     assert_rel_close(logits, eager_logits, torch.float32, "pre-RoPE turbo3, compiled vs eager")
     assert cache.layers[0].k_store.coded is None  # no coded-basis window: the keys are read, not fused
