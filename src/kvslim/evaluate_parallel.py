@@ -49,7 +49,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .caches.dense import AppendLayer
-from .caches.storage import StoreSpec
+from .caches.spec import StoreSpec
 from .caches.stores import make_store
 from .caches.window import ResidualRingLayer, RingLayer, residual_ring_slots
 from .evaluate import Quality, check_protocol_ids, protocol_segments

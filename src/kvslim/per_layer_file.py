@@ -79,9 +79,10 @@ class CalibrationFile:
                              f"this model {here!r} (config {config_hash(model)})")
         n = _num_layers(model)
         outside = sorted(i for i in self.per_layer if i >= n)
-        if outside or n != self.num_layers:
-            raise ValueError(f"{self.path}: layer(s) {outside or list(range(n, self.num_layers))} outside this "
-                             f"model's {n} layers")
+        if outside:
+            raise ValueError(f"{self.path}: layer(s) {outside} outside this model's {n} layers")
+        if n != self.num_layers:
+            raise ValueError(f"{self.path}: calibrated for {self.num_layers} layers, this model has {n}")
         mine = k_norms(model)
         if self.k_norms is not None and mine is not None:
             for i, (a, b) in enumerate(zip(self.k_norms, mine)):

@@ -191,7 +191,8 @@ def mla_vs_hf(ctx) -> dict:
 def _coded(bits: int, vbits: int, b: int, h: int, n: int, d: int, device: str):
     """Random keys/values quantized per token (asymmetric, groups of 64, fp16 parameters) through the stores, and
     their dequantized values in float64 (the oracle's inputs)."""
-    from ..caches.storage import QuantizedStore, StoreSpec
+    from ..caches.spec import StoreSpec
+    from ..caches.storage import QuantizedStore
 
     g = torch.Generator(device).manual_seed(0)
     out = []

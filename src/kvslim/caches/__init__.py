@@ -3,7 +3,8 @@
 from .base import KVStoreLayer
 from .cache import KVSlimCache
 from .dense import AppendLayer
-from .storage import QuantizedStore, StoreSpec, TensorStore
+from .spec import StoreSpec
+from .storage import QuantizedStore, TensorStore
 from .stores import make_store
 from .window import RingLayer
 

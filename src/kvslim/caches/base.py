@@ -9,7 +9,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..kernels.backend import same_device
 from .fused import fusable
-from .storage import StoreSpec, TensorStore, check_finite, raise_deferred
+from .spec import StoreSpec
+from .storage import TensorStore, check_finite, raise_deferred
 from .stores import make_store
 
 #: the dtypes a cache layer stores (integer key/value states are a caller's bug, never a cache format)

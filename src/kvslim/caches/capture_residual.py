@@ -64,7 +64,8 @@ from dataclasses import replace
 import torch
 
 from .residual import ChannelQuantizedStore
-from .storage import QuantizedStore, StoreSpec, _kept, check_finite
+from .spec import StoreSpec
+from .storage import QuantizedStore, _kept, check_finite
 from .turbo import TurboStore
 
 

@@ -13,7 +13,7 @@ import torch
 from . import fused
 from .base import KVStoreLayer, check_crop
 from .capture import CapturableMixin, graph_step
-from .storage import StoreSpec
+from .spec import StoreSpec
 
 
 class AppendLayer(CapturableMixin, KVStoreLayer):

@@ -11,7 +11,7 @@ import functools
 from .dense import AppendLayer
 from .latent import LatentLayer
 from .slim import SlimLayer
-from .storage import StoreSpec
+from .spec import StoreSpec
 from .window import ResidualRingLayer, RingLayer
 
 

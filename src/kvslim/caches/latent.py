@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .dense import AppendLayer
-from .storage import StoreSpec, TensorStore
+from .spec import StoreSpec
+from .storage import TensorStore
 from .stores import make_store
 
 

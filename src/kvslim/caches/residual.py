@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..ops.quant_formats import pack_codes, unpack_codes
-from .storage import QuantizedStore, ScratchPool, StoreSpec, TensorStore, check_finite
+from .spec import StoreSpec
+from .storage import QuantizedStore, ScratchPool, TensorStore, check_finite
 
 
 class ChannelQuantizedStore(QuantizedStore):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .residual import ResidualStore, rotated_tail_nbytes
-from .storage import ScratchPool, StoreSpec, TensorStore, check_finite
+from .spec import StoreSpec
+from .storage import ScratchPool, TensorStore, check_finite
 
 
 class SinkStore(TensorStore):

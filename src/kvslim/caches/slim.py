@@ -12,7 +12,7 @@ import torch
 
 from .capture import graph_step
 from .dense import AppendLayer
-from .storage import StoreSpec
+from .spec import StoreSpec
 from .stores import make_store
 
 

@@ -1,4 +1,4 @@
-"""Which store a :class:`~kvslim.caches.storage.StoreSpec` builds: the one place that knows every store class.
+"""Which store a :class:`~kvslim.caches.spec.StoreSpec` builds: the one place that knows every store class.
 
 ``storage.py`` defines the plain and grouped-quantized stores, ``residual.py`` and ``sink.py`` build on them; this
 module sits above all three (it used to live in ``storage.py``, which then imported its own subclasses: an
@@ -13,7 +13,8 @@ import torch
 
 from .residual import ChannelQuantizedStore, ResidualStore
 from .sink import SinkStore
-from .storage import QuantizedStore, StoreSpec, TensorStore
+from .spec import StoreSpec
+from .storage import QuantizedStore, TensorStore
 from .turbo import TurboStore
 
 

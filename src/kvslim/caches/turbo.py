@@ -40,7 +40,8 @@ import torch
 
 from ..ops import turbo
 from ..ops.rope import rotate, unrotate
-from .storage import ScratchPool, StoreSpec, TensorStore, _kept, check_finite
+from .spec import StoreSpec
+from .storage import ScratchPool, TensorStore, _kept, check_finite
 
 
 class TurboStore(TensorStore):

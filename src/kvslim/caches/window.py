@@ -16,7 +16,7 @@ from . import fused
 from .base import KVStoreLayer, check_crop
 from .capture import graph_step
 from .capture_ring import StaticRingMixin
-from .storage import StoreSpec
+from .spec import StoreSpec
 
 
 class RingLayer(StaticRingMixin, KVStoreLayer):

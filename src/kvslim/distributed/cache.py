@@ -11,7 +11,8 @@ from transformers.cache_utils import Cache
 from ..caches.dense import AppendLayer
 from ..caches.latent import LatentLayer
 from ..caches.slim import SlimLayer
-from ..caches.storage import ScratchPool, StoreSpec
+from ..caches.spec import StoreSpec
+from ..caches.storage import ScratchPool
 from ..caches.window import RingLayer
 from .layers import ShardedKVLayer, ShardedLatentLayer, ShardedLayer, ShardedRowLayer
 from .placement import Placement

@@ -18,7 +18,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..caches.base import BatchOpsMixin
-from ..caches.storage import StoreSpec, TensorStore, check_finite
+from ..caches.spec import StoreSpec
+from ..caches.storage import TensorStore, check_finite
 from ..caches.stores import make_store
 from .placement import Placement
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..attention.slim import SlimLayerWeights
-from ..caches.storage import StoreSpec
+from ..caches.spec import StoreSpec
 from ..ops.quant import dequantize, quantize
 from ..ops.rope import rotate, unrotate
 from ..ops.weights import (

@@ -15,7 +15,7 @@ from ..adapters.sdpa import restore_attention, use_packed_sdpa
 from ..adapters.shape import ModelShape
 from ..caches import StoreSpec
 from ..caches.factories import append_factory, ring_factory
-from ..caches.storage import MAX_RESIDUAL
+from ..caches.spec import MAX_RESIDUAL
 from ..caches.window import residual_ring_slots
 from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan

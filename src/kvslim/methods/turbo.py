@@ -23,7 +23,7 @@ import torch
 
 from ..adapters.shape import ModelShape
 from ..caches.factories import append_factory
-from ..caches.storage import MAX_RESIDUAL
+from ..caches.spec import MAX_RESIDUAL
 from ..plan import Plan
 from .storage import StorageMethod, StorageOptions, check_full_precision
 
