@@ -7,6 +7,10 @@ import os
 # Triton kernels run on CPU tensors through Triton's interpreter; Triton reads this when it is first imported (its own
 # @jit helpers such as tl.zeros are decorated then), and torch.compile imports it: set before any test module loads
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist (the README's command runs 2 workers on 2 cores): one intra-op thread per worker and per process a
+# test starts, so that the workers do not oversubscribe the cores (set before torch is imported)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -157,3 +161,61 @@ def hide_packages_prelude(absent) -> str:
             "        return None if name.split('.')[0] in ABSENT else self.inner.find_spec(name, path, target)\n"
             "    def __getattr__(self, a): return getattr(self.inner, a)\n"
             "sys.meta_path[:] = [Hide(f) for f in sys.meta_path]\n")
+
+
+def _one_step(step, cache, position: int):
+    """One decode step of token 1 at ``position`` for both rows, through ``step`` (the model or a compiled twin)."""
+    from kvslim.adapters.compat import CACHE_KW
+
+    pos = torch.full((2, 1), position, dtype=torch.long)
+    with torch.no_grad():
+        return step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
+                    **{CACHE_KW: cache})
+
+
+def graph_step_past_max_length(model, cache, prompt: int, steps: int, state=lambda store: store.tensors()):
+    """Compiles ``model`` (:func:`compile_static`), fills the capturable ``cache`` to its ``max_length`` (an eager
+    prefill of ``prompt`` tokens, then ``steps`` graph steps), then runs one graph step past it. Returns (layer 0,
+    whether every tensor ``state(store)`` gives of layer 0's stores is unchanged by that step, dynamo's unique graph
+    count)."""
+    step = compile_static(model)
+    decode_greedy(model, step, cache, prompt, steps)
+    layer = cache.layers[0]
+    before = [t.clone() for s in layer._stores() for t in state(s)]
+    _one_step(step, cache, prompt + steps)
+    graphs = unique_graphs()
+    after = [t for s in layer._stores() for t in state(s)]
+    return layer, all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), graphs
+
+
+def eager_step_past_max_length_is_refused(model, cache, position: int) -> bool:
+    """An eager step at ``position`` (the capturable ``cache``'s ``max_length``) raises ValueError naming
+    ``max_length``; returns whether layer 0's key store is unchanged."""
+    store = cache.layers[0].k_store
+    kept = [t.clone() for t in store.tensors()]
+    with pytest.raises(ValueError, match=f"max_length={position}"):
+        _one_step(model, cache, position)
+    return all(torch.equal(a, b) for a, b in zip(kept, store.tensors(), strict=True))
+
+
+def assert_static_fused_step_matches_unfused(layer, head_dim: int, capacity: int = 48, position: int = 30):
+    """One more single-token update of a capturable quantized ``layer`` (batch 2, 2 KV heads); the fused handle its
+    keys carry (whole buffer with ``columns``) attends (4 query heads, causal at ``position`` over ``capacity``
+    columns) as its unfused reads do. Returns the handle for the caller's own checks."""
+    from tolerances import assert_rel_close
+
+    from kvslim.attention import quant
+    from kvslim.caches import fused
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 1, head_dim, generator=g), torch.randn(2, 2, 1, head_dim, generator=g)
+    with torch.no_grad():
+        km, _ = layer.update(k, v)
+    h = fused.fused_of(km)
+    assert h is not None and h.columns is not None and h.lengths is not None
+    q = torch.randn(2, 4, 1, head_dim, generator=g)
+    mask = torch.zeros(1, 1, 1, capacity).masked_fill_(torch.arange(capacity) > position, float("-inf"))
+    got = quant.decode(h, q, mask, None)
+    assert got is not None
+    assert_rel_close(got, quant.reference(h, q, mask, None), torch.float32, "fused vs unfused static reads")
+    return h

@@ -12,15 +12,19 @@ import warnings
 
 import pytest
 import torch
+from conftest import (
+    assert_static_fused_step_matches_unfused,
+    decode_greedy,
+    eager_step_past_max_length_is_refused,
+    generate_eager_and_compiled,
+    graph_step_past_max_length,
+    tiny_model,
+)
 from conftest import compile_static as _compiled
-from conftest import decode_greedy, generate_eager_and_compiled, tiny_model
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
 
 import kvslim
-from kvslim.adapters.compat import CACHE_KW
-from kvslim.attention import quant
-from kvslim.caches import fused
 
 STEPS = 64
 #: 100 prompt tokens + 64 steps cross the defaults' first flush (4 sinks + 124 window tokens = position 128)
@@ -71,35 +75,15 @@ def test_a_capturable_decode_step_hands_attention_the_codes():
     model = _model("int2", **SMALL)
     cache = kvslim.make_cache(model, max_length=48, capturable=True)
     _decode(model, model, cache, prompt=24, steps=6)
-    layer = cache.layers[1]
-    g = torch.Generator().manual_seed(1)
-    k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
-    with torch.no_grad():
-        km, _ = layer.update(k, v)
-    h = fused.fused_of(km)
-    assert h is not None and h.columns is not None and h.lengths is not None
-    q = torch.randn(2, 4, 1, 16, generator=g)
-    mask = torch.zeros(1, 1, 1, 48).masked_fill_(torch.arange(48) > 30, float("-inf"))  # position 30: this step
-    got = quant.decode(h, q, mask, None)
-    assert got is not None
-    assert_rel_close(got, quant.reference(h, q, mask, None), torch.float32, "fused vs unfused static reads")
+    assert_static_fused_step_matches_unfused(cache.layers[1], 16)
 
 
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
     model = _model("int4", **SMALL)
     cache = kvslim.make_cache(model, max_length=24 + 3, capturable=True)
-    step = _compiled(model)
-    _decode(model, step, cache, prompt=24, steps=3)  # fills the cache to max_length (a flush on the way)
-    layer = cache.layers[0]
-    before = [t.clone() for s in layer._stores() for t in s.tensors() + [s.flushed_t]]
-    with torch.no_grad():
-        pos = torch.full((2, 1), 27, dtype=torch.long)
-        step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-             **{CACHE_KW: cache})
-    graphs = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    after = [t for s in layer._stores() for t in s.tensors() + [s.flushed_t]]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # fills the cache to max_length (a flush on the way), then one graph step past it
+    layer, unchanged, graphs = graph_step_past_max_length(model, cache, 24, 3, lambda s: s.tensors() + [s.flushed_t])
+    assert unchanged
     assert int(layer.length_t[0]) == 27 and graphs == 1
     with pytest.raises(ValueError, match="max_length=27"):
         cache.check_finite()
@@ -119,12 +103,7 @@ def test_capturable_default_refuses_an_eager_step_past_max_length_by_name():
     model = _model("int4", **SMALL)
     cache = kvslim.make_cache(model, max_length=24 + 2, capturable=True)
     _decode(model, model, cache, prompt=24, steps=2)
-    kept = [t.clone() for t in cache.layers[0].k_store.tensors()]
-    pos = torch.full((2, 1), 26, dtype=torch.long)
-    with pytest.raises(ValueError, match="max_length=26"), torch.no_grad():
-        model(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-              **{CACHE_KW: cache})
-    assert all(torch.equal(a, b) for a, b in zip(kept, cache.layers[0].k_store.tensors(), strict=True))
+    assert eager_step_past_max_length_is_refused(model, cache, 26)
     assert cache.get_seq_length() == 26
 
 

@@ -14,14 +14,20 @@ import warnings
 import pytest
 import torch
 from conftest import compile_static as _compiled
-from conftest import decode_greedy, generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import (
+    decode_greedy,
+    eager_step_past_max_length_is_refused,
+    generate_eager_and_compiled,
+    graph_step_past_max_length,
+    padded_batch,
+    tiny_model,
+)
 from conftest import unique_graphs as _graphs
 from tolerances import CAPTURED_CODES_LOGIT_ATOL, RTOL, assert_rel_close, max_err
 from torch._dynamo.utils import counters
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvslim
-from kvslim.adapters.compat import CACHE_KW
 from kvslim.caches.window import RingLayer
 
 STEPS = 64
@@ -99,17 +105,8 @@ def test_hf_generate_compile_path_with_a_left_padded_batch():
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
     model = _model()
     cache = kvslim.make_cache(model, max_length=PROMPT + 2, capturable=True)
-    step = _compiled(model)
-    _decode(model, step, cache, steps=2)
-    layer = cache.layers[0]
-    before = [t.clone() for s in layer._stores() for t in s.tensors()]
-    with torch.no_grad():
-        pos = torch.full((2, 1), PROMPT + 2, dtype=torch.long)
-        step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-             **{CACHE_KW: cache})
-    graphs = _graphs()
-    after = [t for s in layer._stores() for t in s.tensors()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)) and graphs == 1
+    layer, unchanged, graphs = graph_step_past_max_length(model, cache, PROMPT, 2)
+    assert unchanged and graphs == 1
     assert int(layer.length_t[0]) == PROMPT + 2
     with pytest.raises(ValueError, match=f"max_length={PROMPT + 2}"):
         cache.check_finite()
@@ -125,12 +122,7 @@ def test_past_max_length_eagerly():
     assert torch.equal(short[0], _decode(model, model, kvslim.make_cache(model), steps=10)[0])
     cache = kvslim.make_cache(model, max_length=PROMPT + 1, capturable=True)
     _decode(model, model, cache, steps=1)
-    kept = [t.clone() for t in cache.layers[0].k_store.tensors()]
-    pos = torch.full((2, 1), PROMPT + 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=f"max_length={PROMPT + 1}"), torch.no_grad():
-        model(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-              **{CACHE_KW: cache})
-    assert all(torch.equal(a, b) for a, b in zip(kept, cache.layers[0].k_store.tensors(), strict=True))
+    assert eager_step_past_max_length_is_refused(model, cache, PROMPT + 1)
     assert cache.get_seq_length() == PROMPT + 1
 
 

@@ -14,7 +14,14 @@ import warnings
 import pytest
 import torch
 from conftest import compile_static as _compiled
-from conftest import decode_greedy, generate_eager_and_compiled, padded_batch, tiny_model
+from conftest import (
+    decode_greedy,
+    eager_step_past_max_length_is_refused,
+    generate_eager_and_compiled,
+    graph_step_past_max_length,
+    padded_batch,
+    tiny_model,
+)
 from conftest import unique_graphs as _graphs
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
@@ -83,16 +90,9 @@ def test_hf_generate_compile_path_with_a_left_padded_batch():
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
     model = _model()
     cache = kvslim.make_cache(model, max_length=PROMPT + 3, capturable=True)
-    step = _compiled(model)
-    _decode(model, step, cache, steps=3)  # fills the cache to max_length
-    layer = cache.layers[0]
-    before = [t.clone() for t in layer.k_store.tensors()]
-    with torch.no_grad():
-        pos = torch.full((2, 1), PROMPT + 3, dtype=torch.long)
-        step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-             **{CACHE_KW: cache})
-    graphs = _graphs()
-    assert all(torch.equal(a, b) for a, b in zip(before, layer.k_store.tensors(), strict=True))
+    # fills the cache to max_length, then one graph step past it
+    layer, unchanged, graphs = graph_step_past_max_length(model, cache, PROMPT, 3)
+    assert unchanged
     assert int(layer.length_t[0]) == PROMPT + 3 and graphs == 1
     with pytest.raises(ValueError, match=f"max_length={PROMPT + 3}"):
         cache.check_finite()
@@ -106,12 +106,8 @@ def test_capturable_slim_refuses_an_eager_step_past_max_length_by_name():
     model = _model()
     cache = kvslim.make_cache(model, max_length=PROMPT + 2, capturable=True)
     _decode(model, model, cache, steps=2)
-    kept = cache.layers[0].k_store.data.clone()
-    pos = torch.full((2, 1), PROMPT + 2, dtype=torch.long)
-    with pytest.raises(ValueError, match=f"max_length={PROMPT + 2}"), torch.no_grad():
-        model(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-              **{CACHE_KW: cache})
-    assert torch.equal(kept, cache.layers[0].k_store.data) and cache.get_seq_length() == PROMPT + 2
+    assert eager_step_past_max_length_is_refused(model, cache, PROMPT + 2)
+    assert cache.get_seq_length() == PROMPT + 2
 
 
 def test_ordinary_slim_cache_past_max_length_grows_with_unchanged_tokens():

@@ -12,14 +12,21 @@ import warnings
 
 import pytest
 import torch
-from conftest import compile_static, decode_greedy, generate_eager_and_compiled, tiny_model, unique_graphs
+from conftest import (
+    assert_static_fused_step_matches_unfused,
+    compile_static,
+    decode_greedy,
+    eager_step_past_max_length_is_refused,
+    generate_eager_and_compiled,
+    graph_step_past_max_length,
+    tiny_model,
+    unique_graphs,
+)
 from tolerances import assert_rel_close
 from torch._dynamo.utils import counters
 
 import kvslim
-from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import quant
-from kvslim.caches import fused
 from kvslim.caches.capture_residual import StaticResidualStore
 from kvslim.caches.turbo import TurboStore
 
@@ -91,30 +98,21 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
     assert max(int(t.max()) for t in lengths) < calls[0]  # never the whole buffer here (48 slots, 30 tokens)
     assert int(lengths[-1][0]) == int(cache.layers[-1].k_store.flushed_t) > 0  # the last layer's coded tokens
     layer = cache.layers[1]
-    g = torch.Generator().manual_seed(1)
-    k, v = torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
-    with torch.no_grad():
-        km, _ = layer.update(k, v)
-    h = fused.fused_of(km)
-    assert h is not None and h.columns is not None and h.k_tail_rotated and h.v_tail_rotated
+    h = assert_static_fused_step_matches_unfused(layer, 32)
+    assert h.k_tail_rotated and h.v_tail_rotated
     assert torch.equal(h.lengths, layer.k_store.flushed_t.expand(2))
-    q = torch.randn(2, 4, 1, 32, generator=g)
-    mask = torch.zeros(1, 1, 1, 48).masked_fill_(torch.arange(48) > 30, float("-inf"))  # position 30: this step
-    got = quant.decode(h, q, mask, None)
-    assert got is not None
-    assert_rel_close(got, quant.reference(h, q, mask, None), torch.float32, "fused vs unfused static reads")
 
 
 def test_prerope_keys_compile_once_through_the_unfused_reads():
-    """Pre-RoPE keys (an option; not fused): coded and read by device positions, one graph over 40 steps (10
+    """Pre-RoPE keys (an option; not fused): coded and read by device positions, one graph over 20 steps (5
     flushes), eager's tokens."""
     model = _model("turbo3", layers=1, prerope_keys=True, **SMALL)
-    eager_cache = kvslim.make_cache(model, max_length=24 + 40 + 4)
-    eager, eager_logits = decode_greedy(model, model, eager_cache, 24, 40)
-    cache = kvslim.make_cache(model, max_length=24 + 40 + 4, capturable=True)
-    got, logits = decode_greedy(model, compile_static(model), cache, 24, 40)
+    eager_cache = kvslim.make_cache(model, max_length=24 + 20 + 4)
+    eager, eager_logits = decode_greedy(model, model, eager_cache, 24, 20)
+    cache = kvslim.make_cache(model, max_length=24 + 20 + 4, capturable=True)
+    got, logits = decode_greedy(model, compile_static(model), cache, 24, 20)
     graphs = unique_graphs()
-    assert graphs == 1, f"{graphs} graphs over 40 steps ({dict(counters['recompiles'])})"
+    assert graphs == 1, f"{graphs} graphs over 20 steps ({dict(counters['recompiles'])})"
     assert torch.equal(eager, got)
     assert_rel_close(logits, eager_logits, torch.float32, "pre-RoPE turbo3, compiled vs eager")
     assert cache.layers[0].k_store.coded is None  # no coded-basis window: the keys are read, not fused
@@ -146,17 +144,10 @@ def test_a_graph_step_before_the_fit_is_refused_by_name():
 def test_graph_step_past_max_length_is_refused_by_name_and_writes_nothing():
     model = _model("turbo2", layers=1, **SMALL)
     cache = kvslim.make_cache(model, max_length=24 + 3, capturable=True)
-    step = compile_static(model)
-    decode_greedy(model, step, cache, 24, 3)  # fills the cache to max_length (a flush on the way)
-    layer = cache.layers[0]
-    before = [t.clone() for s in layer._stores() for t in s.tensors() + s.device_state()]
-    with torch.no_grad():
-        pos = torch.full((2, 1), 27, dtype=torch.long)
-        step(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-             **{CACHE_KW: cache})
-    graphs = unique_graphs()
-    after = [t for s in layer._stores() for t in s.tensors() + s.device_state()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # fills the cache to max_length (a flush on the way), then one graph step past it
+    layer, unchanged, graphs = graph_step_past_max_length(model, cache, 24, 3,
+                                                          lambda s: s.tensors() + s.device_state())
+    assert unchanged
     assert int(layer.length_t[0]) == 27 and graphs == 1
     with pytest.raises(ValueError, match="max_length=27"):
         cache.check_finite()
@@ -166,10 +157,5 @@ def test_capturable_turbo_refuses_an_eager_step_past_max_length_by_name():
     model = _model("turbo4", layers=1, **SMALL)
     cache = kvslim.make_cache(model, max_length=24 + 2, capturable=True)
     decode_greedy(model, model, cache, 24, 2)
-    kept = [t.clone() for t in cache.layers[0].k_store.tensors()]
-    pos = torch.full((2, 1), 26, dtype=torch.long)
-    with pytest.raises(ValueError, match="max_length=26"), torch.no_grad():
-        model(torch.ones(2, 1, dtype=torch.long), position_ids=pos, cache_position=pos[0], use_cache=True,
-              **{CACHE_KW: cache})
-    assert all(torch.equal(a, b) for a, b in zip(kept, cache.layers[0].k_store.tensors(), strict=True))
+    assert eager_step_past_max_length_is_refused(model, cache, 26)
     assert cache.get_seq_length() == 26

@@ -36,13 +36,14 @@ def _tokens(model, step, device):
     return torch.cat(out, dim=1)
 
 
-def _model(method, device="cpu", dtype=torch.float32):
+def _model(method, device="cpu", dtype=torch.float32, **layers):
+    """``layers``: ``num_hidden_layers=N`` (default: the tiny model's own)."""
     if method == "mla":
         from test_mla_model import deepseek
 
-        model = deepseek("v3", dtype=dtype).to(device)
+        model = deepseek("v3", dtype=dtype, **layers).to(device)
     else:
-        model = tiny_model("llama", kv_heads=KV_HEADS.get(method, 2), dtype=dtype).to(device)
+        model = tiny_model("llama", kv_heads=KV_HEADS.get(method, 2), dtype=dtype, **layers).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, method, **CASES[method])
@@ -52,8 +53,10 @@ def _model(method, device="cpu", dtype=torch.float32):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("method", list(CASES))
 def test_fullgraph_decode_steps_give_eager_tokens(method):
+    """One layer: dynamo traces every layer alike (and the growing layouts recompile per step), the layers' caches
+    are one class."""
     torch._dynamo.reset()
-    model = _model(method)
+    model = _model(method, num_hidden_layers=1)
     eager = _tokens(model, model, "cpu")
     compiled = _tokens(model, torch.compile(model, backend="eager", fullgraph=True), "cpu")
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_turbo_decode import _format, _oracle, _oracle_lengths, spoil_past  # noqa: E402
+from test_turbo_decode import _format, _oracle, _oracle_lengths, lengths_case  # noqa: E402
 from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 from kvslim.caches import StoreSpec  # noqa: E402
@@ -65,18 +65,9 @@ def test_kernel_lengths_skip_the_slots_past_them(spec, lens, tail):
     differing across the batch: the kernel equals the twin and the float64 oracle over each sequence's own rows; NaN
     scales and garbage codes past the lengths never reach the result."""
     ks, vs, keys, values = _format(spec, n=70)
-    b, hk, n, d = keys.shape
-    g = torch.Generator().manual_seed(8)
-    lengths = torch.tensor(lens)
-    q = torch.randn(b, hk, 3, d, generator=g)
-    kt = vt = None
-    if tail:
-        kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
-    mask = torch.zeros(b, n + (5 if tail else 0))
-    mask[1, 1] = float("-inf")
-    bias = (torch.randn(b, hk, 3, 16, generator=g), torch.randn(n, 16, generator=g))
-    codes = (spoil_past(ks.data, lengths, 255), spoil_past(ks.scale, lengths, float("nan")),
-             spoil_past(vs.data, lengths, 7), spoil_past(vs.scale, lengths, float("nan")))
+    n = keys.shape[2]
+    lengths, q, kt, vt, mask, bias, codes = lengths_case(ks, vs, keys, lens, tail, seed=8, groups=3,
+                                                         mask_rows=keys.shape[0], masked=(1, 1))
     args = (q, *codes)
     bits = (spec.outliers, spec.bits, spec.for_values().bits)
     move = (lambda t: None if t is None else t.to(DEVICE))  # noqa: E731

@@ -171,6 +171,25 @@ def spoil_past(t: torch.Tensor, lengths: torch.Tensor, value) -> torch.Tensor:
     return t
 
 
+def lengths_case(ks, vs, keys, lens, tail: bool, *, seed: int, groups: int, mask_rows: int, masked: tuple):
+    """Inputs of a ``lengths`` case over the codes ``_format`` wrote: (lengths, q with ``groups`` query heads per
+    KV head, a 5-row tail or None twice, a (``mask_rows``, n [+ 5]) mask with -inf at ``masked`` = (row, column),
+    score-term factors W = 16, the four code/scale tensors spoiled past each sequence's length)."""
+    b, hk, n, d = keys.shape
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lens)
+    q = torch.randn(b, hk, groups, d, generator=g)
+    kt = vt = None
+    if tail:
+        kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
+    mask = torch.zeros(mask_rows, n + (5 if tail else 0))
+    mask[masked] = float("-inf")
+    bias = (torch.randn(b, hk, groups, 16, generator=g), torch.randn(n, 16, generator=g))
+    codes = (spoil_past(ks.data, lengths, 255), spoil_past(ks.scale, lengths, float("nan")),
+             spoil_past(vs.data, lengths, 7), spoil_past(vs.scale, lengths, float("nan")))
+    return lengths, q, kt, vt, mask, bias, codes
+
+
 @pytest.mark.parametrize("spec", [
     StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, value_bits=2, scale_dtype=torch.float16),
     StoreSpec(4, codec="turbo", rotation="hadamard", value_bits=3, scale_dtype=torch.bfloat16),
@@ -181,18 +200,9 @@ def test_op_lengths_skip_the_slots_past_them(spec, lens, tail, isa):
     differing across the batch: the C++ op and the twin equal the float64 oracle over each sequence's own rows;
     NaN scales and garbage codes past the lengths never reach the result."""
     ks, vs, keys, values = _format(spec, n=301)
-    b, hk, n, d = keys.shape
-    g = torch.Generator().manual_seed(9)
-    lengths = torch.tensor(lens)
-    q = torch.randn(b, hk, 2, d, generator=g)
-    kt = vt = None
-    if tail:
-        kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
-    mask = torch.zeros(1, n + (5 if tail else 0))
-    mask[0, 2] = float("-inf")
-    bias = (torch.randn(b, hk, 2, 16, generator=g), torch.randn(n, 16, generator=g))
-    codes = (spoil_past(ks.data, lengths, 255), spoil_past(ks.scale, lengths, float("nan")),
-             spoil_past(vs.data, lengths, 7), spoil_past(vs.scale, lengths, float("nan")))
+    n = keys.shape[2]
+    lengths, q, kt, vt, mask, bias, codes = lengths_case(ks, vs, keys, lens, tail, seed=9, groups=2, mask_rows=1,
+                                                         masked=(0, 2))
     args = (q, *codes, spec.outliers, spec.bits, spec.for_values().bits, n, kt, vt, mask, 0.125, *bias)
     exact = _oracle_lengths(q, keys, values, kt, vt, mask, 0.125, lengths, bias)
     ref = kernel.reference(*args, lengths=lengths)

