@@ -8,8 +8,8 @@
 //                                        KIVI token groups)
 //   row_scores / row_values              plain fp32 rows (the tail) against the G query heads
 //   attend_tail                          the fp32 tail after a task's codes: scores, online softmax, values
-// Used by quant_decode_body.h (int8/int4) and quant_decode_lowbit_body.h (2/3-bit); turbo_decode_body.h still has
-// its own copies (docs/kernels.md says what it can switch to).
+// Used by quant_decode_body.h (int8/int4), quant_decode_lowbit_body.h (2/3-bit) and turbo_decode_body.h (turbo's
+// scale rows, task start and fp32 tail).
 
 #include "block_softmax_body.h"
 

@@ -92,8 +92,9 @@ inline void code_scores(const LArgs& a, int64_t b, int64_t h, int64_t t0, int64_
   if (a.G - j0 == 1) scores_heads<BITS, 1, KIVI>(a, b, h, t0, m, q, j0, qsum, zq, ks, kz, mask, sc, ps);
 }
 
-// acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · codes_t[c, c + 8·NV) for HC heads; tokens whose weights are all 0 are
-// skipped (a masked row is never read). ENDS: the tile's last unit ends the row.
+// acc[j][c, c + 8·NV) += Σ_t pw[j·pws + t] · codes_t[c, c + 8·NV) for HC heads. A masked token's weight is +0
+// (mul_nz: its scale, which may be NaN, never gets in) and its codes are finite integers, so it adds exactly 0: no
+// token is tested and skipped (as turbo's value tile). ENDS: the tile's last unit ends the row.
 template <int BITS, int NV, int HC, bool ENDS>
 inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* pw, int64_t pws, int64_t c,
                        float* acc, int64_t D) {
@@ -106,14 +107,8 @@ inline void value_tile(const uint8_t* base, int64_t rs, int64_t m, const float* 
   for (int64_t t = 0; t < m; ++t, ct += rs) {
     __builtin_prefetch(ct + kvslim_decode::kPrefetchRows * rs, 0, 3);
     typename V::R w[HC];
-    bool any = false;
 #pragma GCC unroll 4
-    for (int j = 0; j < HC; ++j) {
-      const float x = pw[j * pws + t];
-      any |= x != 0.f;
-      w[j] = V::set1(x);
-    }
-    if (!any) continue;
+    for (int j = 0; j < HC; ++j) w[j] = V::set1(pw[j * pws + t]);
 #pragma GCC unroll 8
     for (int u = 0; u < NV; ++u) {
       const auto x = (ENDS && u == NV - 1) ? V::template unit<BITS, true>(ct + u * BITS)
