@@ -83,6 +83,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+#: options of the calibration tests' int4 runs (small window: a 96-token text has coded keys)
+CALIB_OPTS = dict(residual=32, sink=2, key_channel_group=16)
+
+
+@pytest.fixture(scope="module")
+def calib_model(one_thread):
+    """The calibration tests' tiny model (llama, 2 KV heads, 3 layers, attention bias)."""
+    return tiny_model("llama", kv_heads=2, num_hidden_layers=3, attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def calib_ids():
+    """The calibration tests' text: 96 random token ids, (1, 96)."""
+    return torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(3))
+
+
 @pytest.fixture
 def tiny():
     return tiny_model

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import CALIB_OPTS as OPTS
 from conftest import tiny_model
 from safetensors.torch import save_file
 
@@ -18,40 +19,29 @@ from kvslim.calibration import calibrate
 from kvslim.cli.main import main
 from kvslim.per_layer_file import FORMAT, read_per_layer
 
-OPTS = dict(residual=32, sink=2, key_channel_group=16)  # small window: a 96-token text has coded keys
 
-
-@pytest.fixture(scope="module")
-def model(one_thread):
-    return tiny_model("llama", kv_heads=2, num_hidden_layers=3, attention_bias=True)
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(3))
-
-
-def test_int4_rotation_round_trip_and_apply(model, ids, tmp_path):
-    per_layer = calibrate(model, ids, "int4", queries=32, **OPTS)
-    path = kvslim.save_per_layer(tmp_path / "c.safetensors", per_layer, model, "int4", name="tiny", options=OPTS,
+def test_int4_rotation_round_trip_and_apply(calib_model, calib_ids, tmp_path):
+    per_layer = calibrate(calib_model, calib_ids, "int4", queries=32, **OPTS)
+    path = kvslim.save_per_layer(tmp_path / "c.safetensors", per_layer, calib_model, "int4", name="tiny", options=OPTS,
                                  text="random ids", tokens=96, seconds=0.5)
-    assert kvslim.load_per_layer(path, model, "int4") == per_layer
+    assert kvslim.load_per_layer(path, calib_model, "int4") == per_layer
     calib = read_per_layer(path)
     assert (calib.method, calib.model, calib.options, calib.text, calib.tokens, calib.num_layers) == (
         "int4", "tiny", OPTS, "random ids", 96, 3)
-    plan = kvslim.apply(model, "int4", per_layer=kvslim.load_per_layer(path, model, "int4"), **OPTS)
+    plan = kvslim.apply(calib_model, "int4", per_layer=kvslim.load_per_layer(path, calib_model, "int4"), **OPTS)
     try:
         assert [lp.factory(None).spec.rotation for lp in plan.layers] == [
             per_layer.get(i, {}).get("rotation") for i in range(3)]
     finally:
-        kvslim.restore(model)
+        kvslim.restore(calib_model)
 
 
-def test_tensor_entries_round_trip_exactly(model, tmp_path):
+def test_tensor_entries_round_trip_exactly(calib_model, tmp_path):
     scales = torch.rand(2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.5
     per_layer = {0: {"rotation": None, "bits": 8}, 2: {"key_scales": scales, "rotation": "hadamard"},
                  1: {"key_scales": scales.float()[:, :8].t()}}  # a non-contiguous view
-    back = kvslim.load_per_layer(kvslim.save_per_layer(tmp_path / "t.st", per_layer, model, "turbo3"), model)
+    back = kvslim.load_per_layer(kvslim.save_per_layer(tmp_path / "t.st", per_layer, calib_model, "turbo3"),
+                                 calib_model)
     assert sorted(back) == [0, 1, 2] and back[0] == {"rotation": None, "bits": 8}
     for i in (1, 2):
         want = per_layer[i]["key_scales"]
@@ -59,28 +49,54 @@ def test_tensor_entries_round_trip_exactly(model, tmp_path):
     assert back[2]["rotation"] == "hadamard"
 
 
-def test_turbo_key_scales_round_trip(model, ids, tmp_path):
+def test_turbo_key_scales_round_trip(calib_model, calib_ids, tmp_path):
     """``calibrate(model, ids, "turbo3")``'s key scales (nested lists) round trip exactly; saved as tensors they come
     back as tensors, and ``--per-layer-file``'s merge hands the plan the same floats as lists."""
     from kvslim.cli.method_options import with_per_layer_file
 
     turbo = dict(residual=8, flush=4, sink=2)
-    per_layer = calibrate(model, ids, "turbo3", queries=32, **turbo)
+    per_layer = calibrate(calib_model, calib_ids, "turbo3", queries=32, **turbo)
     assert sorted(per_layer) == [0, 1, 2]
-    path = kvslim.save_per_layer(tmp_path / "k.st", per_layer, model, "turbo3", options=turbo)
-    assert kvslim.load_per_layer(path, model, "turbo3") == per_layer
+    path = kvslim.save_per_layer(tmp_path / "k.st", per_layer, calib_model, "turbo3", options=turbo)
+    assert kvslim.load_per_layer(path, calib_model, "turbo3") == per_layer
     as_tensors = {i: {"key_scales": torch.tensor(o["key_scales"], dtype=torch.float64)} for i, o in per_layer.items()}
-    path = kvslim.save_per_layer(tmp_path / "t.st", as_tensors, model, "turbo3", options=turbo)
-    back = kvslim.load_per_layer(path, model, "turbo3")
+    path = kvslim.save_per_layer(tmp_path / "t.st", as_tensors, calib_model, "turbo3", options=turbo)
+    back = kvslim.load_per_layer(path, calib_model, "turbo3")
     assert all(torch.equal(back[i]["key_scales"], as_tensors[i]["key_scales"]) for i in per_layer)
-    opts = with_per_layer_file({"turbo3": dict(turbo)}, read_per_layer(path), model, "tiny")["turbo3"]
+    opts = with_per_layer_file({"turbo3": dict(turbo)}, read_per_layer(path), calib_model, "tiny")["turbo3"]
     assert opts["per_layer"] == per_layer
-    kvslim.apply(model, "turbo3", **opts)
-    kvslim.restore(model)
+    kvslim.apply(calib_model, "turbo3", **opts)
+    kvslim.restore(calib_model)
 
 
-def test_refusals_by_name(model, tmp_path):
-    path = kvslim.save_per_layer(tmp_path / "c.st", {1: {"rotation": "hadamard"}}, model, "int4", name="tiny")
+def test_float_lists_are_float64_tensors_and_format_1_still_loads(calib_model, calib_ids, tmp_path):
+    """Nested lists of floats (``calibrate``'s turbo key scales) go to the safetensors body as float64 tensors, marked
+    so that they load back as the same lists (``==``, float for float), in a file smaller than the same dict with the
+    lists in the JSON metadata (the /1 layout, written here by hand), which still loads."""
+    from safetensors import safe_open
+
+    scales = calibrate(calib_model, calib_ids, "turbo3", queries=32, residual=8, flush=4, sink=2)
+    per_layer = {i: dict(o) for i, o in scales.items()}
+    per_layer[1].update(mixed=[1, 2.5], ragged=[[1.5], [2.5, 3.5]], empty=[], one=1.5)  # these stay JSON
+    path = kvslim.save_per_layer(tmp_path / "v2.st", per_layer, calib_model, "turbo3", name="tiny")
+    back = kvslim.load_per_layer(path, calib_model, "turbo3")
+    assert back == per_layer
+    assert all(type(x) is float for o in back.values() for row in o["key_scales"] for x in row)
+    assert type(back[1]["mixed"][0]) is int
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["kvslim"])
+        assert sorted(f.keys()) == [f"layer.{i}.key_scales" for i in range(3)]
+        assert all(f.get_tensor(k).dtype == torch.float64 for k in f.keys())
+    assert meta["format"] == FORMAT == "kvslim.per_layer/2"
+    assert meta["per_layer"]["1"]["mixed"] == [1, 2.5] and meta["per_layer"]["1"]["one"] == 1.5
+    v1 = {**meta, "format": "kvslim.per_layer/1", "per_layer": {str(i): o for i, o in per_layer.items()}}
+    save_file({}, str(tmp_path / "v1.st"), metadata={"kvslim": json.dumps(v1, sort_keys=True, allow_nan=False)})
+    assert kvslim.load_per_layer(tmp_path / "v1.st", calib_model, "turbo3") == per_layer
+    assert path.stat().st_size < (tmp_path / "v1.st").stat().st_size
+
+
+def test_refusals_by_name(calib_model, tmp_path):
+    path = kvslim.save_per_layer(tmp_path / "c.st", {1: {"rotation": "hadamard"}}, calib_model, "int4", name="tiny")
     with pytest.raises(FileNotFoundError, match="no calibration file .*missing.st"):
         kvslim.load_per_layer(tmp_path / "missing.st")
     (tmp_path / "junk.st").write_bytes(b"not a safetensors file at all")
@@ -89,29 +105,30 @@ def test_refusals_by_name(model, tmp_path):
         with pytest.raises(ValueError, match=f"{name}' is not a kvslim calibration file"):
             kvslim.load_per_layer(tmp_path / name)
     with pytest.raises(ValueError, match="calibrated for method 'int4', not 'int2'"):
-        kvslim.load_per_layer(path, model, "int2")
+        kvslim.load_per_layer(path, calib_model, "int2")
     other = tiny_model("llama", kv_heads=2, num_hidden_layers=2, attention_bias=True)
     with pytest.raises(ValueError, match="calibrated for model 'tiny' .*not this model"):
         kvslim.load_per_layer(path, other, "int4")
     same_shape = tiny_model("llama", kv_heads=2, num_hidden_layers=3, attention_bias=True, seed=1)
     with pytest.raises(ValueError, match="layer 0 k_proj weights differ .*other weights"):
         kvslim.load_per_layer(path, same_shape, "int4")
-    assert kvslim.load_per_layer(path, copy.deepcopy(model).to(torch.bfloat16).float(), "int4") == {1: {"rotation": "hadamard"}}
+    assert kvslim.load_per_layer(path, copy.deepcopy(calib_model).to(torch.bfloat16).float(), "int4") == {
+        1: {"rotation": "hadamard"}}
     # a hand-made file naming a layer the model does not have
     meta = json.loads(json.dumps({**read_per_layer(path).__dict__, "format": FORMAT}))
     meta["per_layer"] = {"7": {"rotation": "hadamard"}}
     save_file({}, str(tmp_path / "edited.st"), metadata={"kvslim": json.dumps(meta)})
     with pytest.raises(ValueError, match=r"layer\(s\) \[7\] outside this model's 3 layers"):
-        kvslim.load_per_layer(tmp_path / "edited.st", model, "int4")
+        kvslim.load_per_layer(tmp_path / "edited.st", calib_model, "int4")
     # save: nothing written on bad input
     for bad, words in (({3: {"rotation": None}}, "layer 3 is outside the model's 3 layers"),
                        ({0: {"rotation": object()}}, "must hold JSON values"),
                        ({0: "hadamard"}, r"per_layer\[0\] must be a dict")):
         with pytest.raises(ValueError, match=words):
-            kvslim.save_per_layer(tmp_path / "bad.st", bad, model, "int4")
+            kvslim.save_per_layer(tmp_path / "bad.st", bad, calib_model, "int4")
         assert not (tmp_path / "bad.st").exists()
     with pytest.raises(ValueError, match="path: .* is a folder"):
-        kvslim.save_per_layer(tmp_path, {}, model, "int4")
+        kvslim.save_per_layer(tmp_path, {}, calib_model, "int4")
 
 
 def _refused(capsys, argv, *needles):
@@ -166,7 +183,7 @@ def test_cli_calibrate_then_eval_demo_bench(capsys, tmp_path, monkeypatch):
              "not in the methods of --methods")
 
 
-def test_demo_rows_and_bench_records_run_the_file(model, tmp_path):
+def test_demo_rows_and_bench_records_run_the_file(calib_model, tmp_path):
     """demo's rows (label names the file, options carry its dict) and bench's CPU records (its kinds' caches follow
     it; the record is JSON) on a tiny model, with the file's check against the loaded model."""
     import argparse
@@ -176,24 +193,24 @@ def test_demo_rows_and_bench_records_run_the_file(model, tmp_path):
     from kvslim.cli.method_options import with_per_layer_file
 
     per_layer = {0: {"rotation": "hadamard"}, 2: {"rotation": "hadamard"}}
-    path = kvslim.save_per_layer(tmp_path / "c.st", per_layer, model, "int4", name="tiny", options=OPTS)
+    path = kvslim.save_per_layer(tmp_path / "c.st", per_layer, calib_model, "int4", name="tiny", options=OPTS)
     calib = read_per_layer(path)
     args = argparse.Namespace(options={"int4": dict(OPTS)}, calibration=calib, model="tiny")
-    ((label, method, opts),) = with_options((("int4", "int4", {}),), file_options(args, model))
+    ((label, method, opts),) = with_options((("int4", "int4", {}),), file_options(args, calib_model))
     assert label == f"int4 residual=32,sink=2,key_channel_group=16,per_layer=<{path.name}>"
     assert opts == {**OPTS, "per_layer": per_layer}
-    options = with_per_layer_file({"int4": {**OPTS, "per_layer": {2: {"rotation": None}}}}, calib, model, "tiny")
+    options = with_per_layer_file({"int4": {**OPTS, "per_layer": {2: {"rotation": None}}}}, calib, calib_model, "tiny")
     assert options["int4"]["per_layer"] == {0: {"rotation": "hadamard"}, 2: {"rotation": None}}  # --option wins
-    cache = make_filled_cache(model, "kvslim-int4", 1, 64, 2, {"int4": opts})
-    kvslim.restore(model)
+    cache = make_filled_cache(calib_model, "kvslim-int4", 1, 64, 2, {"int4": opts})
+    kvslim.restore(calib_model)
     assert [layer.spec.rotation for layer in cache.layers] == ["hadamard", None, "hadamard"]
-    (rec,) = measure_group(model, "tiny", ["kvslim-int4"], 1, 64, 1, 1, 1.0, {"int4": opts})
+    (rec,) = measure_group(calib_model, "tiny", ["kvslim-int4"], 1, 64, 1, 1, 1.0, {"int4": opts})
     assert "skipped" not in rec and json.loads(json.dumps(rec))["options"]["per_layer"] == {
         "0": {"rotation": "hadamard"}, "2": {"rotation": "hadamard"}}
 
 
-def test_bench_refuses_a_file_for_another_model_before_measuring_it(capsys, model, tmp_path, monkeypatch):
-    path = kvslim.save_per_layer(tmp_path / "c.st", {0: {"rotation": "hadamard"}}, model, "int4", name="tiny")
+def test_bench_refuses_a_file_for_another_model_before_measuring_it(capsys, calib_model, tmp_path, monkeypatch):
+    path = kvslim.save_per_layer(tmp_path / "c.st", {0: {"rotation": "hadamard"}}, calib_model, "int4", name="tiny")
     other = tiny_model("llama", kv_heads=2, num_hidden_layers=2)
     monkeypatch.setattr("kvslim.bench.roofline.measure_bandwidth",
                         lambda device: {"read_gbps": 1.0, "copy_gbps": 1.0, "roofline_gbps": 1.0})

@@ -1,24 +1,30 @@
 """A calibrated ``per_layer`` dict on disk: ``save_per_layer`` / ``load_per_layer`` (docs/quantization.md §12).
 
 The file is safetensors (loads without executing code): tensor values of the dict (e.g. a turbo layer's
-``key_scales``, (KV heads, head dim)) are its tensors, named ``layer.<i>.<option>``; everything else is JSON in its
-metadata under ``kvslim``: the dict's plain values, the method and its options, the model it was calibrated for (a
-name, a hash of the config fields that fix the attention's shape, and the Frobenius norm of every layer's
-``k_proj`` weight, which tells apart two models of one architecture), the calibration text, its token count and the
-seconds the calibration took. ``load_per_layer(path, model, method)`` refuses, naming what differs, a file for
-another method or model, a layer outside the model, or a file that is not a calibration file.
+``key_scales``, (KV heads, head dim)) are its tensors, named ``layer.<i>.<option>``, and so are its rectangular
+nested lists of finite floats (what ``kvslim.calibrate`` gives a turbo layer as ``key_scales``): float64 tensors,
+marked so that they load back as the same lists, float for float. Everything else is JSON in its metadata under
+``kvslim``: the dict's plain values, the method and its options, the model it was calibrated for (a name, a hash of
+the config fields that fix the attention's shape, and the Frobenius norm of every layer's ``k_proj`` weight, which
+tells apart two models of one architecture), the calibration text, its token count and the seconds the calibration
+took. Format ``kvslim.per_layer/2``; files of ``/1`` (every list in the JSON) still load. ``load_per_layer(path,
+model, method)`` refuses, naming what differs, a file for another method or model, a layer outside the model, or a
+file that is not a calibration file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-FORMAT = "kvslim.per_layer/1"
+FORMAT = "kvslim.per_layer/2"
+#: formats read_per_layer reads: /1 kept every list in the JSON metadata
+READABLE = ("kvslim.per_layer/1", FORMAT)
 #: config fields that fix a model's attention (and so what a calibration chose for it); absent ones count as None
 IDENTITY_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                  "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
@@ -27,6 +33,21 @@ IDENTITY_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_
 #: relative tolerance of the k_proj weight norms (a bf16 copy of the same weights differs by ~1e-6 relative)
 NORM_RTOL = 1e-3
 _TENSOR = "__tensor__"
+_LIST = "__list__"  # /2: a float64 tensor that loads back as nested lists of floats
+
+
+def _float_shape(value) -> list[int] | None:
+    """The shape of ``value`` when it is a non-empty rectangular nested list of finite Python floats (what float64
+    holds exactly), else None (it stays JSON)."""
+    if type(value) is float:
+        return [] if math.isfinite(value) else None
+    if not isinstance(value, list) or not value:
+        return None
+    shapes = [_float_shape(v) for v in value]
+    first = shapes[0]
+    if first is None or any(s != first for s in shapes[1:]):
+        return None
+    return [len(value), *first]
 
 
 def config_hash(model) -> str:
@@ -129,6 +150,9 @@ def save_per_layer(path, per_layer: dict, model, method: str, *, name: str | Non
             if isinstance(value, torch.Tensor):
                 tensors[f"layer.{i}.{key}"] = value.detach().cpu().contiguous().clone()
                 row[key] = {_TENSOR: f"layer.{i}.{key}"}
+            elif isinstance(value, list) and _float_shape(value) is not None:
+                tensors[f"layer.{i}.{key}"] = torch.tensor(value, dtype=torch.float64)
+                row[key] = {_LIST: f"layer.{i}.{key}"}
             else:
                 row[key] = value
         plain[str(i)] = row
@@ -159,13 +183,12 @@ def read_per_layer(path) -> CalibrationFile:
     try:
         with safe_open(str(p), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("kvslim", "null"))
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            if not isinstance(meta, dict) or meta.get("format") not in READABLE:
                 raise ValueError("no kvslim per_layer metadata")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         per_layer = {}
         for i, row in meta["per_layer"].items():
-            per_layer[int(i)] = {k: tensors[v[_TENSOR]] if isinstance(v, dict) and _TENSOR in v else v
-                                 for k, v in row.items()}
+            per_layer[int(i)] = {k: _value(v, tensors, meta["format"]) for k, v in row.items()}
         return CalibrationFile(path=str(p), per_layer=dict(sorted(per_layer.items())), method=str(meta["method"]),
                                model=str(meta["model"]), config_hash=str(meta["config_hash"]),
                                num_layers=int(meta["num_layers"]), k_norms=meta.get("k_norms"),
@@ -174,6 +197,18 @@ def read_per_layer(path) -> CalibrationFile:
     except Exception as e:  # a foreign safetensors file, another format, a truncated or hand-broken file
         raise ValueError(f"{str(p)!r} is not a kvslim calibration file ({type(e).__name__}: {e}); write one with "
                          "kvslim calibrate or kvslim.save_per_layer") from None
+
+
+def _value(v, tensors: dict, fmt: str):
+    """A per_layer value as saved: a tensor entry's tensor, a /2 list entry's nested lists, else the JSON value."""
+    if isinstance(v, dict) and _TENSOR in v:
+        return tensors[v[_TENSOR]]
+    if fmt != READABLE[0] and isinstance(v, dict) and _LIST in v:
+        t = tensors[v[_LIST]]
+        if t.dtype != torch.float64:
+            raise ValueError(f"list entry {v[_LIST]!r} is {t.dtype}, not torch.float64")
+        return t.tolist()
+    return v
 
 
 def load_per_layer(path, model=None, method: str | None = None) -> dict[int, dict]:
