@@ -121,16 +121,13 @@ def key_scales(q: torch.Tensor, k: torch.Tensor, spec) -> torch.Tensor:
     keys, μ the pre-RoPE channel means; ``k − mean`` for plain centring; ``k``), normalized to a geometric mean of 1
     per head. Minimizes the expected squared logit error ``(Σ a/s²)(Σ b s²)`` of a code whose error is white in
     the rotated basis (docs/quantization.md §13)."""
-    from .ops.rope import rotate, unrotate
+    from .ops.rope import rotate, table, unrotate
 
     q, k = q[0].double(), k[0].double()
     hk, t, d = k.shape
     a = q.pow(2).mean(1).view(hk, -1, d).sum(1)
     if spec.rope_centred:
-        inv = torch.tensor(spec.rope, dtype=torch.float64)
-        freqs = torch.arange(t, dtype=torch.float64)[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = table(torch.tensor(spec.rope, dtype=torch.float64), torch.arange(t))
         mu = unrotate(k, cos, sin).mean(1, keepdim=True)
         r = k - rotate(mu.expand(hk, t, d), cos, sin)
     elif spec.center:

@@ -40,6 +40,7 @@ import torch
 
 from ..ops import turbo
 from ..ops.rope import rotate, unrotate
+from ..ops.rope import table as rope_table
 from .spec import StoreSpec
 from .storage import ScratchPool, TensorStore, _kept, check_finite
 
@@ -83,10 +84,7 @@ class TurboStore(TensorStore):
     def _rope_table(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (S, 2·len(rope)) of ``slots`` (S,) int64 (host ranges or device positions alike), computed as
         HF's rotary embedding does (fp32 position × inverse frequency, both halves)."""
-        pos = slots + self.position_offset
-        freqs = pos[:, None].float() * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return rope_table(self._inv_freq, slots + self.position_offset)
 
     def _rope_mean(self, slots: torch.Tensor) -> torch.Tensor:
         """``RoPE_s(μ)`` (B, H, S, D) fp32 for ``slots`` (S,) (RoPE-centred keys)."""
@@ -346,8 +344,8 @@ class TurboStore(TensorStore):
         return super().allocated_nbytes() + self._fixed_nbytes()
 
     def reset(self) -> None:
-        self.channel = self.perm = self.mean = None
-        self.channel = self.fixed_channel
+        self.perm = self.mean = None
+        self.channel = self.fixed_channel  # fitted smoothing forgotten; fixed key scales stay
         self.nonfinite = None
         self.frozen = self.kept_rows = None
         if self.fitted:

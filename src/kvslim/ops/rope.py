@@ -21,6 +21,14 @@ def _split(x: torch.Tensor, rot: int) -> tuple[torch.Tensor, torch.Tensor | None
     return x[..., :rot], x[..., rot:]
 
 
+def table(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (S, 2·len(inv_freq)) of ``positions`` (S,) as HF's rotary embedding builds them: position × inverse
+    frequency in ``inv_freq``'s dtype, both halves."""
+    freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE by +θ: ``x·cos + rotate_half(x)·sin``.
 
