@@ -14,12 +14,10 @@ Codes are random bytes (every code value), scales random positive, zero-points r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
-import json
-import sys
 
 import torch
+from turbo_op_fingerprint import digest, report  # the hash, the record and the comparison
 
 from kvslim.kernels import quant_decode_lowbit as kernel
 
@@ -92,19 +90,9 @@ def main() -> None:
             for splits in (0, 1, 3):
                 out, lse = call(*c, splits, seed=i)
                 nonfinite += int(not torch.isfinite(out).all())
-                h = hashlib.sha256(out.numpy().tobytes() + lse.numpy().tobytes()).hexdigest()
-                got[f"{isa}|{'|'.join(map(str, c))}|s{splits}"] = h
-    total = hashlib.sha256("".join(f"{k}={v}" for k, v in sorted(got.items())).encode()).hexdigest()
-    with open(args.out, "w") as f:
-        json.dump({"calls": len(got), "isas": isas, "sha256": total, "nonfinite_outputs": nonfinite, "each": got}, f,
-                  indent=0)
-    print(f"{len(got)} calls ({', '.join(isas)}): {total}; calls with a non-finite output: {nonfinite}")
-    if args.compare:
-        with open(args.compare) as f:
-            before = json.load(f)["each"]
-        diff = [k for k in got if before.get(k) != got[k]]
-        print(f"differ from {args.compare}: {len(diff)} of {len(got)}" + ("" if not diff else f" e.g. {diff[:5]}"))
-        sys.exit(1 if diff or set(before) != set(got) else 0)
+                got[f"{isa}|{'|'.join(map(str, c))}|s{splits}"] = digest(out, lse)
+    report(got, isas, args.out, args.compare, {"nonfinite_outputs": nonfinite},
+           f"; calls with a non-finite output: {nonfinite}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,27 @@ from kvslim.kernels import turbo_decode as kernel
 FORMATS = [(2, 0, 2), (2, 8, 2), (3, 0, 3), (3, 16, 3), (3, 32, 2), (4, 0, 4), (4, 0, 3)]  # (k_bits, k_out, v_bits)
 
 
+def digest(out: torch.Tensor, lse: torch.Tensor) -> str:
+    """SHA-256 of the exact bytes of one call's outputs."""
+    return hashlib.sha256(out.numpy().tobytes() + lse.numpy().tobytes()).hexdigest()
+
+
+def report(got: dict[str, str], isas: list[str], path: str, compare: str | None, extra: dict | None = None,
+           note: str = "") -> None:
+    """Write ``got`` (call key -> :func:`digest`) and its overall hash to ``path``, print them (with ``note``), and
+    with ``compare`` (an earlier record) print how many calls differ and exit 1 if any does or the keys differ."""
+    total = hashlib.sha256("".join(f"{k}={v}" for k, v in sorted(got.items())).encode()).hexdigest()
+    with open(path, "w") as f:
+        json.dump({"calls": len(got), "isas": isas, "sha256": total, **(extra or {}), "each": got}, f, indent=0)
+    print(f"{len(got)} calls ({', '.join(isas)}): {total}{note}")
+    if compare:
+        with open(compare) as f:
+            before = json.load(f)["each"]
+        diff = [k for k in got if before.get(k) != got[k]]
+        print(f"differ from {compare}: {len(diff)} of {len(got)}" + ("" if not diff else f" e.g. {diff[:5]}"))
+        sys.exit(1 if diff or set(before) != set(got) else 0)
+
+
 def cases():
     for (kb, ko, vb), g, d, n, sdt in itertools.product(FORMATS, (1, 2, 3, 4, 7), (64, 128), (0, 1, 45, 128, 301),
                                                       (torch.float32, torch.float16, torch.bfloat16)):
@@ -78,18 +99,8 @@ def main() -> None:
         for i, c in enumerate(cases()):
             for splits in (0, 1, 3):
                 out, lse = call(*c, splits, seed=i)
-                h = hashlib.sha256(out.numpy().tobytes() + lse.numpy().tobytes()).hexdigest()
-                got[f"{isa}|{'|'.join(map(str, c))}|s{splits}"] = h
-    total = hashlib.sha256("".join(f"{k}={v}" for k, v in sorted(got.items())).encode()).hexdigest()
-    with open(args.out, "w") as f:
-        json.dump({"calls": len(got), "isas": isas, "sha256": total, "each": got}, f, indent=0)
-    print(f"{len(got)} calls ({', '.join(isas)}): {total}")
-    if args.compare:
-        with open(args.compare) as f:
-            before = json.load(f)["each"]
-        diff = [k for k in got if before.get(k) != got[k]]
-        print(f"differ from {args.compare}: {len(diff)} of {len(got)}" + ("" if not diff else f" e.g. {diff[:5]}"))
-        sys.exit(1 if diff or set(before) != set(got) else 0)
+                got[f"{isa}|{'|'.join(map(str, c))}|s{splits}"] = digest(out, lse)
+    report(got, isas, args.out, args.compare)
 
 
 if __name__ == "__main__":
