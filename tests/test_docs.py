@@ -60,9 +60,14 @@ def test_notebook_check_catches_both_forms(tmp_path):
     assert [h.split(":")[1] for h in notebook_hits([probe], tmp_path)] == ["2", "3"]
 
 
+#: the README is a user's few screens (issue 45); detailed tables, protocols and decisions live in docs/
+README_BUDGET = 150
+
+
 def test_readme_is_short_and_links_resolve():
     text = README.read_text()
-    assert len(text.splitlines()) <= 170  # 150, plus the long-context table (issue 34) and 5 frontier rows (issue 35)
+    lines = len(text.splitlines())
+    assert lines <= README_BUDGET, f"README.md has {lines} lines (at most {README_BUDGET}): move detail into docs/"
     links = re.findall(r"\]\(([^)#]+)\)", text)
     assert links, "the README links to its docs"
     missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
@@ -276,21 +281,23 @@ def _expand_citation(token: str) -> list[str]:
 
 def uncited_results(files: list[Path], text: str) -> list[Path]:
     """Files of ``files`` that ``text`` does not cite: by name, by name without extension (``x.*``, ``--name x``),
-    by a pattern as :func:`_expand_citation` reads it, or as the rendering (same name, other extension) of a cited
-    record."""
-    import fnmatch
-
+    by braces or a range as :func:`_expand_citation` reads them, or as the rendering (same name, other extension) of
+    a cited record. A glob (``quality_*``, ``x_<model>.json``) names a family, not a record: it cites nothing, so a
+    record stays only while a page points a reader to it (issue 45)."""
     pats = {n.rsplit("/", 1)[-1] for t in re.findall(r"[\w.{},*/-]*[\w*}]", text) if "_" in t or "." in t
             for n in _expand_citation(t)}  # a file-like word: a plain "demo" in prose cites no demo.json
-    stems = {p[:-2] if p.endswith(".*") else p.rsplit(".", 1)[0] if "." in p and "*" not in p else p for p in pats}
+    pats = {p for p in pats if "*" not in p.removesuffix(".*")}
+    stems = {p.removesuffix(".*") if p.endswith(".*") else p.rsplit(".", 1)[0] if "." in p else p for p in pats}
 
     def cites(f: Path) -> bool:
-        stem = f.name.rsplit(".", 1)[0]
-        return f.name in pats or stem in stems or any(fnmatch.fnmatch(f.name, p) or fnmatch.fnmatch(stem, p)
-                                                      for p in pats if "*" in p)
+        return f.name in pats or f.name.rsplit(".", 1)[0] in stems
 
     cited = {f.name.rsplit(".", 1)[0] for f in files if cites(f)}
     return [f for f in files if f.name.rsplit(".", 1)[0] not in cited]
+
+
+#: current records only (issue 45: 172 files had piled up, most of them research runs)
+RESULTS_BUDGET = 60
 
 
 def test_every_results_file_is_cited():
@@ -301,13 +308,16 @@ def test_every_results_file_is_cited():
     assert files
     left = uncited_results(files, text)
     assert not left, f"results nothing cites (cite them or git rm them): {[str(f.relative_to(ROOT)) for f in left]}"
+    top = [f for f in files if f.parent.name == "results"]
+    assert len(top) <= RESULTS_BUDGET, (f"{len(top)} files in benchmarks/results (at most {RESULTS_BUDGET} besides gpu/): "
+                                        "one current record per benchmark; cite research runs as `file` at <commit>")
 
 
 def test_citation_patterns():
     names = [Path(n) for n in ("a_s24b.md", "a_s24b_repeat.md", "a_s24b_repeat.png", "b_run2.md", "c_1.json",
                                "old.json", "d_x.json")]
     text = "`a_s24b{,_repeat}.md`, `b_run1..3.md`, `c_*.json`, `d_x.*`; the old way"
-    assert uncited_results(names, text) == [Path("old.json")]
+    assert uncited_results(names, text) == [Path("c_1.json"), Path("old.json")]  # a glob cites no record
     assert _expand_citation("w_run0/3.json") == ["w_run0.json", "w_run3.json"]
 
 
@@ -408,9 +418,17 @@ def test_results_records_name_their_commit():
 
     listed = (ROOT / "benchmarks/README.md").read_text().split("Older records that do not store", 1)[1]
     listed = listed.split("\n\n", 1)[0]
-    bad = [p.name for p in sorted((ROOT / "benchmarks/results").glob("*.json"))
-           if not has_commit(json.loads(p.read_text())) and f"`{p.name}`" not in listed]
+    records = sorted(p for p in (ROOT / "benchmarks/results").rglob("*") if p.suffix in (".json", ".jsonl"))
+    assert records
+
+    def commitless(path: Path) -> bool:  # a JSONL record: every line (one run or question each) names its commit
+        lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+        return not all(has_commit(json.loads(line)) for line in lines if line.strip())
+
+    bad = [str(p.relative_to(ROOT)) for p in records if commitless(p) and f"`{p.name}`" not in listed]
     assert not bad, f"records without a commit, not listed in benchmarks/README.md: {bad}"
+    gone = sorted(set(re.findall(r"`([\w.-]+\.jsonl?)`", listed)) - {p.name for p in records})
+    assert not gone, f"benchmarks/README.md lists records without a commit that are not there: {gone}"
 
 
 def test_readme_longctx_table_equals_its_result_file():
