@@ -248,3 +248,19 @@ def test_full_precision_refusals_name_what_was_set_and_what_works(method, opts, 
     assert "sink=0" not in str(e.value) and all(s in str(e.value) for s in says), str(e.value)
     fixed = dict(opts, residual=128) if "sink" not in opts else dict(opts, residual=128 - opts["sink"])
     METHODS[method].options(**fixed)  # what the message proposes is taken
+
+
+def test_bench_skips_only_a_method_that_does_not_apply_and_refuses_a_bad_option():
+    """``measure_group``: slim on a GQA model is a ``skipped`` record (the method cannot serve it), but a bad
+    option (a per_layer entry past the model's layers) is a ``ValueError`` naming the kind, before any timing (it
+    used to be recorded as skipped, so a typo looked like an unsupported method)."""
+    from conftest import tiny_model
+
+    from kvslim.bench import decode
+
+    model = tiny_model("llama", kv_heads=2)  # GQA
+    (rec,) = decode.measure_group(model, "tiny", ["kvslim-slim"], 1, 16, 1, 1, 10.0)
+    assert "does not apply" in rec["skipped"], rec
+    with pytest.raises(ValueError, match=r"kvslim-int4: .*per_layer"):
+        decode.measure_group(model, "tiny", ["kvslim-int4"], 1, 16, 1, 1, 10.0,
+                             {"int4": {"per_layer": {99: {"rotation": "hadamard"}}}})

@@ -70,8 +70,8 @@ def _plan_model(m, model, **options) -> Plan:
         return m.plan_model(model, **options)
     except NotApplicable as e:
         working = [name for name, other in METHODS.items() if other.supports(e.shape)]
-        raise ValueError(f"{e} (methods that apply to {e.shape.model_type}: {', '.join(working) or 'none'})"
-                         ) from None
+        raise NotApplicable(f"{e} (methods that apply to {e.shape.model_type}: {', '.join(working) or 'none'})",
+                            e.shape) from None
 
 
 def apply(model: torch.nn.Module, method: str, **options) -> Plan:

@@ -23,6 +23,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 from .. import api
 from ..adapters.compat import CACHE_KW
 from ..adapters.shape import shape_from_config
+from ..methods.base import NotApplicable
 from .kinds import ALL_KINDS, KVSLIM_KINDS
 
 
@@ -113,8 +114,8 @@ def measure_point(model, model_name: str, kind: str, batch: int, context: int, s
 def measure_group(model, model_name: str, kinds: list[str], batch: int, context: int, steps: int, rounds: int,
                   roofline_gbps: float, options: dict | None = None) -> list[dict]:
     """One JSON record per kind: median over ``rounds`` × ``steps`` interleaved decode steps, cache bytes, bytes
-    read per step, effective GB/s; a kvslim method that does not apply to ``model`` gives a record with only a
-    ``skipped`` reason. ``model`` itself is left unapplied; each kind runs on its own copy. ``options``: {method:
+    read per step, effective GB/s; a kvslim method that does not apply to ``model`` (:class:`NotApplicable`) gives
+    a record with only a ``skipped`` reason; a bad option is a ``ValueError`` naming the kind, before any timing. ``model`` itself is left unapplied; each kind runs on its own copy. ``options``: {method:
     {name: value}} over the kinds' own (``kvslim bench --option``; a record names the options it ran with)."""
     if steps <= 0 or rounds <= 0:
         raise ValueError(f"steps and rounds must be positive ints, got steps={steps}, rounds={rounds}")
@@ -125,11 +126,11 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
         m = copy.deepcopy(model)
         try:
             cache = make_filled_cache(m, kind, batch, context, room, options)
-        except ValueError as err:  # the method does not apply to this model (e.g. slim on a GQA model)
-            if kind not in KVSLIM_KINDS:
-                raise
+        except NotApplicable as err:  # the method does not apply to this model (e.g. slim on a GQA model)
             skipped[kind] = str(err)
             continue
+        except ValueError as err:  # a bad option (e.g. a per_layer entry past the model's layers): refused
+            raise ValueError(f"{kind}: {err}") from None
         runs[kind] = {"model": m, "cache": cache, "pos": context, "times": [], "rounds": [],
                       "bytes": _cache_bytes(cache, context)}
     for r in range(rounds):

@@ -19,7 +19,7 @@ from ..caches.factories import append_factory, latent_factory
 from ..caches.latent import LatentLayer
 from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
-from .base import Method, model_dtype, parse_dtype
+from .base import Method, NotApplicable, model_dtype, parse_dtype
 
 #: new tokens at or above which a prefill expands per-head K/V once instead of scoring absorbed queries:
 #: measured crossover on CPU for V2-Lite shapes (h=16, dc=512, fp32, 1 thread) between 64 and 128 tokens
@@ -98,7 +98,7 @@ class MLAMethod(Method):
     def plan(self, shape: ModelShape, dtype: torch.dtype, **options) -> Plan:
         reason = self.not_applicable(shape)
         if reason:
-            raise ValueError(f"method 'mla' does not apply: {reason}")
+            raise NotApplicable(f"method 'mla' does not apply: {reason}", shape)
         opts = self.options(**options)
         dc, dr = shape.kv_lora_rank, shape.qk_rope_head_dim
         chosen = ()

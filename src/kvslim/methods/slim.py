@@ -23,7 +23,7 @@ from ..adapters.slim_patch import patch, unpatch
 from ..caches import StoreSpec
 from ..caches.factories import append_factory, slim_factory
 from ..plan import LayerPlan, Plan
-from .base import Method, model_dtype, parse_dtype
+from .base import Method, NotApplicable, model_dtype, parse_dtype
 from .slim_encdec import ENCDEC
 from .slim_policy import Candidate, LayerNumerics, check_policy_fields, rank_ladder, weights_to_device
 from .slim_policy import choose as _choose
@@ -132,7 +132,7 @@ class SlimMethod(Method):
             return ENCDEC.plan(shape, dtype, **options)
         reason = self.not_applicable(shape)
         if reason:
-            raise ValueError(f"method 'slim' does not apply: {reason}")
+            raise NotApplicable(f"method 'slim' does not apply: {reason}", shape)
         opts = self.options(**options)
         dtype = parse_dtype(dtype)
         spec = StoreSpec(opts.bits, opts.group_size)
@@ -168,7 +168,7 @@ class SlimMethod(Method):
         adapter = ADAPTERS[shape.model_type]
         reason = adapter.check(model)
         if reason:
-            raise ValueError(f"method 'slim' does not apply to this {shape.model_type} model: {reason}")
+            raise NotApplicable(f"method 'slim' does not apply to this {shape.model_type} model: {reason}", shape)
         dtype = model_dtype(model)
         d, e, dk = shape.hidden_size, shape.num_heads * shape.head_dim, shape.head_dim
         self._check_technique(opts.cache, adapter.has_rope, d, e)
