@@ -96,6 +96,15 @@ def pick(device: torch.device | str, cpp_available: bool) -> str:
     return "torch"
 
 
+def decode_kernel_runs(device_type: str, cpp_available) -> bool:
+    """Whether an op family's own kernel (not its twin) can serve tensors on ``device_type``: on CUDA the Triton
+    kernels, which need Triton and no C++ build (no compiler, no ninja); elsewhere the C++ op (CPU tensors only),
+    asked for through ``cpp_available()`` only here, so that a CUDA model never builds it nor warns about it."""
+    if device_type == "cuda":
+        return triton_installed()
+    return bool(cpp_available())
+
+
 _warned: set[str] = set()
 
 
