@@ -153,3 +153,41 @@ def test_variant_sweep_puts_the_operand_precisions_first_and_refuses_unknown_one
     with pytest.raises(ValueError, match="dot must be one of"):
         tl2.launch(q, codes[..., :24], params, params, codes[..., :16], params, params, 3, 2, 64, 0, 16, None, None,
                    None, None, 0.125, dot="fp16")
+
+
+COLLECT = r'''
+import json, sys
+import pytest
+class Seen:
+    def pytest_collection_finish(self, session):
+        self.items = [(i.nodeid, sorted({"kernel_dev", "cuda_dev"} & set(i.fixturenames))) for i in session.items]
+seen = Seen()
+pytest.main(sys.argv[1:], plugins=[seen])
+print("ITEMS " + json.dumps(getattr(seen, "items", None)))
+'''
+
+
+def test_stage1_selects_only_tests_that_take_their_device_from_the_helper():
+    """Issue 42, failure 3: every test stage 1 selects takes its device from tests/triton_aot.kernel_device (the
+    ``kernel_dev`` or ``cuda_dev`` fixture): CUDA on a GPU, never CPU tensors there. Collected under the interpreter
+    (every module imports); then run as stage 1 runs them (``TRITON_INTERPRET=0``) on this CPU: all skipped with a
+    reason, none failed, none run."""
+    nodes = [n for _, group in gpucheck_stages.PYTEST_GROUPS for n in group]
+    env = {**gpucheck_stages._pytest_env(), "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", COLLECT, "--collect-only", "-q", "-p", "no:cacheprovider", "-k",
+                          "not sm90", *nodes], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("ITEMS ")), "ITEMS null")
+    items = json.loads(line[6:])
+    assert items, out.stdout[-3000:] + out.stderr[-3000:]
+    files = {n.split("::")[0] for n, _ in items}
+    assert files == {n.split("::")[0] for n in nodes}, files  # every group's file collected something
+    bad = [n for n, fixtures in items if not fixtures]
+    assert not bad, f"{len(bad)} tests stage 1 selects do not take their device from kernel_device: {bad[:10]}"
+    if torch.cuda.is_available():
+        return
+    run = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "-k", "not sm90",
+                          *nodes], cwd=ROOT, env=gpucheck_stages._pytest_env(), capture_output=True, text=True,
+                         timeout=600)
+    counts = gpucheck_stages._parse_pytest(run.stdout)["counts"]
+    assert run.returncode == 0 and not counts.get("passed") and not counts.get("failed"), run.stdout[-3000:]
+    assert counts.get("skipped"), run.stdout[-3000:]
