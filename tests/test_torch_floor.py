@@ -163,3 +163,24 @@ def test_missing_ninja_is_reported_once(monkeypatch, tmp_path):
 
 def test_model_device_type():
     assert generate._device_type(tiny_model("llama", num_hidden_layers=1)) == "cpu"
+
+
+def test_interpreted_kernel_takes_loop_bounds_computed_in_the_kernel():
+    """Failure 5: Triton 3.6's interpreter turned a kernel scalar into a loop bound with ``int(array)``, which
+    NumPy >= 2.4 refuses; the int4 kernel's ``for s0 in range(start, end, BLOCK_N)`` (bounds from ``lengths``)
+    failed. Interpreter only: the compiled kernels are the same."""
+    pytest.importorskip("triton")
+    if not backend.interpreting():
+        pytest.skip("runs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    from kvslim.kernels.triton import quant_decode as tq
+    from kvslim.ops.quant import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    kc, ks = quantize(torch.randn(2, 1, 40, 64, generator=gen), 4, 32, torch.float32)
+    vc, vs = quantize(torch.randn(2, 1, 40, 64, generator=gen), 4, 32, torch.float32)
+    q = torch.randn(2, 1, 2, 64, generator=gen)
+    args = (q, kc, ks, None, vc, vs, None, 4, 32, 0, 40, torch.tensor([40, 17]), None, None, None, 0.125)
+    out, lse = tq.launch(*args, splits=2)
+    ref, ref_lse = quant_decode.reference(*args, scores="exact", values="exact")
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
