@@ -191,3 +191,35 @@ def test_stage1_selects_only_tests_that_take_their_device_from_the_helper():
     counts = gpucheck_stages._parse_pytest(run.stdout)["counts"]
     assert run.returncode == 0 and not counts.get("passed") and not counts.get("failed"), run.stdout[-3000:]
     assert counts.get("skipped"), run.stdout[-3000:]
+
+
+def test_environment_is_recorded_before_any_stage(tmp_path, monkeypatch):
+    """The first JSON (written before stage 1 starts) names the versions and the host: CPU model and its amx_* /
+    avx512* flags, cores, host memory (issue 42): a stage that hangs still leaves them."""
+    seen = []
+
+    def first(ctx):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(gpucheck_stages, "stage_variants", first)
+    _run(tmp_path, monkeypatch, "--stages", "variants")
+    env = seen[0]["environment"]
+    assert not seen[0]["stages"] and {"torch", "triton", "transformers", "python", "host"} <= set(env)
+    cpu, mem = env["host"]["cpu"], env["host"]["memory"]
+    assert cpu["logical_cores"] >= 1 and isinstance(cpu["flags"], list) and isinstance(cpu["amx"], bool)
+    assert all(f.startswith(("amx", "avx512", "avx2", "avx_vnni", "fma", "f16c")) for f in cpu["flags"])
+    assert mem["total_bytes"] is None or mem["available_bytes"] <= mem["total_bytes"]
+    assert "nvidia_smi" in env["host"]
+
+
+def test_all_kinds_runs_every_group_and_kind():
+    """``--quick --all-kinds`` (the replica's CPU mode): stage 1's every group in one CPU process; refused without
+    --quick."""
+    (name, nodes), = gpucheck_stages.pytest_groups(True, True, "cpu")
+    assert list(nodes) == [n for _, group in gpucheck_stages.PYTEST_GROUPS for n in group]
+    assert [g[0] for g in gpucheck_stages.pytest_groups(True, False, "cpu")] == list(gpucheck_stages.QUICK_GROUPS)
+    assert len(gpucheck_stages.pytest_groups(False, False, "cuda")) == len(gpucheck_stages.PYTEST_GROUPS)
+    assert len(gpucheck_stages.STAGE2_KINDS) == 6
+    with pytest.raises(ValueError, match="--all-kinds"):
+        gpucheck.main(["--all-kinds", "--device", "cpu"])

@@ -92,6 +92,7 @@ FAMILIES = (quant_decode, quant_decode_lowbit, turbo_decode)
 def no_toolchain(monkeypatch):
     """The C++ build made impossible (no compiler), with fresh memos for the test's duration (the process's own
     are put back after it): nothing is built or warned about before the test."""
+    monkeypatch.delenv("KVSLIM_NO_KERNELS", raising=False)  # the replica sets it: the C++ build not tried at all
     monkeypatch.setattr(build, "_compiler", lambda: None)
     monkeypatch.setattr(build, "_warned", set())
     fresh = functools.cache(build.load_ops.__wrapped__)
@@ -149,6 +150,7 @@ def test_missing_toolchain_is_reported_once_on_first_cpu_use(no_toolchain, monke
 def test_missing_ninja_is_reported_once(monkeypatch, tmp_path):
     """No ninja (a compiler present): the build is not tried, one warning for every family, the twin."""
     monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVSLIM_NO_KERNELS", raising=False)
     monkeypatch.setattr(build, "_ninja", lambda: False)
     monkeypatch.setattr(build, "_compiler", lambda: "/usr/bin/g++")
     monkeypatch.setattr(build, "_warned", set())

@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda (default when torch sees one) or cpu (with --quick)")
     p.add_argument("--out", default=None, help="another output folder (beside $OUT and benchmarks/results/gpu/)")
     args = p.parse_args(argv)
+    if args.all_kinds and not args.quick:
+        raise ValueError("--all-kinds runs only with --quick (the full check runs every kind already)")
     if args.quick and args.device == "cpu" and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # stage 5's one tiny Triton variant runs interpreted (CPU)
     from ..cli.bench import positive_seconds
@@ -251,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     if device == "cpu" and not args.quick:
         raise ValueError("--device cpu runs only with --quick (the full shapes need a GPU)")
-    if args.all_kinds and not args.quick:
-        raise ValueError("--all-kinds runs only with --quick (the full check runs every kind already)")
     doc = run(stages, budget, args.quick, device, default_out_dirs(args.out, args.quick),
               progress=lambda m: print(m, flush=True), all_kinds=args.all_kinds)
     from .gpucheck_report import index_markdown
