@@ -147,6 +147,22 @@ def test_missing_toolchain_is_reported_once_on_first_cpu_use(no_toolchain, monke
     assert len(msgs) == 1 and "no C++ compiler" in msgs[0] and "Triton" in msgs[0], msgs
 
 
+@pytest.mark.parametrize("forced", ["torch", "triton"])
+def test_a_forced_backend_reads_the_codes_without_the_cpp_build(forced, no_toolchain, monkeypatch):
+    """``KVSLIM_BACKEND`` set: decode steps hand the forced backend the codes (the twin, or Triton's interpreter on
+    CPU tensors), with or without the C++ build: never a silent switch to the unfused reads."""
+    if forced == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv(backend.ENV, forced)
+    model = tiny_model("llama", kv_heads=2, num_hidden_layers=1)
+    kvslim.apply(model, "int4")
+    try:
+        cache = kvslim.make_cache(model, max_length=64)
+        assert all(layer.fused_decode for layer in cache.layers if hasattr(layer, "fused_decode"))
+    finally:
+        kvslim.restore(model)
+
+
 def test_missing_ninja_is_reported_once(monkeypatch, tmp_path):
     """No ninja (a compiler present): the build is not tried, one warning for every family, the twin."""
     monkeypatch.setenv("KVSLIM_CACHE_DIR", str(tmp_path))
