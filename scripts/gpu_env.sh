@@ -48,7 +48,7 @@ outside() {  # the replica lives outside the checkout: never in (or over) the pr
 # -- Python 3.12 -------------------------------------------------------------------------------------------------
 find_python() {
   local c
-  for c in "${KVSLIM_GPU_PYTHON:-}" python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+  for c in "${KVSLIM_GPU_PYTHON:-}" python3.12 "${PYENV_ROOT:-${HOME:-/root}/.pyenv}"/versions/3.12*/bin/python3.12; do
     [ -n "$c" ] || continue
     command -v "$c" >/dev/null 2>&1 || continue
     if "$c" -c 'import sys, venv; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
@@ -65,11 +65,14 @@ PY312=$(find_python) || {
 }
 PYVER=$("$PY312" -c 'import platform; print(platform.python_version())')
 HASH=$(printf '%s\n' "$PYVER" "${PINS[@]}" | sha256sum | cut -c1-12)
-ENV_DIR=${KVSLIM_GPU_ENV_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvslim/gpu-env-$HASH}
+ENV_DIR=${KVSLIM_GPU_ENV_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/kvslim/gpu-env-$HASH}
 ENV_DIR=$(realpath -m "$ENV_DIR")
 PY="$ENV_DIR/bin/python"
 
-# -- the environment, once -----------------------------------------------------------------------------------------
+# -- the environment, once (one maker at a time: a second run waits on the lock, then finds it made) ---------------
+mkdir -p "$(dirname "$ENV_DIR")"
+exec 9>"$ENV_DIR.lock"
+flock 9
 if [ -f "$ENV_DIR/.kvslim-pins" ] && [ "$(cat "$ENV_DIR/.kvslim-pins")" = "$(printf '%s\n' "$PYVER" "${PINS[@]}")" ] \
    && "$PY" -c 'import torch, triton, transformers, pytest' 2>/dev/null; then
   say "environment $ENV_DIR (cached; Python $PYVER, ${PINS[*]})"
@@ -97,6 +100,7 @@ else
   printf '%s\n' "$PYVER" "${PINS[@]}" > "$ENV_DIR/.kvslim-pins"
   say "made in $((SECONDS - t0)) s ($(du -sh "$ENV_DIR" | cut -f1))"
 fi
+flock -u 9
 "$PY" -c 'import torch, triton, transformers; print("gpu_env.sh: torch", torch.__version__, "triton", triton.__version__,
 "transformers", transformers.__version__)'
 [ "$SETUP_ONLY" = 1 ] && exit 0
