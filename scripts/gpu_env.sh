@@ -11,7 +11,7 @@
 #   1. gpu-check   python -m kvslim.bench.gpucheck --quick --all-kinds --device cpu: every stage on tiny shapes,
 #                  every stage-2 kind compiled in the full check's compile mode, stage 1's pytest groups;
 #   2. compile     the compile and capture test files (test_cuda_graphs, test_capturable_*, test_sync_free,
-#                  test_torch_floor) on CPU;
+#                  test_triton_capturable, test_torch_floor) on CPU;
 #   3. stage1      stage 1's Triton test files through Triton's interpreter (TRITON_INTERPRET=1; -k "not sm90" as
 #                  stage 1 selects), the CUDA-only tests skipped with their reason.
 # Exit status: 0 when every stage passed; 1 when one failed (each failing stage named with its error); 2 when the
@@ -118,7 +118,7 @@ export KVSLIM_NO_KERNELS=${KVSLIM_NO_KERNELS:-1}
 COMPILE_FILES=(tests/test_cuda_graphs.py tests/test_capturable.py tests/test_capturable_all.py
                tests/test_capturable_mla.py tests/test_capturable_residual.py tests/test_capturable_ring.py
                tests/test_capturable_slim.py tests/test_capturable_turbo.py tests/test_sync_free.py
-               tests/test_torch_floor.py)
+               tests/test_triton_capturable.py tests/test_torch_floor.py)
 STAGE1_FILES=$("$PY" -c 'from kvslim.bench.gpucheck_stages import PYTEST_GROUPS as G
 print(" ".join(sorted({n.split("::")[0] for _, ns in G for n in ns if "triton" in n})))')
 failed=()
