@@ -16,11 +16,14 @@ def interpreter_scalars() -> None:
     refuses ("only 0-dimensional arrays can be converted to Python scalars"): every ``for t0 in range(start, end,
     BLOCK_N)`` whose bounds the kernel computes failed (int4, int2, turbo, slim, encdec, MLA). Triton 3.9 squeezes
     the array first; this gives the interpreter of older Triton releases that same ``__index__`` (issue 42,
-    failure 5). Compiled kernels are not touched. Called by every launcher; idempotent."""
+    failure 5). Compiled kernels are not touched. Called by every launcher; decided at the first launch (Triton fixes
+    its mode when imported), after which a call is one global read."""
     global _SCALARS_FIXED
-    if _SCALARS_FIXED or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if _SCALARS_FIXED:
         return
     _SCALARS_FIXED = True
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_lang_tensor", None)
