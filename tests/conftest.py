@@ -104,6 +104,24 @@ def tiny():
     return tiny_model
 
 
+@pytest.fixture
+def kernel_dev() -> torch.device:
+    """Where a Triton kernel test runs (tests/triton_aot.kernel_device): CUDA, or CPU tensors under
+    ``TRITON_INTERPRET=1``, else a skip. gpu_check's stage 1 selects only tests that use it or ``cuda_dev``
+    (tests/test_gpu_check.py checks)."""
+    from triton_aot import kernel_device
+
+    return kernel_device()
+
+
+@pytest.fixture
+def cuda_dev() -> torch.device:
+    """A CUDA device, or a skip with the reason (CUDA graphs, the sync debug mode): kernel_device(cuda_only=True)."""
+    from triton_aot import kernel_device
+
+    return kernel_device(cuda_only=True)
+
+
 def generate_eager_and_compiled(model, ids: torch.Tensor, new_tokens: int, max_length: int,
                                 attention_mask: torch.Tensor | None = None):
     """``model.generate`` greedily, eagerly and then through HF's own compile path (``compile_config``, backend

@@ -74,6 +74,7 @@ def test_a_capturable_decode_step_hands_attention_the_codes():
     """The fused path (``FusedKV`` with ``columns`` and ``lengths``) attends as its unfused reads do."""
     model = _model("int2", **SMALL)
     cache = kvslim.make_cache(model, max_length=48, capturable=True)
+    cache.enable_fused_decode()  # on already where the C++ op is built; the handle is under test, not the op
     _decode(model, model, cache, prompt=24, steps=6)
     assert_static_fused_step_matches_unfused(cache.layers[1], 16)
 

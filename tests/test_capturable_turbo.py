@@ -78,6 +78,7 @@ def test_a_capturable_turbo_step_hands_the_fused_op_its_codes():
     attends as its unfused reads do, and an eager capturable decode runs the fused op."""
     model = _model("turbo3", **SMALL)
     cache = kvslim.make_cache(model, max_length=48, capturable=True)
+    cache.enable_fused_decode()  # on already where the C++ op is built; the handle is under test, not the op
     calls = []
     op = quant.turbo_decode
 

@@ -63,14 +63,14 @@ def test_fullgraph_decode_steps_give_eager_tokens(method):
     assert torch.equal(eager, compiled)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (the CPU test above "
-                    "traces the same steps with fullgraph=True)")
 @pytest.mark.parametrize("method", list(CASES))
-def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method):
+def test_reduce_overhead_decode_steps_give_eager_tokens_on_cuda(method, cuda_dev):
+    """``cuda_dev`` skips without CUDA: CUDA graphs need a CUDA device (the CPU test above traces the same steps
+    with fullgraph=True)."""
     torch._dynamo.reset()
-    model = _model(method, "cuda", torch.bfloat16)
-    eager = _tokens(model, model, "cuda")
-    compiled = _tokens(model, torch.compile(model, mode="reduce-overhead", fullgraph=True), "cuda")
+    model = _model(method, cuda_dev, torch.bfloat16)
+    eager = _tokens(model, model, cuda_dev)
+    compiled = _tokens(model, torch.compile(model, mode="reduce-overhead", fullgraph=True), cuda_dev)
     torch._dynamo.reset()
     assert torch.equal(eager, compiled)
 
@@ -87,28 +87,27 @@ CAPTURABLE = {"dense": ("dense", {}), "int8": ("int8", {}),
               "slim": ("slim", {"cache": "k", "rank": 0}), "mla": ("mla", {}), "window": ("window", {"window": 8})}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (tests/test_capturable.py "
-                    "traces the same steps on CPU)")
 @pytest.mark.parametrize("method", list(CAPTURABLE))
-def test_capturable_steps_under_cuda_graphs_on_cuda(method):
+def test_capturable_steps_under_cuda_graphs_on_cuda(method, cuda_dev):
     """dynamo + CUDA graphs (``backend="cudagraphs"``) over 16 decode steps of a capturable cache: one graph,
-    eager's tokens (bf16, same device)."""
+    eager's tokens (bf16, same device). ``cuda_dev`` skips without CUDA (tests/test_capturable.py traces the same
+    steps on CPU)."""
     from torch._dynamo.utils import counters
 
     name, opts = CAPTURABLE[method]
     if name == "mla":
         from test_mla_model import deepseek
 
-        model = deepseek("v2-lite", dtype=torch.bfloat16).to("cuda")
+        model = deepseek("v2-lite", dtype=torch.bfloat16).to(cuda_dev)
     else:
         extra = {"head_dim": HEAD_DIM[name]} if name in HEAD_DIM else {}
-        model = tiny_model("llama", kv_heads=KV_HEADS.get(name, 2), dtype=torch.bfloat16, **extra).to("cuda")
+        model = tiny_model("llama", kv_heads=KV_HEADS.get(name, 2), dtype=torch.bfloat16, **extra).to(cuda_dev)
     default = opts is None or name == "window"  # the int4/int2 defaults and rings: capturable=True only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, name, **(opts or {}))
     prompt = 120 if default else 24
-    ids = torch.randint(1, 128, (2, prompt), generator=torch.Generator().manual_seed(0)).to("cuda")
+    ids = torch.randint(1, 128, (2, prompt), generator=torch.Generator().manual_seed(0)).to(cuda_dev)
 
     def run(step, capturable):
         cache = kvslim.make_cache(model, max_length=prompt + 24, capturable=capturable)
@@ -117,7 +116,7 @@ def test_capturable_steps_under_cuda_graphs_on_cuda(method):
             tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
             for i in range(16):
                 torch.compiler.cudagraph_mark_step_begin()
-                pos = torch.full((2, 1), prompt + i, dtype=torch.long, device="cuda")
+                pos = torch.full((2, 1), prompt + i, dtype=torch.long, device=cuda_dev)
                 tok = step(tok, position_ids=pos, cache_position=pos[0], use_cache=True,
                            **{CACHE_KW: cache}).logits[:, -1:].argmax(-1).clone()
                 out.append(tok)

@@ -153,3 +153,73 @@ def test_variant_sweep_puts_the_operand_precisions_first_and_refuses_unknown_one
     with pytest.raises(ValueError, match="dot must be one of"):
         tl2.launch(q, codes[..., :24], params, params, codes[..., :16], params, params, 3, 2, 64, 0, 16, None, None,
                    None, None, 0.125, dot="fp16")
+
+
+COLLECT = r'''
+import json, sys
+import pytest
+class Seen:
+    def pytest_collection_finish(self, session):
+        self.items = [(i.nodeid, sorted({"kernel_dev", "cuda_dev"} & set(i.fixturenames))) for i in session.items]
+seen = Seen()
+pytest.main(sys.argv[1:], plugins=[seen])
+print("ITEMS " + json.dumps(getattr(seen, "items", None)))
+'''
+
+
+def test_stage1_selects_only_tests_that_take_their_device_from_the_helper():
+    """Issue 42, failure 3: every test stage 1 selects takes its device from tests/triton_aot.kernel_device (the
+    ``kernel_dev`` or ``cuda_dev`` fixture): CUDA on a GPU, never CPU tensors there. Collected under the interpreter
+    (every module imports); then run as stage 1 runs them (``TRITON_INTERPRET=0``) on this CPU: all skipped with a
+    reason, none failed, none run."""
+    nodes = [n for _, group in gpucheck_stages.PYTEST_GROUPS for n in group]
+    env = {**gpucheck_stages._pytest_env(), "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", COLLECT, "--collect-only", "-q", "-p", "no:cacheprovider", "-k",
+                          "not sm90", *nodes], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("ITEMS ")), "ITEMS null")
+    items = json.loads(line[6:])
+    assert items, out.stdout[-3000:] + out.stderr[-3000:]
+    files = {n.split("::")[0] for n, _ in items}
+    assert files == {n.split("::")[0] for n in nodes}, files  # every group's file collected something
+    bad = [n for n, fixtures in items if not fixtures]
+    assert not bad, f"{len(bad)} tests stage 1 selects do not take their device from kernel_device: {bad[:10]}"
+    if torch.cuda.is_available():
+        return
+    run = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "-k", "not sm90",
+                          *nodes], cwd=ROOT, env=gpucheck_stages._pytest_env(), capture_output=True, text=True,
+                         timeout=600)
+    counts = gpucheck_stages._parse_pytest(run.stdout)["counts"]
+    assert run.returncode == 0 and not counts.get("passed") and not counts.get("failed"), run.stdout[-3000:]
+    assert counts.get("skipped"), run.stdout[-3000:]
+
+
+def test_environment_is_recorded_before_any_stage(tmp_path, monkeypatch):
+    """The first JSON (written before stage 1 starts) names the versions and the host: CPU model and its amx_* /
+    avx512* flags, cores, host memory (issue 42): a stage that hangs still leaves them."""
+    seen = []
+
+    def first(ctx):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(gpucheck_stages, "stage_variants", first)
+    _run(tmp_path, monkeypatch, "--stages", "variants")
+    env = seen[0]["environment"]
+    assert not seen[0]["stages"] and {"torch", "triton", "transformers", "python", "host"} <= set(env)
+    cpu, mem = env["host"]["cpu"], env["host"]["memory"]
+    assert cpu["logical_cores"] >= 1 and isinstance(cpu["flags"], list) and isinstance(cpu["amx"], bool)
+    assert all(f.startswith(("amx", "avx512", "avx2", "avx_vnni", "fma", "f16c")) for f in cpu["flags"])
+    assert mem["total_bytes"] is None or mem["available_bytes"] <= mem["total_bytes"]
+    assert "nvidia_smi" in env["host"]
+
+
+def test_all_kinds_runs_every_group_and_kind():
+    """``--quick --all-kinds`` (the replica's CPU mode): stage 1's every group in one CPU process; refused without
+    --quick."""
+    (name, nodes), = gpucheck_stages.pytest_groups(True, True, "cpu")
+    assert list(nodes) == [n for _, group in gpucheck_stages.PYTEST_GROUPS for n in group]
+    assert [g[0] for g in gpucheck_stages.pytest_groups(True, False, "cpu")] == list(gpucheck_stages.QUICK_GROUPS)
+    assert len(gpucheck_stages.pytest_groups(False, False, "cuda")) == len(gpucheck_stages.PYTEST_GROUPS)
+    assert len(gpucheck_stages.STAGE2_KINDS) == 6
+    with pytest.raises(ValueError, match="--all-kinds"):
+        gpucheck.main(["--all-kinds", "--device", "cpu"])

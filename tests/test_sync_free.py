@@ -189,20 +189,20 @@ def test_counter_catches_what_it_claims(monkeypatch):
     assert list(c.hits) == [("arange without device=", "kvslim/caches/x.py:1")]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.set_sync_debug_mode "
-                    "checks real CUDA synchronisations (the CPU counter above is the test that runs everywhere)")
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_decode_steps_pass_sync_debug_mode_error(case):
+def test_cuda_decode_steps_pass_sync_debug_mode_error(case, cuda_dev):
+    """``cuda_dev`` skips without CUDA: torch.cuda.set_sync_debug_mode checks real CUDA synchronisations (the CPU
+    counter above is the test that runs everywhere)."""
     build, opts = CASES[case]
-    model = build().to("cuda", torch.bfloat16)
+    model = build().to(cuda_dev, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kvslim.apply(model, _method(case), **opts)
     cache = kvslim.make_cache(model, max_length=64)
-    ids = torch.randint(1, 128, (2, 40), device="cuda")
+    ids = torch.randint(1, 128, (2, 40), device=cuda_dev)
     with torch.no_grad():
         tok = model(ids, use_cache=True, **{CACHE_KW: cache}).logits[:, -1:].argmax(-1)
-        positions = [torch.full((2, 1), 40 + i, dtype=torch.long, device="cuda") for i in range(STEPS)]
+        positions = [torch.full((2, 1), 40 + i, dtype=torch.long, device=cuda_dev) for i in range(STEPS)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -28,6 +28,7 @@ from kvslim.kernels.triton import mla_decode as tk  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
+pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selects only such tests (issue 42)
 
 DK, DV, DR = 16, 24, 64  # rope dim 64 as in V2/V3; the rank (512 there) scaled down per case
 

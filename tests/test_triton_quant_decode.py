@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from triton_aot import compile_for_sm90  # noqa: E402
+from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.caches.residual import ChannelQuantizedStore  # noqa: E402
@@ -22,8 +22,16 @@ from kvslim.ops.quant import quantize  # noqa: E402
 from kvslim.ops.quant_formats import quantize_asym  # noqa: E402
 
 tq = pytest.importorskip("kvslim.kernels.triton.quant_decode")
+DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
+pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selects only such tests (issue 42)
 F32 = torch.float32
 NAN = float("nan")
+
+
+def _dev(*ts):
+    """``ts`` on the kernels' device (non-tensors as they are): inputs are built on the CPU, where the oracle and
+    the twin run, and copied there."""
+    return tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts)
 
 
 def _codes(b, h, n, d, bits, gs, asym, sdt, gen):
@@ -57,7 +65,7 @@ def _check(args, oracle, splits, what, v_unrot=None):
     ref, ref_lse = kernel.reference(*args, scores="exact", values="exact", v_unrot=v_unrot)
     assert_close(ref, oracle[0], F32, f"{what}: twin vs float64")
     for s in (*splits, 0):
-        out, lse = tq.launch(*args, splits=s, v_unrot=v_unrot)
+        out, lse = (t.cpu() for t in tq.launch(*_dev(*args), splits=s, v_unrot=_dev(v_unrot)[0]))
         assert torch.isfinite(out).all(), f"{what}: non-finite output (splits={s})"
         assert_close(out, ref, F32, f"{what}: kernel vs twin (splits={s})")
         assert_close(out, oracle[0], F32, f"{what}: kernel vs float64 (splits={s})")
@@ -137,8 +145,8 @@ def test_rotated_values_with_a_tail(bits, d, g):
     args = (q, ks.data, ks.scale, ks.zero, vs.data, vs.scale, vs.zero, bits, 64, 0, n, lengths, kt, vt, None, 0.125)
     oracle = _oracle(q, ks.read(0, n), vs.read(0, n), n, lengths, kt, vt, None, 0.125)  # reads: original basis
     _check(args, oracle, (1, 3), f"rotated int{bits}", v_unrot=vs.unrotation)
-    wrong, _ = tq.launch(*args, splits=2)
-    assert (wrong.double() - oracle[0]).abs().max().item() > 0.1
+    wrong, _ = tq.launch(*_dev(*args), splits=2)
+    assert (wrong.cpu().double() - oracle[0]).abs().max().item() > 0.1
 
 
 def test_empty_coded_history_and_many_heads():
@@ -153,7 +161,7 @@ def test_empty_coded_history_and_many_heads():
         args = (q, kc, ks, kz, kc, ks, kz, 4, 32, 0, n, lengths, kt, vt, None, 0.125)
         _check(args, _oracle(q, kt[:, :, :0], vt[:, :, :0], n, torch.zeros(2), kt, vt, None, 0.125), (2,),
                f"empty (n={n})")
-    out, lse = tq.launch(q, kc, ks, kz, kc, ks, kz, 4, 32, 0, 0, None, None, None, None, 0.125)
+    out, lse = tq.launch(*_dev(q, kc, ks, kz, kc, ks, kz), 4, 32, 0, 0, None, None, None, None, 0.125)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
     q33 = torch.randn(b, h, 33, d, generator=gen)
     args = (q33, kc, ks, kz, kc, ks, kz, 4, 32, 0, 8, torch.tensor([8, 5]), kt, vt, None, 0.125)
@@ -170,8 +178,8 @@ def test_dispatch_takes_the_kernel_and_refuses_bad_input(monkeypatch):
     launch = tq.launch
     monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
     gen = torch.Generator().manual_seed(9)
-    kc, ks, kz = _codes(1, 2, 40, 64, 4, 32, True, F32, gen)
-    q = torch.randn(1, 2, 3, 64, generator=gen)
+    kc, ks, kz = _dev(*_codes(1, 2, 40, 64, 4, 32, True, F32, gen))
+    q = torch.randn(1, 2, 3, 64, generator=gen).to(DEVICE)
     args = (q, kc, ks, kz, kc, ks, kz, 4, 32, 0, 40)
     out, lse = kernel.quant_decode(*args, scaling=0.125, scores="int8", values="int8")
     ref, ref_lse = kernel.reference(*args, scaling=0.125, scores="exact", values="exact")
@@ -179,14 +187,14 @@ def test_dispatch_takes_the_kernel_and_refuses_bad_input(monkeypatch):
     assert_close(out, ref, F32, "dispatched kernel vs twin")
     assert_close(lse, ref_lse, F32, "dispatched lse")
     with pytest.raises(ValueError, match="mask must be"):
-        kernel.quant_decode(*args, mask=torch.zeros(1, 39))
+        kernel.quant_decode(*args, mask=torch.zeros(1, 39, device=DEVICE))
     assert tq.covers(q, kc, 2) is not None and tq.covers(torch.zeros(1, 1, 1, 512), kc, 4) is not None
     monkeypatch.setattr(kernel.backend, "_warned", set())
     with pytest.warns(UserWarning, match="Triton kernel does not take"):
-        kernel.quant_decode(torch.randn(1, 2, 1, 512), torch.zeros(1, 2, 4, 256, dtype=torch.uint8),
-                            torch.ones(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 256,
-                                                                                            dtype=torch.uint8),
-                            torch.ones(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), 4, 32, 0, 4)
+        kernel.quant_decode(*_dev(torch.randn(1, 2, 1, 512), torch.zeros(1, 2, 4, 256, dtype=torch.uint8),
+                                  torch.ones(1, 2, 4, 16), torch.zeros(1, 2, 4, 16),
+                                  torch.zeros(1, 2, 4, 256, dtype=torch.uint8), torch.ones(1, 2, 4, 16),
+                                  torch.zeros(1, 2, 4, 16)), 4, 32, 0, 4)
     monkeypatch.setenv("KVSLIM_BACKEND", "torch")
     kernel.quant_decode(*args)
     assert len(calls) == 2  # the bad mask reached the launcher (refused there); the torch backend never launches
@@ -197,8 +205,8 @@ def test_torch_compile_traces_the_op(monkeypatch):
     compiled calls give the eager result."""
     monkeypatch.setenv("KVSLIM_BACKEND", "triton")
     gen = torch.Generator().manual_seed(6)
-    kc, ks, _ = _codes(2, 2, 40, 64, 4, 32, False, F32, gen)
-    q = torch.randn(2, 2, 3, 64, generator=gen)
+    kc, ks, _ = _dev(*_codes(2, 2, 40, 64, 4, 32, False, F32, gen))
+    q = torch.randn(2, 2, 3, 64, generator=gen).to(DEVICE)
 
     def f(q, kc, ks):
         out, lse = tq.op()(q, kc, ks, None, kc, ks, None, 4, 32, 0, 40, None, None, None, None, 0.125, 0, None)
@@ -228,10 +236,11 @@ def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
     monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")  # the twin's exact paths are the kernel's contract
     monkeypatch.setenv("KVSLIM_QUANT_VALUES", "exact")
     model = tiny_model("llama", kv_heads=1, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
-                       attn_implementation="sdpa")
+                       attn_implementation="sdpa").to(DEVICE)
     ids = torch.randint(1, 128, (2, 48), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
+    ids, mask = _dev(ids, mask)
     calls, taken = [], []
     launch, decode = tq.launch, sdpa.quant.decode
     monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))

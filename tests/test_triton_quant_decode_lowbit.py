@@ -25,6 +25,7 @@ from kvslim.kernels.triton import quant_decode_lowbit as tq  # noqa: E402
 
 F32 = torch.float32
 DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
+pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selects only such tests (issue 42)
 
 
 

@@ -29,6 +29,7 @@ from kvslim.kernels.triton import slim_decode as ts  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 DEVICE = kernel_device()  # CPU tensors under the interpreter, else CUDA; skips the module otherwise
+pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selects only such tests (issue 42)
 
 
 

@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 from kvslim.kernels.triton import turbo_decode as tt  # noqa: E402
 
 DEVICE = kernel_device()
+pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selects only such tests (issue 42)
 
 
 @pytest.mark.parametrize("spec,tail,masked,biased", [

@@ -40,13 +40,23 @@ def compile_for_sm90(script: str) -> None:
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
-def kernel_device() -> torch.device:
-    """Where a Triton kernel test module runs its kernels: CPU tensors under ``TRITON_INTERPRET=1`` (CI), else a
-    CUDA device; the calling module is skipped when neither is there. Under the interpreter it also checks that
-    Triton was imported after ``TRITON_INTERPRET=1`` was set (tests/conftest.py sets it first): imported before,
-    Triton's own helpers (``tl.zeros``, ``tl.sum``) stay compiled-only and an interpreted kernel fails to call them."""
+def kernel_device(cuda_only: bool = False) -> torch.device:
+    """The device of every test that gpu_check's stage 1 selects (issue 42; through the ``kernel_dev`` / ``cuda_dev``
+    fixtures of tests/conftest.py, or a module's ``DEVICE``): a CUDA device when there is one and Triton is not
+    interpreting; CPU tensors only under ``TRITON_INTERPRET=1`` (CI); otherwise the test (or the calling module) is
+    skipped with a reason, never run on CPU tensors. ``cuda_only``: a test that needs CUDA itself (CUDA graphs, the
+    sync debug mode): CUDA or a skip.
+
+    Under the interpreter it also checks that Triton was imported after ``TRITON_INTERPRET=1`` was set
+    (tests/conftest.py sets it first): imported before, Triton's own helpers (``tl.zeros``, ``tl.sum``) stay
+    compiled-only and an interpreted kernel fails to call them."""
     from kvslim.kernels import backend
 
+    if cuda_only:
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device (CUDA graphs / sync debug mode; the CPU tests trace the same steps)",
+                        allow_module_level=True)
+        return torch.device("cuda")
     if backend.interpreting():
         import triton
         from triton.runtime.jit import JITFunction

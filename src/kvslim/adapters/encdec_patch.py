@@ -10,6 +10,8 @@ original forward, so outputs stay correct in every case.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -43,7 +45,9 @@ def _rows(adapter, attn, w: SlimLayerWeights, x: torch.Tensor) -> torch.Tensor:
 
 def self_forward(self, adapter, w: SlimLayerWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder self-attention module (bound per instance)."""
-    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
+    # the class forward (the instance one is the patch), called unbound: torch 2.11's dynamo cannot trace
+    # ``function.__get__`` (every compiled slim step failed there)
+    original = functools.partial(type(self).forward, self)
     past = kwargs.get(CACHE_KW)
     layer = past.self_attention_cache.layers[self.layer_idx] if isinstance(past, EncDecSlimCache) else None
     if args or not isinstance(layer, SlimLayer) or kwargs.get("key_value_states") is not None:
@@ -106,7 +110,9 @@ def current_cross_weights(attn, adapter, w: CrossWeights) -> CrossWeights:
 
 def cross_forward(self, adapter, w: CrossWeights, hidden_states: torch.Tensor, *args, **kwargs):
     """Replacement ``forward`` of a decoder cross-attention module (bound per instance)."""
-    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
+    # the class forward (the instance one is the patch), called unbound: torch 2.11's dynamo cannot trace
+    # ``function.__get__`` (every compiled slim step failed there)
+    original = functools.partial(type(self).forward, self)
     past = kwargs.get(CACHE_KW)
     enc_in = kwargs.get("key_value_states")
     if (args or enc_in is None or not isinstance(past, EncDecSlimCache)

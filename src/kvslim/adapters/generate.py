@@ -71,18 +71,30 @@ def build_cache(model, plan, max_length: int | None) -> KVSlimCache:
 
 
 def _fused_attention(model, plan) -> bool:
-    """Whether ``model`` runs kvslim's attention (which reads int8/int4/int3/int2 codes directly) and the method's
-    op is built."""
-    from ..kernels import quant_decode, quant_decode_lowbit, turbo_decode  # loaded only when a cache is built
+    """Whether ``model`` runs kvslim's attention (which reads int8/int4/int3/int2/turbo codes directly) and the
+    method's kernel runs where the model's weights are: Triton on CUDA (the C++ build is not needed there), the C++
+    op on CPU (built on first use; without a compiler the twin runs, reported once)."""
+    # loaded only when a cache is built
+    from ..kernels import backend, quant_decode, quant_decode_lowbit, turbo_decode
     from .sdpa import NAME
 
     if getattr(model.config, "_attn_implementation", None) != NAME:
         return False
     if plan.method.startswith("turbo"):
-        return turbo_decode.available()
-    if plan.method in ("int2", "int3"):
-        return quant_decode_lowbit.available()
-    return plan.method in ("int8", "int4") and quant_decode.available()
+        family = turbo_decode
+    elif plan.method in ("int2", "int3"):
+        family = quant_decode_lowbit
+    elif plan.method in ("int8", "int4"):
+        family = quant_decode
+    else:
+        return False
+    return backend.decode_kernel_runs(_device_type(model), family.available)
+
+
+def _device_type(model) -> str:
+    """The device type of ``model``'s first parameter (``"cpu"`` without parameters)."""
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return "cpu" if param is None else param.device.type
 
 
 def install() -> None:

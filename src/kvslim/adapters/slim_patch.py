@@ -11,6 +11,7 @@ decode runs :func:`~kvslim.attention.slim.slim_attention` over the stored rows.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -94,7 +95,9 @@ def project_and_row(self, adapter, w: SlimLayerWeights, hidden_states: torch.Ten
 def slim_forward(self, adapter, w: SlimLayerWeights, rope: RopeTable | None, hidden_states: torch.Tensor,
                  *args, **kwargs):
     """Replacement ``forward`` of one HF attention module (bound per instance)."""
-    original = type(self).forward.__get__(self)  # the class forward (the instance one is the patch)
+    # the class forward (the instance one is the patch), called unbound: torch 2.11's dynamo cannot trace
+    # ``function.__get__`` (every compiled slim step failed there)
+    original = functools.partial(type(self).forward, self)
     past = kwargs.get(CACHE_KW)
     layers = getattr(past, "layers", None)
     layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None

@@ -40,6 +40,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hostinfo import host
+
 STAGES = ("correctness", "mha-1b", "llama3-8b", "encdec-mla", "variants")
 #: seconds per stage on an H100 with cold caches (compiles included): the arithmetic is in docs/gpu.md §gpu_check
 ESTIMATE_S = {"correctness": 170, "mha-1b": 150, "llama3-8b": 120, "encdec-mla": 90, "variants": 30}
@@ -57,6 +59,7 @@ class Context:
     quick: bool
     deadline: float
     progress: object = print
+    all_kinds: bool = False  # with quick: every pytest group, every kind compiled in the full check's mode
     results: dict = field(default_factory=dict)  # earlier stages' records, by stage name
 
     def left(self) -> float:
@@ -140,7 +143,13 @@ def environment(device: str) -> dict:
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count,
                    capability=f"{p.major}.{p.minor}", cuda_runtime=torch.version.cuda)
+        try:
+            env["gpu_free_bytes"] = torch.cuda.mem_get_info(0)[0]
+            env["cuda_driver_api"] = torch._C._cuda_getDriverVersion()  # e.g. 13000 for CUDA 13.0
+        except Exception as e:  # noqa: BLE001 - a missing figure must not stop the check
+            env["gpu_free_bytes"] = f"unknown ({_error(e)})"
     env["transformers"] = transformers.__version__
+    env["host"] = host()  # CPU model and flags (amx_*, avx512*), cores, host memory; nvidia-smi's driver
     return env
 
 
@@ -158,8 +167,10 @@ def write(out_dirs: list[Path], doc: dict, stage: dict | None) -> None:
 
 
 def run(stages: tuple[str, ...] = STAGES, budget: float = DEFAULT_BUDGET, quick: bool = False, device: str = "cuda",
-        out_dirs: list[Path] | None = None, progress=print) -> dict:
-    """Run ``stages`` in order within ``budget`` seconds; the index document (also written after every stage)."""
+        out_dirs: list[Path] | None = None, progress=print, all_kinds: bool = False) -> dict:
+    """Run ``stages`` in order within ``budget`` seconds; the index document (also written after every stage).
+    ``all_kinds`` (with ``quick``): the replica's CPU mode (scripts/gpu_env.sh): every stage-1 pytest group and every
+    stage-2 kind compiled in the full check's compile mode."""
     import torch
 
     start = time.monotonic()
@@ -168,19 +179,20 @@ def run(stages: tuple[str, ...] = STAGES, budget: float = DEFAULT_BUDGET, quick:
     if quick and device == "cpu":  # tiny shapes: one intra-op thread (two spin against each other on 2 shared cores)
         torch.set_num_threads(1)
     try:
-        return _run(stages, budget, quick, device, out_dirs, progress, start)
+        return _run(stages, budget, quick, device, out_dirs, progress, start, all_kinds)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(stages, budget, quick, device, out_dirs, progress, start) -> dict:
+def _run(stages, budget, quick, device, out_dirs, progress, start, all_kinds=False) -> dict:
     from .gpucheck_targets import targets
 
-    ctx = Context(device=device, quick=quick, deadline=start + budget, progress=progress)
+    ctx = Context(device=device, quick=quick, deadline=start + budget, progress=progress, all_kinds=all_kinds)
     estimates = QUICK_ESTIMATE_S if quick else ESTIMATE_S
     out_dirs = out_dirs or []
+    # the environment first, before any stage (issue 42): what ran, on what host, even if a stage then hangs
     doc = {"command": "scripts/gpu_check.sh " + " ".join(sys.argv[1:]), "budget_s": budget, "quick": quick,
-           "environment": environment(device), "stages": [], "targets": []}
+           "all_kinds": all_kinds, "environment": environment(device), "stages": [], "targets": []}
     write(out_dirs, doc, None)
     for name in stages:
         left = ctx.left()
@@ -219,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                    f"the time left (default {DEFAULT_BUDGET:.0f})")
     p.add_argument("--stages", default=None, help=f"comma-separated, from {', '.join(STAGES)} (default all, in order)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: every stage's code path (runs on CPU)")
+    p.add_argument("--all-kinds", action="store_true", help="with --quick: every stage-1 pytest group and every "
+                   "stage-2 kind compiled in the full check's compile mode (the replica's CPU mode, gpu_env.sh)")
     p.add_argument("--device", default=None, help="cuda (default when torch sees one) or cpu (with --quick)")
     p.add_argument("--out", default=None, help="another output folder (beside $OUT and benchmarks/results/gpu/)")
     args = p.parse_args(argv)
+    if args.all_kinds and not args.quick:
+        raise ValueError("--all-kinds runs only with --quick (the full check runs every kind already)")
     if args.quick and args.device == "cpu" and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # stage 5's one tiny Triton variant runs interpreted (CPU)
     from ..cli.bench import positive_seconds
@@ -237,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     if device == "cpu" and not args.quick:
         raise ValueError("--device cpu runs only with --quick (the full shapes need a GPU)")
-    doc = run(stages, budget, args.quick, device, default_out_dirs(args.out, args.quick), progress=lambda m: print(m, flush=True))
+    doc = run(stages, budget, args.quick, device, default_out_dirs(args.out, args.quick),
+              progress=lambda m: print(m, flush=True), all_kinds=args.all_kinds)
     from .gpucheck_report import index_markdown
 
     print(index_markdown(doc), flush=True)

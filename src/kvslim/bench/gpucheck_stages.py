@@ -28,6 +28,8 @@ PYTEST_GROUPS = (
 #: --quick (CPU): one CUDA-only group (its tests skip there): the subprocess, parsing and recording path (each pytest
 #: process costs ~13 CPU s of imports and collection on the shared 2-core machine, so one)
 QUICK_GROUPS = ("capturable-cuda-graphs",)
+#: stage 2's kinds (each eager and compiled)
+STAGE2_KINDS = ("hf-static", "kvslim-dense", "kvslim-int8", "kvslim-int4", "kvslim-int2", "kvslim-slim")
 #: pytest seconds at most (the rest of stage 1 runs meanwhile)
 PYTEST_TIMEOUT_S = 200
 #: methods of the greedy check: apply options (small residual windows so that codes are read within 40 tokens)
@@ -153,9 +155,17 @@ def greedy_vs_hf(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def pytest_groups(quick: bool, all_kinds: bool, device: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Stage 1's pytest runs: every group side by side (a GPU); ``--quick``: :data:`QUICK_GROUPS`; ``--quick
+    --all-kinds`` on a CPU: every group's tests in one process (imports once; there they skip with a reason)."""
+    if quick and all_kinds and device == "cpu":
+        return [("all-groups", tuple(n for _, nodes in PYTEST_GROUPS for n in nodes))]
+    return [g for g in PYTEST_GROUPS if not quick or all_kinds or g[0] in QUICK_GROUPS]
+
+
 def stage_correctness(ctx) -> dict:
     have_pytest = importlib.util.find_spec("pytest") is not None
-    groups = [g for g in PYTEST_GROUPS if not ctx.quick or g[0] in QUICK_GROUPS]
+    groups = pytest_groups(ctx.quick, getattr(ctx, "all_kinds", False), ctx.device)
     runs = start_pytest(groups) if have_pytest else []
     greedy = greedy_vs_hf(ctx.device, ctx.quick)  # meanwhile, in this process
     deadline = min(ctx.deadline, time.monotonic() + PYTEST_TIMEOUT_S)  # --quick too: a loaded CI machine is slow
@@ -183,12 +193,14 @@ def _bench(ctx, **kw) -> dict:
 def stage_mha_1b(ctx) -> dict:
     """HF static and kvslim dense/int8/int4/int2/slim at 8k x 8, eager and under CUDA graphs (dynamo's
     ``cudagraphs`` backend: no inductor code generation, so six kinds compile within the stage)."""
-    mode = "cudagraphs" if ctx.device == "cuda" else "eager-backend"
-    kinds = ("hf-static", "kvslim-dense", "kvslim-int8", "kvslim-int4", "kvslim-int2", "kvslim-slim")
+    every = getattr(ctx, "all_kinds", False)
+    # --quick --all-kinds on a CPU: the GPU's own mode (dynamo + AOT autograd; the capture itself skips CPU tensors)
+    mode = "cudagraphs" if ctx.device == "cuda" or every else "eager-backend"
+    kinds = STAGE2_KINDS
     # --quick: three compiles (~3 CPU s each): HF's static cache, a per-token static path, the int4 default's ring
     quick = ("hf-static", "kvslim-int8", "kvslim-int4")
     return _bench(ctx, points=(("tiny-mha", 96, 2),) if ctx.quick else (("mha-1b", 8192, 8),), compile_mode=mode,
-                  capacity=False, kinds=quick if ctx.quick else kinds)
+                  capacity=False, kinds=quick if ctx.quick and not every else kinds)
 
 
 def stage_llama3_8b(ctx) -> dict:

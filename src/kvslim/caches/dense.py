@@ -98,7 +98,8 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             return store.read(0, start + x.shape[2], None if pool is None else (pool, role))
         if start == 0:
             return x
-        if pool is None or x.dtype != torch.float32 or torch.is_grad_enabled():
+        # traced: a plain cat (the compiler places it; torch 2.11's dynamo cannot compare data_ptr()s)
+        if pool is None or x.dtype != torch.float32 or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return torch.cat((store.read(0, start), x), dim=2)
         b, h, s, d = x.shape
         out = pool.view(role, b, h, start + s, d, x.device)  # sized first: the read below reuses it

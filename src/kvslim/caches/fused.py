@@ -70,7 +70,7 @@ class FusedKV:
         if self.visible is not None:
             return self.visible
         tail = 0 if self.k_tail is None else self.k_tail.shape[2]
-        return self.n - (self.ring is not None) + tail
+        return self.n - int(self.ring is not None) + tail  # int: torch 2.11 refuses a SymInt minus a bool
 
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over

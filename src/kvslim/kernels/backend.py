@@ -96,6 +96,20 @@ def pick(device: torch.device | str, cpp_available: bool) -> str:
     return "torch"
 
 
+def decode_kernel_runs(device_type: str, cpp_available) -> bool:
+    """Whether a decode step should hand an op family its codes (fused decode) for tensors on ``device_type``.
+
+    ``KVSLIM_BACKEND`` set: yes, the forced backend runs them (or refuses by name at the call; never a silent
+    unfused read). Otherwise by device: on CUDA the Triton kernels, which need Triton and no C++ build (no compiler,
+    no ninja); elsewhere the C++ op (CPU tensors only), asked for through ``cpp_available()`` only here, so that a
+    CUDA model never builds it nor warns about it."""
+    if forced() is not None:
+        return True
+    if device_type == "cuda":
+        return triton_installed()
+    return bool(cpp_available())
+
+
 _warned: set[str] = set()
 
 

@@ -12,7 +12,9 @@ from there, so ``build.ninja`` names the cache's own paths, and a finished build
 without running the build tools at all, so two checkouts (or virtualenvs) of one commit share one build and
 never rebuild each other's. A folder without a valid stamp (a killed build, a truncated or overwritten ``.so``)
 is emptied and rebuilt, never loaded; a build that fails to load is deleted and rebuilt once. Without a working
-compiler :func:`load_ops` returns ``False`` after one warning; callers then use the op's pure-torch twin.
+compiler :func:`load_ops` returns ``False``; callers then use the op's pure-torch twin. A missing compiler or ninja
+is reported once per process (one warning for every family), on the first CPU use: the C++ ops take CPU tensors
+only, and a CUDA model never asks for them (its decode takes the Triton kernels, which need no C++ build).
 ``python -m kvslim.kernels.build`` builds every family ahead of time (the set-up does), so compile time never
 falls inside a benchmark.
 """
@@ -106,6 +108,25 @@ def _key(name: str, sources: list[Path] | dict[str, bytes], cflags: tuple[str, .
     return h.hexdigest()[:16]
 
 
+class ToolchainMissing(RuntimeError):
+    """No C++ compiler or no ninja here: nothing can be built (a sealed build still loads)."""
+
+
+#: the key of the one warning about a missing toolchain (every family shares it)
+TOOLCHAIN = "toolchain"
+
+
+def _toolchain_warning(what: str) -> str:
+    return (f"kvslim: {what}: the C++ ops (CPU tensors only) cannot be built; CPU decode uses the pure-torch twins "
+            "(CUDA tensors take the Triton kernels, which need no C++ build)")
+
+
+def _ninja() -> bool:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.is_ninja_available()
+
+
 def _warn_once(name: str, message: str) -> None:
     if name not in _warned:
         _warned.add(name)
@@ -125,7 +146,7 @@ def load_ops(name: str, extra_cflags: tuple[str, ...] = ()) -> bool:
     if not sources[0].exists():
         raise ValueError(f"no kernel source for op family {name!r} in {CSRC}")
     if _compiler() is None:
-        _warn_once(name, f"kvslim: no C++ compiler found; {name} ops use their pure-torch twin")
+        _warn_once(TOOLCHAIN, _toolchain_warning("no C++ compiler found (g++, c++ or $CXX)"))
         return False
     cflags = CFLAGS + tuple(extra_cflags)
     snap = _snapshot(sources)
@@ -134,6 +155,9 @@ def load_ops(name: str, extra_cflags: tuple[str, ...] = ()) -> bool:
         for attempt in range(2):
             try:
                 return _build_and_load(name, snap, cflags, build_dir)
+            except ToolchainMissing as exc:
+                _warn_once(TOOLCHAIN, _toolchain_warning(str(exc)))
+                return False
             except Exception as exc:  # noqa: BLE001 - any failure of the toolchain or the loader
                 shutil.rmtree(build_dir, ignore_errors=True)  # corrupt or stale: never trusted, rebuilt once
                 if attempt == 1:
@@ -162,6 +186,8 @@ def _build_and_load(name: str, snap: dict[str, bytes], cflags: tuple[str, ...], 
                 return True
             except Exception:  # noqa: BLE001 - sealed but unloadable (e.g. torch changed under it): rebuild
                 pass
+        if not _ninja():  # torch's extension builder needs it: say so once, do not retry
+            raise ToolchainMissing("ninja not found on PATH")
         _clear(build_dir)  # a killed or corrupt build is never loaded: start from an empty folder
         so = _compile(name, snap, cflags, build_dir)
         _seal(build_dir, so)

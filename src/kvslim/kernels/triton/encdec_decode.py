@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreter_scalars
 from .merge import finish, merge_splits, softmax_step, unit_last
 from .slim_decode import DEFAULT_SMS, DOT_PRECISION, MAX_ACC, choose_splits, tiles
 
@@ -126,6 +127,7 @@ def launch(qt: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None, lengt
            scaling: float, splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(u (B, h, d), lse (B, h))`` fp32; arguments as :func:`kvslim.kernels.encdec_decode.reference` (``qt`` and
     ``mask`` fp32; ``splits`` > 0 forces the number of splits of the frames)."""
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     check(qt, enc, mask, lengths)
     b, h, d = qt.shape
     n = enc.shape[1]

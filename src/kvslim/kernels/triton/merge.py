@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreter_scalars
+
 
 @triton.jit
 def softmax_step(s, m_i, l_i):
@@ -91,6 +93,7 @@ def _merge_stage2(PO, PL, OUT, LSE, h, c, splits, H_PAD: tl.constexpr, BLOCK_C: 
 
 def merge_splits(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Stage 2: ``part_o`` (B, S, h, c), ``part_l`` (B, S, h) fp32 merged into ``out`` (B, h, c), ``lse`` (B, h)."""
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     b, s, h, c = part_o.shape
     h_pad = max(16, triton.next_power_of_2(h))
     block_c = max(16, min(triton.next_power_of_2(c), 4096 // h_pad))

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
+from . import interpreter_scalars
 from .merge import finish, softmax_step, unit_last
 
 #: the widest latent / RoPE key the kernel takes: a (BLOCK_H, dc) fp32 accumulator and a (BLOCK_N, dc) tile live
@@ -177,6 +178,7 @@ def launch(q_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: to
         scale: softmax scale.
         splits: > 0 forces the number of row splits (0: from shapes and the SM count).
     """
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     b, h, dc = q_abs.shape
     t, dr = c_kv.shape[1], k_pe.shape[-1]
     u = q_abs.new_empty(b, h, dc, dtype=torch.float32)

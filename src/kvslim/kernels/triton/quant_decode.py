@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
 from .merge import check_dot, finish, mm, softmax_step, unit_last
 
@@ -275,6 +276,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     Raises:
         ValueError: a shape, dtype or size that does not fit, naming the argument.
     """
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
            k_tail, v_tail, mask, v_unrot)
     check_dot(dot)

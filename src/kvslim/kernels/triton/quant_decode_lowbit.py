@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
 from .merge import check_dot, finish, merge_splits, mm, softmax_step, unit_last
 
@@ -273,6 +274,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32; arguments as :func:`kvslim.kernels.quant_decode_lowbit.reference`
     (``q``, the tail and the mask fp32; ``splits`` > 0 forces the number of splits of the coded tokens; ``dot``: the
     operand precision of the products, ``merge.DOT_CHOICES``; the op uses ``"ieee"``)."""
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
           lengths, k_tail, v_tail, mask)
     check_dot(dot)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreter_scalars
 from .merge import finish, merge_splits, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, dk) fp32 key tile and the RoPE tiles live in registers)
@@ -204,6 +205,7 @@ def launch(q: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: t
            splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(u (B, h, c), lse (B, h))`` fp32; arguments as :func:`kvslim.kernels.slim_decode.reference` (``q``,
     ``cos``, ``sin`` and ``mask`` fp32; ``splits`` > 0 forces the number of splits of the rows)."""
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     check(q, rows, cos, sin, mask, lengths)
     b, h, dk = q.shape
     n, c = rows.shape[1], rows.shape[2]

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..backend import check_lengths
+from . import interpreter_scalars
 from .merge import finish, softmax_step, unit_last
 
 MAX_HEAD_DIM = 256
@@ -184,6 +185,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_code
            bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks, then the kernel launch (the custom op's body)."""
+    interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     q = q.float().contiguous()
     check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows,
           lengths)
