@@ -9,8 +9,9 @@ an object's state is ``__getstate__()`` (its ``__dict__`` unless the class says 
   tuple or an object; tensors go to a flat ``{name: tensor}`` dict (safetensors), each once (shared objects and
   tensors are references; a view of a saved contiguous tensor is a view again after loading);
 * a layer's ``file_slots()`` (append and ring layers) says how many leading token slots (axis 2) of its stores'
-  ``tensors()`` hold data: only those are written, and loading re-allocates the recorded capacity around them, so
-  the buffers have the saved shapes and the next write lands where it would have;
+  ``tensors()`` hold data: only those are written, and loading re-allocates the recorded capacity around them
+  (zeros, as ``caches/capture.py`` keeps a static layout's free slots), so the buffers have the saved shapes and
+  the next write lands where it would have;
 * a class's ``file_skip`` names attributes that are not data (a cache's ``plan``): the loader sets them.
 """
 
@@ -176,7 +177,7 @@ class Decoder:
             raise StateError(f"{path}: tensor of shape {tuple(t.shape)} cannot fill {capacity} slots")
         if capacity == t.shape[2]:
             return t
-        full = t.new_empty(t.shape[0], t.shape[1], capacity, t.shape[3])
+        full = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])  # zeros: as a static layout's buffers
         full[:, :, :t.shape[2]] = t
         return full
 
