@@ -132,11 +132,12 @@ def _max_length(cache) -> int | None:
     return min(lengths) if lengths else None
 
 
-def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None = None, text: str | None = None
-               ) -> Path:
+def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None = None, text: str | None = None,
+               extra: dict | None = None) -> Path:
     """Write ``cache`` (a kvslim cache ``model`` filled with ``token_ids`` (B, T)) to ``path`` (module docstring).
 
     ``name``: the model's name in the file and in refusals. ``text``: an optional note (e.g. the source file).
+    ``extra``: JSON values kept under ``meta["extra"]`` (``kvslim cache-prompt --chat`` keeps the template's tail).
     ``ValueError`` naming the argument, nothing written, for a cache that is not kvslim's, token ids that are not
     the cache's length, a cache holding inf/nan, or a folder that does not exist. Returns the path written.
     """
@@ -174,7 +175,7 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
     meta = {"format": FORMAT, "method": plan.method, "options": options, "identity": model_identity(model, name),
             "tokens": held, "batch": int(token_ids.shape[0]), "max_length": _max_length(cache),
             "nbytes": int(getattr(cache, "nbytes", 0)), "layers": [lp.technique for lp in getattr(plan, "layers", ())],
-            "text": text, "kvslim": __version__, "transformers": transformers.__version__, "cache": tree,
+            "text": text, "extra": dict(extra or {}), "kvslim": __version__, "transformers": transformers.__version__, "cache": tree,
             "digest": _digest(tensors)}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -185,6 +186,23 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def prefill(model, ids: torch.Tensor, cache, chunk: int = 512, progress=None) -> torch.Tensor:
+    """Fill ``cache`` with ``ids`` (B, T) through ``model``, ``chunk`` tokens per forward pass (a long prompt's
+    activations stay small); ``progress(done, total)`` after each pass. Returns the last position's logits (B, V)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    from .adapters.compat import CACHE_KW
+
+    total, logits = ids.shape[1], None
+    with torch.no_grad():
+        for start in range(0, total, chunk):
+            part = ids[:, start:start + chunk]
+            logits = model(part, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache}).logits[:, -1]
+            if progress is not None:
+                progress(start + part.shape[1], total)
+    return logits
 
 
 def read_meta(path) -> dict:
