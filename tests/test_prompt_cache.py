@@ -178,6 +178,20 @@ def test_file_for_other_weights_is_refused(tmp_path):
         kvslim.load_cache(path, tiny_model("llama", seed=1))
 
 
+def test_other_weights_without_k_proj_are_told_by_the_embedding(tmp_path):
+    model = tiny_model("gpt2")  # GPT-2: fused c_attn, no k_proj norms; the embedding rows tell the weights apart
+    kvslim.apply(model, "dense")
+    ids, _ = _ids()
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "g.kvslim", model, ids)
+    assert read_meta(path)["identity"]["k_norms"] is None
+    torch.manual_seed(5)
+    other = tiny_model("gpt2")
+    with torch.no_grad():
+        other.get_input_embeddings().weight.mul_(1.5)
+    with pytest.raises(ValueError, match="input embedding weights differ"):
+        kvslim.load_cache(path, other)
+
+
 def test_file_for_another_dtype_or_method_is_refused(tmp_path):
     *_, path = _saved(tmp_path)
     with pytest.raises(ValueError, match="in float32, this model is in bfloat16"):
