@@ -76,7 +76,7 @@ def generate(model, ids, cache, new: int):
 
 def run_length(model, tok, n: int, methods, trials: int, new: int, folder: Path) -> list[dict]:
     import kvslim
-    from kvslim.longctx.protocol import fill, make_cache_fn, prefill_kv
+    from kvslim.longctx.protocol import make_cache_fn, prefill_kv
 
     ids = text_ids(tok, n)
     q = tok(QUESTION, return_tensors="pt", add_special_tokens=False).input_ids
@@ -91,7 +91,10 @@ def run_length(model, tok, n: int, methods, trials: int, new: int, folder: Path)
     for method in methods:
         kvslim.restore(model)
         kvslim.apply(model, method)
-        cache = fill(make_cache_fn(model, method)(), kv)
+        cache = make_cache_fn(model, method)()
+        with torch.no_grad():  # not longctx's fill: inference-mode tensors could not be updated by generate
+            for i, (k, v) in enumerate(kv):
+                cache.update(k, v, i)
         path = folder / f"{method}_{n}.kvslim"
         save_s, save_all, _ = timed(partial(kvslim.save_cache, cache, path, model, ids), trials)
         size = path.stat().st_size
