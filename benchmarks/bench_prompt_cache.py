@@ -3,7 +3,8 @@
 Qwen2.5-Coder-0.5B-Instruct (fp32, dequantized from its GGUF, offline), the first N tokens of Botchan (repeated as
 needed). One prefill through HF's ``DynamicCache`` (timed: the prefill a file replaces) fills every method's cache
 through its own ``update`` (what a one-call prefill through that cache writes, ``kvslim.longctx.protocol``). Per
-method: file bytes and the cache's ``nbytes``, save time, load time with the page cache warm and cold (the file's
+method: file bytes and the cache's ``nbytes``, save time, load time with the page cache warm (after one untimed
+load) and cold (the file's
 pages dropped: ``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)`` after ``sync``), time to
 the first answer token from the file (load + the question + one token) against a prefill of the text plus the
 question, and whether ``generate`` after loading gives the never-saved cache's tokens and logits bitwise. Medians
@@ -99,6 +100,7 @@ def run_length(model, tok, n: int, methods, trials: int, new: int, folder: Path)
         save_s, save_all, _ = timed(partial(kvslim.save_cache, cache, path, model, ids), trials)
         size = path.stat().st_size
         want = generate(model, full, cache, new)
+        kvslim.load_cache(path, model)  # warm-up: the method's kernels load at the first cache built
         warm_s, warm_all, loaded = timed(partial(kvslim.load_cache, path, model), trials)
         got = generate(model, full, loaded.cache, new)
         same = bool(torch.equal(want.sequences, got.sequences)
@@ -138,6 +140,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=8, help="answer tokens compared bitwise (default 8)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default=str(RESULTS / "bench_prompt_cache.json"))
+    p.add_argument("--tmp", default=None, help="folder for the files while measured (default: the system's)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     from kvslim.bench.report import environment
@@ -149,7 +152,7 @@ def main() -> int:
     lengths = [int(x) for x in args.tokens.split(",")]
     methods = [m for m in args.methods.split(",") if m]
     rows = []
-    with tempfile.TemporaryDirectory(dir=Path(args.out).parent) as folder:
+    with tempfile.TemporaryDirectory(dir=args.tmp) as folder:
         for n in lengths:
             rows += run_length(model, tok, n, methods, args.trials, args.new_tokens, Path(folder))
     doc = {"environment": environment(), "model": "Qwen2.5-Coder-0.5B-Instruct (fp32, from its GGUF)",

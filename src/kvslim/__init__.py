@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",

@@ -150,7 +150,7 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
     """
     from safetensors.torch import save_file
 
-    from . import __version__
+    from ._version import __version__
     from .api import check_model, get_plan
 
     check_model(model)
