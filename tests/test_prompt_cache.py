@@ -229,8 +229,10 @@ def test_another_cache_layout_is_refused(tmp_path):
         meta["transformers"] = "4.99.0"
 
     _rewrite(path, drop)
+    fresh = tiny_model("llama")
     with pytest.raises(ValueError, match=r"layer 1 .*lacks \['cumulative_length'\].*transformers 4.99.0.*another cache"):
-        kvslim.load_cache(path, tiny_model("llama"))
+        kvslim.load_cache(path, fresh)
+    assert kvslim.get_plan(fresh) is None  # refused after the plan was made: still nothing applied
     *_, path2 = _saved(tmp_path, name="b.kvslim")
     _rewrite(path2, lambda m: m["cache"]["v"]["layers"]["v"][0].update(cls="kvslim.caches.dense:GoneLayer"))
     with pytest.raises(ValueError, match="no class 'GoneLayer'"):

@@ -235,15 +235,18 @@ def read_meta(path) -> dict:
     return meta
 
 
-def _check_method(meta: dict, model, where: str, options: dict):
-    """The model's plan for the file's method and options: applied now when ``model`` has none; ``ValueError``
-    when it runs another method or other options."""
+def _plan_for(meta: dict, model, where: str, options: dict):
+    """The plan the file's cache is rebuilt with: the model's own when it runs the file's method and options (a
+    ``ValueError`` when it runs others), else the file's method planned for ``model`` (nothing applied yet)."""
     from . import api
+    from .methods import METHODS
 
     plan = api.get_plan(model)
     method = meta["method"]
     if plan is None:
-        return api.apply(model, method, **options)
+        if method not in METHODS:
+            raise ValueError(f"{where}: method {method!r} is not one of this kvslim's ({sorted(METHODS)}); {REMAKE}")
+        return api._plan_model(METHODS[method], model, **options)  # validates, changes nothing
     if plan.method != method or not _same_options(plan.options, options):
         raise ValueError(f"{where}: a {method} cache with options {_show(options)}, but this model runs "
                          f"{plan.method} with {_show(plan.options)}: kvslim.restore(model) first (load_cache applies "
@@ -285,12 +288,14 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
     """The cache saved at ``path`` for ``model`` (module docstring), ready to continue ``model.generate``:
     pass ``token_ids`` followed by the new tokens as ``input_ids`` and the cache as ``past_key_values``.
 
-    ``model`` gets the file's method (``kvslim.apply``) when it runs none. ``verify``: check the tensors' digest
+    ``model`` gets the file's method (``kvslim.apply``) when it runs none, once every check passed (a refused load
+    changes nothing). ``verify``: check the tensors' digest
     (reads every byte once). The file is only read: a loaded cache owns copies of what it changes.
     """
     from safetensors import safe_open
 
-    from .api import check_model, make_cache
+    from .adapters.generate import build_cache
+    from .api import apply, check_model, get_plan
 
     check_model(model)
     meta = read_meta(path)
@@ -305,15 +310,18 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
         options = Decoder(tensors, device).decode(meta["options"], "options")
     except (ValueError, StateError, KeyError, RuntimeError, OSError) as e:
         raise ValueError(f"{where}: a damaged prompt cache ({type(e).__name__}: {e}); {REMAKE}") from None
-    plan = _check_method(meta, model, where, options)
+    applied = get_plan(model) is not None
+    plan = _plan_for(meta, model, where, options)
     dec = Decoder(tensors, device)
     try:
         cache = dec.decode(meta["cache"], "cache")
     except (StateError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"{where}: a cache this kvslim cannot rebuild ({type(e).__name__}: {e}); {REMAKE}") from None
+    _check_layout(cache, build_cache(model, plan, meta.get("max_length")), meta, where)
+    if not applied:  # every check passed: now the model gets the file's method
+        plan = apply(model, meta["method"], **options)
     for c in _caches(cache):
         c.plan = plan
-    _check_layout(cache, make_cache(model, max_length=meta.get("max_length")), meta, where)
     ids = tensors["token_ids"].to(device)
     return PromptCache(cache, ids, meta)
 
