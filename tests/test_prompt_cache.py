@@ -36,6 +36,7 @@ CASES = [
     ("turbo3", "llama", "turbo3", {"residual": 32}, None, False),
     ("turbo3-capturable", "llama", "turbo3", {}, 160, True),
     ("turbo2", "llama", "turbo2", {}, None, False),
+    ("turbo3-head-dim-64", "llama-d64", "turbo3", {}, None, False),
     ("window-ring", "mistral", "window", {}, None, False),
     ("window-ring-capturable", "mistral", "window", {}, 160, True),
     ("int4-residual-ring", "mistral", "int4", {"residual": 4, "sink": 0, "key_channel_group": 4}, None, False),
@@ -48,6 +49,8 @@ CASES = [
 def _model(kind: str, **kw):
     if kind == "llama-mha":
         return tiny_model("llama", kv_heads=4, **kw)
+    if kind == "llama-d64":  # Qwen2.5's head dim: turbo's 48x48 / 64x64 rotations round by their layout
+        return tiny_model("llama", hidden_size=256, num_attention_heads=4, **kw)
     return tiny_model(kind, **kw)
 
 
@@ -106,6 +109,23 @@ def test_round_trip_continues_generate_bitwise(tmp_path, case):
     assert _sha(path) == digest  # the question changed the loaded cache, never the file
     again = _generate(model, full, kvslim.load_cache(path, model).cache)
     _assert_same(want, again)
+
+
+def test_state_keeps_layouts_views_and_shared_tensors():
+    """``caches/state.py`` alone: a transposed tensor loads with its strides, a view stays a view of its base, one
+    tensor held twice is one tensor, and a plain dict that looks like a node stays a dict."""
+    from kvslim.caches.state import Decoder, Encoder
+
+    base = torch.randn(2, 8, 4)
+    q = torch.randn(6, 6).T.clone()  # strides (1, 6): column-major (as a QR factor), no _base
+    held = {"qt": q, "win": base[:, 2:], "base": base, "again": q, "node": {"$": "tensor", "v": "x"}}
+    enc = Encoder()
+    tree = enc.encode(held, "held")
+    back = Decoder(dict(enc.tensors)).decode(json.loads(json.dumps(tree)), "held")
+    assert back["qt"].stride() == q.stride() and torch.equal(back["qt"], q)
+    assert back["again"] is back["qt"] and torch.equal(back["base"], base)
+    assert back["win"].data_ptr() == back["base"][:, 2:].data_ptr() and torch.equal(back["win"], base[:, 2:])
+    assert back["node"] == {"$": "tensor", "v": "x"}
 
 
 def test_mla_latent_round_trip(tmp_path):

@@ -7,7 +7,9 @@ an object's state is ``__getstate__()`` (its ``__dict__`` unless the class says 
 * only classes defined under ``kvslim.caches`` are built (by name, ``cls.__new__``): nothing in a file runs code;
 * every value is a tagged JSON node (``{"$": kind, ...}``), so no plain value can be mistaken for a tensor, a
   tuple or an object; tensors go to a flat ``{name: tensor}`` dict (safetensors), each once (shared objects and
-  tensors are references; a view of a saved contiguous tensor is a view again after loading);
+  tensors are references; a view of a saved contiguous tensor is a view again after loading; a tensor laid out in
+  another dimension order, such as a transposed QR factor, is written in memory order and loads with its own
+  strides: a matmul's rounding can depend on its operands' layout);
 * a layer's ``file_slots()`` (append and ring layers) says how many leading token slots (axis 2) of its stores'
   ``tensors()`` hold data: only those are written, and loading re-allocates the recorded capacity around them
   (zeros, as ``caches/capture.py`` keeps a static layout's free slots), so the buffers have the saved shapes and
@@ -18,6 +20,7 @@ an object's state is ``__getstate__()`` (its ``__dict__`` unless the class says 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import torch
@@ -41,6 +44,17 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """For a tensor laid out densely in another dimension order (a transposed QR factor): the permutation that
+    makes it contiguous, so that it is written in memory order and loads with its own strides (a matmul's rounding
+    can depend on its operands' layout); None for a contiguous tensor or one that is not a permuted dense layout
+    (written contiguous)."""
+    if t.is_contiguous() or t.dim() < 2:
+        return None
+    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
 class Encoder:
     """One cache (or any tree of kvslim cache objects, lists, dicts, tensors, scalars) -> (tree, tensors)."""
 
@@ -48,7 +62,7 @@ class Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[int, int] = {}  # id(obj) -> reference number
         self._keep: list[object] = []  # keeps encoded objects alive (ids stay unique)
-        self._tensor_keys: dict[int, str] = {}  # id(tensor) -> name
+        self._tensor_nodes: dict[int, dict] = {}  # id(tensor) -> its node (a tensor held twice is written once)
         self._trim: dict[int, int] = {}  # id(tensor) -> leading slots (axis 2) worth writing
 
     def encode(self, value, path: str = "cache"):
@@ -92,8 +106,8 @@ class Encoder:
         return {"$": "obj", "cls": f"{cls.__module__}:{cls.__qualname__}", "ref": ref, "v": fields}
 
     def _tensor(self, t: torch.Tensor, path: str):
-        if id(t) in self._tensor_keys:
-            return {"$": "tensor", "v": self._tensor_keys[id(t)]}
+        if id(t) in self._tensor_nodes:
+            return self._tensor_nodes[id(t)]
         slots = self._trim.get(id(t))
         base = t._base
         if slots is not None and t.dim() == 4:
@@ -103,12 +117,13 @@ class Encoder:
               and id(base) not in self._trim):
             # a view of another tensor (SinkStore's window behind its sinks): the base once, this as a view of it
             name = self._tensor(base, f"{path}.base")["v"]
-            return {"$": "view", "v": name, "shape": list(t.shape), "stride": list(t.stride()),
+            node = {"$": "view", "v": name, "shape": list(t.shape), "stride": list(t.stride()),
                     "offset": t.storage_offset() - base.storage_offset()}
         else:
-            name = self._add(path, t.detach())
-            node = {"$": "tensor", "v": name}
-        self._tensor_keys[id(t)] = name
+            perm = _memory_order(t)
+            name = self._add(path, t.detach() if perm is None else t.detach().permute(perm))
+            node = {"$": "tensor", "v": name} if perm is None else {"$": "tensor", "v": name, "perm": perm}
+        self._tensor_nodes[id(t)] = node
         self._keep.append(t)
         return node
 
@@ -128,6 +143,7 @@ class Decoder:
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu"):
         self.tensors, self.device = tensors, torch.device(device)
         self._objects: dict[int, object] = {}
+        self._tensor_objects: dict[str, torch.Tensor] = {}
         self.classes: list[tuple[str, type, dict]] = []  # (path, class, state) of every object built
 
     def decode(self, node, path: str = "cache"):
@@ -147,11 +163,11 @@ class Decoder:
             return out if kind == "list" else tuple(out)
         if kind == "dict":
             return {self.decode(k, f"{path} key"): self.decode(x, f"{path}[{k!r}]") for k, x in v}
-        if kind == "tensor":
-            return self._tensor(node, path)
-        if kind == "view":
-            base = self._stored(v, path)
-            return base.as_strided(node["shape"], node["stride"], base.storage_offset() + node["offset"])
+        if kind in ("tensor", "view"):  # the same node twice is the same tensor (one object held twice)
+            key = json.dumps(node, sort_keys=True)
+            if key not in self._tensor_objects:
+                self._tensor_objects[key] = self._tensor(node, path) if kind == "tensor" else self._view(node, path)
+            return self._tensor_objects[key]
         if kind == "ref":
             if v not in self._objects:
                 raise StateError(f"{path}: reference to object {v}, not defined before")
@@ -159,6 +175,10 @@ class Decoder:
         if kind == "obj":
             return self._object(node, path)
         raise StateError(f"{path}: unknown node kind {kind!r}")
+
+    def _view(self, node: dict, path: str) -> torch.Tensor:
+        base = self._tensor({"$": "tensor", "v": node["v"]}, path)
+        return base.as_strided(node["shape"], node["stride"], base.storage_offset() + node["offset"])
 
     def _stored(self, name: str, path: str) -> torch.Tensor:
         if name not in self.tensors:
@@ -170,6 +190,11 @@ class Decoder:
 
     def _tensor(self, node: dict, path: str) -> torch.Tensor:
         t = self._stored(node["v"], path)
+        perm = node.get("perm")
+        if perm is not None:  # written in memory order: back to the original dimension order (a view)
+            if sorted(perm) != list(range(t.dim())):
+                raise StateError(f"{path}: {perm} is not a permutation of {t.dim()} dimensions")
+            return t.permute([perm.index(d) for d in range(t.dim())])
         capacity = node.get("slots")
         if capacity is None:
             return t
