@@ -144,7 +144,6 @@ class Decoder:
         self.tensors, self.device = tensors, torch.device(device)
         self._objects: dict[int, object] = {}
         self._tensor_objects: dict[str, torch.Tensor] = {}
-        self.classes: list[tuple[str, type, dict]] = []  # (path, class, state) of every object built
 
     def decode(self, node, path: str = "cache"):
         if isinstance(node, _SCALARS):
@@ -221,7 +220,6 @@ class Decoder:
         obj = cls.__new__(cls)
         self._objects[node["ref"]] = obj
         state = {k: self.decode(x, f"{path}.{k}") for k, x in node["v"].items()}
-        self.classes.append((path, cls, state))
         if hasattr(obj, "__setstate__"):
             obj.__setstate__(state)
         else:
