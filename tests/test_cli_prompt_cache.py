@@ -32,6 +32,11 @@ def test_cache_prompt_prints_tokens_bytes_seconds(doc, capsys):
     line = capsys.readouterr().out
     assert "150 tokens, int8" in line and f"{out.stat().st_size:,} bytes" in line and "prefill" in line
     assert " s, save " in line
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?", "--chat",
+                 "--max-new-tokens", "3"]) == 0  # the template's tail, kept in the file, follows the question
+    assert "150 cached +" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?"]) == 2
+    assert "made with --chat" in capsys.readouterr().err
 
 
 def test_generate_from_the_file_twice_gives_one_answer_and_keeps_the_file(doc, capsys):
