@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import kvslim
 from kvslim.calibration import calibrate
 from kvslim.cli.main import main
-from kvslim.per_layer_file import FORMAT, read_per_layer
+from kvslim.per_layer_file import FORMAT, config_hash, read_per_layer
 
 
 def test_int4_rotation_round_trip_and_apply(calib_model, calib_ids, tmp_path):
@@ -87,12 +87,32 @@ def test_float_lists_are_float64_tensors_and_format_1_still_loads(calib_model, c
         meta = json.loads(f.metadata()["kvslim"])
         assert sorted(f.keys()) == [f"layer.{i}.key_scales" for i in range(3)]
         assert all(f.get_tensor(k).dtype == torch.float64 for k in f.keys())
-    assert meta["format"] == FORMAT == "kvslim.per_layer/2"
-    assert meta["per_layer"]["1"]["mixed"] == [1, 2.5] and meta["per_layer"]["1"]["one"] == 1.5
+    assert meta["format"] == FORMAT == "kvslim.per_layer/3"
+    assert meta["per_layer"]["1"]["mixed"] == {"json": [1, 2.5]} and meta["per_layer"]["1"]["one"] == {"json": 1.5}
     v1 = {**meta, "format": "kvslim.per_layer/1", "per_layer": {str(i): o for i, o in per_layer.items()}}
     save_file({}, str(tmp_path / "v1.st"), metadata={"kvslim": json.dumps(v1, sort_keys=True, allow_nan=False)})
     assert kvslim.load_per_layer(tmp_path / "v1.st", calib_model, "turbo3") == per_layer
     assert path.stat().st_size < (tmp_path / "v1.st").stat().st_size
+
+
+def test_plain_dict_values_with_marker_keys_load_as_themselves(calib_model, tmp_path):
+    """A plain dict value holding a ``__tensor__`` or ``__list__`` key (the /2 marks) is JSON, not a tensor entry:
+    /3 tags every value. A /2 file (written by hand, tensor and list entries marked) still loads."""
+    per_layer = {0: {"note": {"__tensor__": "layer.0.x", "__list__": "y"}, "tags": {"json": 1}},
+                 1: {"key_scales": torch.ones(2, 16), "grid": [[1.0, 2.0]]}}
+    path = kvslim.save_per_layer(tmp_path / "m.st", per_layer, calib_model, "turbo3", name="tiny")
+    back = kvslim.load_per_layer(path, calib_model, "turbo3")
+    assert back[0] == per_layer[0] and back[1]["grid"] == [[1.0, 2.0]]
+    assert torch.equal(back[1]["key_scales"], per_layer[1]["key_scales"])
+    tensors = {"layer.1.key_scales": torch.ones(2, 16), "layer.1.grid": torch.tensor([[1.0, 2.0]], dtype=torch.float64)}
+    v2 = {"format": "kvslim.per_layer/2", "method": "turbo3", "options": {}, "model": "tiny",
+          "config_hash": config_hash(calib_model), "num_layers": 3, "k_norms": None,
+          "per_layer": {"0": {"rotation": "hadamard"}, "1": {"key_scales": {"__tensor__": "layer.1.key_scales"},
+                                                               "grid": {"__list__": "layer.1.grid"}}}}
+    save_file(tensors, str(tmp_path / "v2.st"), metadata={"kvslim": json.dumps(v2)})
+    old = kvslim.load_per_layer(tmp_path / "v2.st", calib_model, "turbo3")
+    assert old[0] == {"rotation": "hadamard"} and old[1]["grid"] == [[1.0, 2.0]]
+    assert torch.equal(old[1]["key_scales"], torch.ones(2, 16))
 
 
 def test_refusals_by_name(calib_model, tmp_path):
@@ -116,7 +136,7 @@ def test_refusals_by_name(calib_model, tmp_path):
         1: {"rotation": "hadamard"}}
     # a hand-made file naming a layer the model does not have
     meta = json.loads(json.dumps({**read_per_layer(path).__dict__, "format": FORMAT}))
-    meta["per_layer"] = {"7": {"rotation": "hadamard"}}
+    meta["per_layer"] = {"7": {"rotation": {"json": "hadamard"}}}
     save_file({}, str(tmp_path / "edited.st"), metadata={"kvslim": json.dumps(meta)})
     with pytest.raises(ValueError, match=r"layer\(s\) \[7\] outside this model's 3 layers"):
         kvslim.load_per_layer(tmp_path / "edited.st", calib_model, "int4")

@@ -9,15 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
             "calibrate": "calibration", "load_per_layer": "per_layer_file", "save_per_layer": "per_layer_file",
-            "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
+            "load_cache": "prompt_cache", "save_cache": "prompt_cache", "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
 
 __all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "get_plan",
-           "load_per_layer", "make_cache", "plan_config", "restore", "save_per_layer"]
+           "load_cache", "load_per_layer", "make_cache", "plan_config", "restore", "save_cache", "save_per_layer"]
 
 if TYPE_CHECKING:
     from .api import apply, get_plan, make_cache, plan_config, restore
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .methods import METHODS
     from .per_layer_file import load_per_layer, save_per_layer
     from .plan import LayerPlan, Plan
+    from .prompt_cache import load_cache, save_cache
 
 
 def __getattr__(name: str):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "kvslim.per_layer/2"
-#: formats read_per_layer reads: /1 kept every list in the JSON metadata
-READABLE = ("kvslim.per_layer/1", FORMAT)
+FORMAT = "kvslim.per_layer/3"
+#: formats read_per_layer reads: /1 kept every list in the JSON metadata, /2 marked only tensor and list values
+READABLE = ("kvslim.per_layer/1", "kvslim.per_layer/2", FORMAT)
 #: config fields that fix a model's attention (and so what a calibration chose for it); absent ones count as None
 IDENTITY_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                  "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
@@ -32,7 +32,7 @@ IDENTITY_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_
                  "attention_bias")
 #: relative tolerance of the k_proj weight norms (a bf16 copy of the same weights differs by ~1e-6 relative)
 NORM_RTOL = 1e-3
-_TENSOR = "__tensor__"
+_TENSOR = "__tensor__"  # /1, /2: the mark of a tensor entry
 _LIST = "__list__"  # /2: a float64 tensor that loads back as nested lists of floats
 
 
@@ -149,12 +149,12 @@ def save_per_layer(path, per_layer: dict, model, method: str, *, name: str | Non
         for key, value in over.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"layer.{i}.{key}"] = value.detach().cpu().contiguous().clone()
-                row[key] = {_TENSOR: f"layer.{i}.{key}"}
+                row[key] = {"tensor": f"layer.{i}.{key}"}
             elif isinstance(value, list) and _float_shape(value) is not None:
                 tensors[f"layer.{i}.{key}"] = torch.tensor(value, dtype=torch.float64)
-                row[key] = {_LIST: f"layer.{i}.{key}"}
+                row[key] = {"list": f"layer.{i}.{key}"}
             else:
-                row[key] = value
+                row[key] = {"json": value}
         plain[str(i)] = row
     meta = {"format": FORMAT, "per_layer": plain, "method": method, "options": dict(options or {}),
             "model": name or getattr(model.config, "_name_or_path", "") or model.config.model_type,
@@ -200,15 +200,25 @@ def read_per_layer(path) -> CalibrationFile:
 
 
 def _value(v, tensors: dict, fmt: str):
-    """A per_layer value as saved: a tensor entry's tensor, a /2 list entry's nested lists, else the JSON value."""
+    """A per_layer value as saved: /3 tags every value (``json``, ``tensor``, ``list``); /1 and /2 marked tensor
+    (and /2 list) entries by a ``__tensor__`` / ``__list__`` key and kept the rest as plain JSON."""
+    if fmt == FORMAT:
+        if not isinstance(v, dict) or len(v) != 1 or next(iter(v)) not in ("json", "tensor", "list"):
+            raise ValueError(f"a /3 value must be one of {{'json': v}}, {{'tensor': name}}, {{'list': name}}, got "
+                             f"{str(v)[:80]}")
+        (kind, x), = v.items()
+        return x if kind == "json" else tensors[x] if kind == "tensor" else _float_list(tensors[x], x)
     if isinstance(v, dict) and _TENSOR in v:
         return tensors[v[_TENSOR]]
     if fmt != READABLE[0] and isinstance(v, dict) and _LIST in v:
-        t = tensors[v[_LIST]]
-        if t.dtype != torch.float64:
-            raise ValueError(f"list entry {v[_LIST]!r} is {t.dtype}, not torch.float64")
-        return t.tolist()
+        return _float_list(tensors[v[_LIST]], v[_LIST])
     return v
+
+
+def _float_list(t: torch.Tensor, name: str) -> list:
+    if t.dtype != torch.float64:
+        raise ValueError(f"list entry {name!r} is {t.dtype}, not torch.float64")
+    return t.tolist()
 
 
 def load_per_layer(path, model=None, method: str | None = None) -> dict[int, dict]:

@@ -12,6 +12,9 @@ from .storage import ScratchPool
 class KVSlimCache(Cache):
     """A ``transformers.Cache`` of kvslim layers; ``nbytes`` is the exact size of everything stored."""
 
+    #: not written by ``kvslim.save_cache`` (``caches/state.py``): ``load_cache`` takes the model's plan
+    file_skip = ("plan",)
+
     def __init__(self, layers: list[CacheLayerMixin], plan=None):
         super().__init__(layers=layers)
         self.plan = plan

@@ -134,6 +134,13 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
     def get_max_length(self) -> int:
         return -1
 
+    def file_slots(self) -> int | None:
+        """Leading token slots of the stores' ``tensors()`` that hold data (``caches/state.py`` writes only those);
+        ``None``: all of them (a capturable residual layout keeps its own)."""
+        if not self.is_initialized or self._residual_static():
+            return None
+        return min(self.stored_tokens(), self.k_store.capacity)
+
     def stored_tokens(self) -> int:
         self._sync_host()
         return self.cumulative_length

@@ -125,6 +125,9 @@ class EncDecSlimCache(EncoderDecoderCache):
     work through HF's protocol; ``nbytes`` is exact.
     """
 
+    #: not written by ``kvslim.save_cache`` (``caches/state.py``): ``load_cache`` takes the model's plan
+    file_skip = ("plan",)
+
     def __init__(self, self_layers: list[CacheLayerMixin], plan=None, cross: str = "shared"):
         if cross not in ("shared", "kv"):
             raise ValueError(f"cross must be 'shared' or 'kv', got {cross!r}")

@@ -223,6 +223,13 @@ class RingLayer(StaticRingMixin, KVStoreLayer):
     def get_max_length(self) -> int:
         return self.window
 
+    def file_slots(self) -> int | None:
+        """Leading ring slots that hold data (``caches/state.py``): a ring not yet full has filled slots [0, n);
+        ``None`` (all) for a capturable ring (``caches/capture_ring.py``) or a residual ring's own layout."""
+        if not self.is_initialized or self.length_t is not None or self.spec.residual:
+            return None
+        return min(self.cumulative_length, self.k_store.capacity)
+
     def stored_tokens(self) -> int:
         if self.length_t is not None:
             self._sync_host()

@@ -23,6 +23,10 @@ COMMANDS = {
                      "context."),
     "calibrate": ("calibrate", "Choose a method's per-layer options for your model on a calibration text and write "
                                "them to a file."),
+    "cache-prompt": ("cache_prompt", "Prefill a text once through a kvslim cache and write the compressed cache to "
+                                     "a file."),
+    "generate": ("generate", "Answer a prompt with a model and a kvslim cache, optionally continuing a prompt "
+                             "cache file."),
 }
 
 

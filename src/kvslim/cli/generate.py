@@ -1,0 +1,91 @@
+"""Answer a prompt with a model and a kvslim cache, optionally continuing a prompt cache file.
+
+``kvslim generate --model M --prompt-cache DOC.kvslim --prompt "question" [--chat] [--max-new-tokens N]``: the
+file's tokens (``kvslim cache-prompt``) are the prefix, the question is appended (``--chat``: in the tokenizer's
+chat template, as the file was made) and answered greedily; the file is only read, so the same question gives the
+same answer every time. Without ``--prompt-cache``: ``--prompt`` alone through ``--method`` (default int4).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .eval import BUILTINS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"a local HF folder, a .gguf file, or one of {sorted(BUILTINS)}")
+    p.add_argument("--prompt", required=True, help="the question (after the prompt cache's text) or the prompt")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE", help="a file of kvslim cache-prompt: its tokens "
+                   "are the prefix, its method and options the cache's")
+    p.add_argument("--method", default=None, help="without --prompt-cache: the kvslim method (default int4)")
+    p.add_argument("--chat", action="store_true", help="ask in the tokenizer's chat template (the prompt cache must "
+                   "have been made with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="answer tokens at most (default 128)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def question_ids(tok, prompt: str, chat: bool, meta: dict | None):
+    """The question's token ids (1, Q) that follow the prompt cache's tokens (or the whole prompt without one)."""
+    from .cache_prompt import chat_parts
+
+    made_chat = bool(((meta or {}).get("extra") or {}).get("chat"))
+    if meta is not None and made_chat != chat:
+        flag = "with" if made_chat else "without"
+        raise ValueError(f"--chat: the prompt cache was made {flag} --chat; ask {flag} --chat (or make the file "
+                         "again with kvslim cache-prompt)")
+    if meta is None:
+        if not chat:
+            return tok(prompt, return_tensors="pt", verbose=False).input_ids
+        head, tail = chat_parts(tok)
+        return tok(head + prompt + tail, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
+    tail = (meta["extra"].get("tail") or "") if chat else ""
+    return tok(prompt + tail, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    import time
+    import warnings
+
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.prompt_cache and args.method:
+        raise ValueError("--method: the prompt cache's method is used with --prompt-cache (give one or the other)")
+    meta = None
+    if args.prompt_cache:
+        from ..prompt_cache import read_meta
+
+        meta = read_meta(args.prompt_cache)  # a missing or foreign file is refused before the model loads
+    import torch
+
+    from .. import api
+    from ..adapters.compat import CACHE_KW
+    from ..prompt_cache import check_room, load_cache
+    from .eval import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    model, tok = load_model(args.model)
+    q = question_ids(tok, args.prompt, args.chat, meta)
+    t0 = time.perf_counter()
+    if meta is not None:
+        loaded = load_cache(args.prompt_cache, model)
+        check_room(loaded, model, q.shape[1] + args.max_new_tokens)
+        ids, cache = torch.cat([loaded.token_ids, q], dim=1), loaded.cache
+    else:
+        api.apply(model, args.method or "int4")
+        ids, cache = q, api.make_cache(model)
+    t1 = time.perf_counter()
+    eos = tok.eos_token_id
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos if eos is not None else 0, **{CACHE_KW: cache})
+    t2 = time.perf_counter()
+    answer = out[0, ids.shape[1]:]
+    print(tok.decode(answer, skip_special_tokens=True).strip())
+    held = 0 if meta is None else meta["tokens"]
+    print(f"kvslim generate: {held:,} cached + {q.shape[1]:,} new prompt tokens, {answer.shape[0]} answer tokens; "
+          f"load {t1 - t0:.2f} s, generate {t2 - t1:.1f} s", file=sys.stderr)
+    return 0

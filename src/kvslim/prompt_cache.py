@@ -1,0 +1,339 @@
+"""Compressed prompt caches as files: ``kvslim.save_cache`` / ``load_cache`` (docs/prompt_cache.md, issue 44).
+
+One safetensors file (loads without executing code; tensors are read through safetensors' mmap backend): the
+cache's tensors as tensors, only the token slots that hold data (``caches/state.py``), and under the metadata key
+``kvslim`` one JSON object: the format, the method and its options (tensor options such as calibrated
+``key_scales`` are tensors too), the model's identity (as the per-layer calibration files': name, config hash,
+``k_proj`` norms, plus the norm of 1,024 rows of the input embedding), the token ids the cache holds, the cache's
+state tree, a BLAKE2b digest of every tensor's bytes, and the kvslim / transformers that wrote it.
+
+``load_cache(path, model)`` refuses, naming what differs and what would work, a file for another model (config or
+weights), method or dtype, a cache layout this kvslim / transformers does not build, an unknown format version, a
+truncated or corrupted file; nothing is changed then. Saving refuses a cache holding inf/nan. Writes go to a
+temporary file in the target folder, renamed over ``path`` when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .caches.state import Decoder, Encoder, StateError
+from .per_layer_file import NORM_RTOL, config_hash, k_norms
+
+FORMAT = "kvslim.prompt_cache/1"
+FORMAT_PREFIX = "kvslim.prompt_cache/"
+META_KEY = "kvslim"
+REMAKE = "re-create it for this model with kvslim cache-prompt (or kvslim.save_cache)"
+
+
+class PromptCache(NamedTuple):
+    """What :func:`load_cache` gives: the cache, the token ids it holds (B, T) int64, and the file's metadata."""
+
+    cache: object
+    token_ids: torch.Tensor
+    meta: dict
+
+
+def model_identity(model, name: str | None = None) -> dict:
+    """Name, config hash, layer count, per-layer ``k_proj`` norms and the input embedding's norm of ``model``."""
+    cfg = model.config
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    return {"model": name or getattr(cfg, "_name_or_path", "") or cfg.model_type, "config_hash": config_hash(model),
+            "num_layers": getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "decoder_layers", None),
+            "k_norms": k_norms(model),
+            "embed_norm": None if weight is None else _sample_norm(weight),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+
+
+def _sample_norm(weight: torch.Tensor, rows: int = 1024) -> float:
+    """Norm (float64) of about ``rows`` evenly spaced rows of ``weight``: tells two checkpoints apart without
+    reading a 150k-token embedding on every load."""
+    w = weight.detach()
+    return float(w[::max(1, w.shape[0] // rows)].double().norm())
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= NORM_RTOL * max(abs(a), abs(b), 1e-30)
+
+
+def check_identity(saved: dict, model, where: str) -> None:
+    """``ValueError`` naming what differs between the model a file was written for (``saved``) and ``model``."""
+    mine = model_identity(model)
+    theirs, here = saved.get("model"), mine["model"]
+    if saved.get("config_hash") != mine["config_hash"]:
+        raise ValueError(f"{where}: written for model {theirs!r} (config {saved.get('config_hash')}, "
+                         f"{saved.get('num_layers')} layers), not this model {here!r} (config {mine['config_hash']}, "
+                         f"{mine['num_layers']} layers): load it with the model it was written for, or {REMAKE}")
+    if saved.get("dtype") != mine["dtype"]:
+        raise ValueError(f"{where}: written for model {theirs!r} in {saved.get('dtype')}, this model is in "
+                         f"{mine['dtype']}: load the model in {saved.get('dtype')}, or {REMAKE}")
+    pairs = list(zip(saved.get("k_norms") or [], mine["k_norms"] or []))
+    if saved.get("embed_norm") is not None and mine["embed_norm"] is not None:
+        pairs.append((saved["embed_norm"], mine["embed_norm"]))
+    for i, (a, b) in enumerate(pairs):
+        if not _close(a, b):
+            what = "input embedding" if i == len(pairs) - 1 and len(pairs) > len(saved.get("k_norms") or []) \
+                else f"layer {i} k_proj"
+            raise ValueError(f"{where}: written for model {theirs!r}, whose {what} weights differ from this model's "
+                             f"{here!r} (norm {a:.6g} vs {b:.6g}): the same architecture, other weights. Load it with "
+                             f"the model it was written for, or {REMAKE}")
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _caches(cache) -> list:
+    """The kvslim caches inside ``cache`` (itself, or an encoder-decoder cache's self-attention half)."""
+    inner = getattr(cache, "self_attention_cache", None)
+    return [cache] + ([inner] if inner is not None else [])
+
+
+def _layers(cache) -> list:
+    out = []
+    for c in _caches(cache):
+        out.extend(getattr(c, "layers", []))
+    cross = getattr(cache, "cross_attention_cache", None)
+    return out + list(getattr(cross, "layers", []))
+
+
+def check_finite(cache) -> None:
+    """``ValueError`` naming the layer when the cache holds inf/nan: the flags of quantized stores (their writes
+    are checked, caches/storage.py) and the live tokens of plain stores and encoder outputs, read back."""
+    for i, layer in enumerate(_layers(cache)):
+        try:
+            if hasattr(layer, "raise_deferred"):
+                layer.raise_deferred()
+        except ValueError as e:
+            raise ValueError(f"layer {i}: {e}") from None
+        live = []
+        if getattr(layer, "enc", None) is not None:
+            live.append(layer.enc)
+        slots = layer.file_slots() if hasattr(layer, "file_slots") else None
+        for store in layer._stores() if hasattr(layer, "_stores") and slots else ():
+            if not store.spec.bits:  # a coded store refused inf/nan at its write
+                live.append(store.read(0, slots))
+        for x in live:
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"layer {i} holds a non-finite value (inf/nan) among its cached tokens: a prompt "
+                                 "cache file must continue a generation, and this cache cannot; nothing was written. "
+                                 "Run the model in float32 (or bfloat16) so that the prefill does not overflow")
+
+
+def _max_length(cache) -> int | None:
+    lengths = [layer.max_length for layer in _layers(cache) if getattr(layer, "max_length", None)]
+    return min(lengths) if lengths else None
+
+
+def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None = None, text: str | None = None,
+               extra: dict | None = None) -> Path:
+    """Write ``cache`` (a kvslim cache ``model`` filled with ``token_ids`` (B, T)) to ``path`` (module docstring).
+
+    ``name``: the model's name in the file and in refusals. ``text``: an optional note (e.g. the source file).
+    ``extra``: JSON values kept under ``meta["extra"]`` (``kvslim cache-prompt --chat`` keeps the template's tail).
+    ``ValueError`` naming the argument, nothing written, for a cache that is not kvslim's, token ids that are not
+    the cache's length, a cache holding inf/nan, or a folder that does not exist. Returns the path written.
+    """
+    from safetensors.torch import save_file
+
+    from ._version import __version__
+    from .api import check_model, get_plan
+
+    check_model(model)
+    plan = getattr(cache, "plan", None) or get_plan(model)
+    if not hasattr(cache, "get_seq_length") or plan is None or not type(cache).__module__.startswith("kvslim."):
+        raise ValueError(f"cache must be a kvslim cache (kvslim.make_cache(model)), got {type(cache).__name__}")
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 2 or token_ids.dtype.is_floating_point:
+        raise ValueError("token_ids must be the (batch, tokens) integer tensor the cache was filled with")
+    held = int(cache.get_seq_length())
+    if token_ids.shape[1] != held:
+        raise ValueError(f"token_ids holds {token_ids.shape[1]} tokens, the cache {held}: pass the ids of the "
+                         "prefill that filled it")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path: {str(path)!r} is a folder; give a file name (e.g. doc.kvslim)")
+    if not path.parent.is_dir():
+        raise ValueError(f"path: no folder {str(path.parent)!r} to write {path.name!r} into")
+    check_finite(cache)
+    enc = Encoder()
+    try:
+        tree = enc.encode(cache, "cache")
+        options = enc.encode(dict(plan.options), "options")
+    except StateError as e:
+        raise ValueError(f"cache: {e}") from None
+    tensors = dict(enc.tensors)
+    tensors["token_ids"] = token_ids.detach().to(torch.int64).cpu().contiguous()
+    import transformers
+
+    meta = {"format": FORMAT, "method": plan.method, "options": options, "identity": model_identity(model, name),
+            "tokens": held, "batch": int(token_ids.shape[0]), "max_length": _max_length(cache),
+            "nbytes": int(getattr(cache, "nbytes", 0)), "layers": [lp.technique for lp in getattr(plan, "layers", ())],
+            "text": text, "extra": dict(extra or {}), "kvslim": __version__, "transformers": transformers.__version__, "cache": tree,
+            "digest": _digest(tensors)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, allow_nan=False)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def prefill(model, ids: torch.Tensor, cache, chunk: int = 512, progress=None) -> torch.Tensor:
+    """Fill ``cache`` with ``ids`` (B, T) through ``model``, ``chunk`` tokens per forward pass (a long prompt's
+    activations stay small); ``progress(done, total)`` after each pass. Returns the last position's logits (B, V)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    from .adapters.compat import CACHE_KW
+
+    total, logits = ids.shape[1], None
+    with torch.no_grad():
+        for start in range(0, total, chunk):
+            part = ids[:, start:start + chunk]
+            logits = model(part, use_cache=True, logits_to_keep=1, **{CACHE_KW: cache}).logits[:, -1]
+            if progress is not None:
+                progress(start + part.shape[1], total)
+    return logits
+
+
+def read_meta(path) -> dict:
+    """The metadata of the prompt cache file at ``path``; ``FileNotFoundError`` for a missing path, ``ValueError``
+    naming a file that is not one (another format, a truncated or hand-broken header)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no prompt cache file {str(p)!r}")
+    try:
+        with safe_open(str(p), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get(META_KEY, "null"))
+    except Exception as e:  # a foreign or truncated file, a broken header
+        raise ValueError(f"{str(p)!r} is not a readable kvslim prompt cache ({type(e).__name__}: {e}); "
+                         f"{REMAKE}") from None
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith(FORMAT_PREFIX):
+        raise ValueError(f"{str(p)!r} is a safetensors file but not a kvslim prompt cache (no {FORMAT!r} metadata); "
+                         f"{REMAKE}")
+    if meta["format"] != FORMAT:
+        raise ValueError(f"{str(p)!r} is prompt cache format {meta['format']!r} (written by kvslim "
+                         f"{meta.get('kvslim')}); this kvslim reads {FORMAT!r}: {REMAKE}")
+    return meta
+
+
+def _plan_for(meta: dict, model, where: str, options: dict):
+    """The plan the file's cache is rebuilt with: the model's own when it runs the file's method and options (a
+    ``ValueError`` when it runs others), else the file's method planned for ``model`` (nothing applied yet)."""
+    from . import api
+    from .methods import METHODS
+
+    plan = api.get_plan(model)
+    method = meta["method"]
+    if plan is None:
+        if method not in METHODS:
+            raise ValueError(f"{where}: method {method!r} is not one of this kvslim's ({sorted(METHODS)}); {REMAKE}")
+        return api._plan_model(METHODS[method], model, **options)  # validates, changes nothing
+    if plan.method != method or not _same_options(plan.options, options):
+        raise ValueError(f"{where}: a {method} cache with options {_show(options)}, but this model runs "
+                         f"{plan.method} with {_show(plan.options)}: kvslim.restore(model) first (load_cache applies "
+                         f"the file's method), or kvslim.apply(model, {method!r}, **{_show(options)})")
+    return plan
+
+
+def _show(options: dict) -> str:
+    return "{" + ", ".join(f"{k}={'<tensor>' if isinstance(v, torch.Tensor) else repr(v)}"
+                           for k, v in options.items()) + "}"
+
+
+def _same_options(a, b) -> bool:
+    ea, eb = Encoder(), Encoder()
+    ta, tb = ea.encode(dict(a), "o"), eb.encode(dict(b), "o")
+    return ta == tb and all(torch.equal(ea.tensors[k], eb.tensors[k]) for k in ea.tensors)
+
+
+def _check_layout(cache, fresh, meta: dict, where: str) -> None:
+    """``ValueError`` when the decoded cache's classes or attributes differ from what this kvslim and transformers
+    build for the same plan (``fresh``): a file from another transformers cache layout."""
+    import transformers
+
+    mine, theirs = _layers(fresh), _layers(cache)
+    if len(mine) != len(theirs) or type(fresh) is not type(cache):
+        raise ValueError(f"{where}: {type(cache).__name__} of {len(theirs)} layers, this model's plan builds "
+                         f"{type(fresh).__name__} of {len(mine)}; {REMAKE}")
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        missing = sorted(set(vars(a)) - set(vars(b)))
+        if type(a) is not type(b) or missing:
+            what = (f"a {type(b).__name__}, this one builds {type(a).__name__}" if type(a) is not type(b)
+                    else f"lacks {missing}")
+            raise ValueError(f"{where}: layer {i} of the file's cache {what} (file written with transformers "
+                             f"{meta.get('transformers')}, kvslim {meta.get('kvslim')}; this is transformers "
+                             f"{transformers.__version__}): another cache layout; {REMAKE}")
+
+
+def load_cache(path, model, *, verify: bool = True) -> PromptCache:
+    """The cache saved at ``path`` for ``model`` (module docstring), ready to continue ``model.generate``:
+    pass ``token_ids`` followed by the new tokens as ``input_ids`` and the cache as ``past_key_values``.
+
+    ``model`` gets the file's method (``kvslim.apply``) when it runs none, once every check passed (a refused load
+    changes nothing). ``verify``: check the tensors' digest
+    (reads every byte once). The file is only read: a loaded cache owns copies of what it changes.
+    """
+    from safetensors import safe_open
+
+    from .adapters.generate import build_cache
+    from .api import apply, check_model, get_plan
+
+    check_model(model)
+    meta = read_meta(path)
+    where = str(path)
+    check_identity(meta.get("identity") or {}, model, where)
+    device = next(model.parameters()).device
+    try:
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if verify and _digest(tensors) != meta.get("digest"):
+            raise ValueError("the tensors' digest differs from the one written (the file was changed or damaged)")
+        options = Decoder(tensors, device).decode(meta["options"], "options")
+    except (ValueError, StateError, KeyError, RuntimeError, OSError) as e:
+        raise ValueError(f"{where}: a damaged prompt cache ({type(e).__name__}: {e}); {REMAKE}") from None
+    applied = get_plan(model) is not None
+    plan = _plan_for(meta, model, where, options)
+    dec = Decoder(tensors, device)
+    try:
+        cache = dec.decode(meta["cache"], "cache")
+    except (StateError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{where}: a cache this kvslim cannot rebuild ({type(e).__name__}: {e}); {REMAKE}") from None
+    _check_layout(cache, build_cache(model, plan, meta.get("max_length")), meta, where)
+    if not applied:  # every check passed: now the model gets the file's method
+        plan = apply(model, meta["method"], **options)
+    for c in _caches(cache):
+        c.plan = plan
+    ids = tensors["token_ids"].to(device)
+    return PromptCache(cache, ids, meta)
+
+
+def check_room(prompt: PromptCache, model, new_tokens: int) -> None:
+    """``ValueError`` when ``new_tokens`` more tokens (question and answer) after the cached prefix exceed the
+    model's ``max_position_embeddings`` or the cache's ``max_length``, naming the limit and what fits."""
+    held = prompt.token_ids.shape[1]
+    limits = [("the model's max_position_embeddings", getattr(model.config, "max_position_embeddings", None)),
+              ("the cache's max_length", _max_length(prompt.cache))]
+    for what, limit in limits:
+        if limit is not None and held + new_tokens > limit:
+            raise ValueError(f"the prompt cache holds {held} tokens; {new_tokens} more (question + answer) make "
+                             f"{held + new_tokens}, beyond {what} ({limit}): at most {max(0, limit - held)} more fit "
+                             "(shorten the question or --max-new-tokens, or cache a shorter text)")

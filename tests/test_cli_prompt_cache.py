@@ -1,0 +1,87 @@
+"""``kvslim cache-prompt`` / ``kvslim generate --prompt-cache`` on the shipped tiny MHA model (no download)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvslim.cli.main import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    """A prompt cache of 200 tokens of Botchan on tiny-mha, int4, written by ``kvslim cache-prompt``."""
+    folder = tmp_path_factory.mktemp("pc")
+    out = folder / "doc.kvslim"
+    assert main(["cache-prompt", "--model", "tiny-mha", "--method", "int4", "--text", "botchan", "--tokens", "200",
+                 "--chunk", "64", "--out", str(out)]) == 0
+    return out
+
+
+def test_cache_prompt_prints_tokens_bytes_seconds(doc, capsys):
+    out = doc.with_name("chat.kvslim")
+    assert main(["cache-prompt", "--model", "tiny-mha", "--method", "int8", "--option", "int8.group_size=32",
+                 "--text", "botchan", "--tokens", "150", "--out", str(out), "--chat"]) == 0
+    line = capsys.readouterr().out
+    assert "150 tokens, int8" in line and f"{out.stat().st_size:,} bytes" in line and "prefill" in line
+    assert " s, save " in line
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?", "--chat",
+                 "--max-new-tokens", "3"]) == 0  # the template's tail, kept in the file, follows the question
+    assert "150 cached +" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?"]) == 2
+    assert "made with --chat" in capsys.readouterr().err
+
+
+def test_generate_from_the_file_twice_gives_one_answer_and_keeps_the_file(doc, capsys):
+    before = _sha(doc)
+    answers = []
+    for _ in range(2):
+        assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(doc), "--prompt", "Who is he?",
+                     "--max-new-tokens", "5"]) == 0
+        cap = capsys.readouterr()
+        answers.append(cap.out)
+        assert "200 cached +" in cap.err and "5 answer tokens" in cap.err
+    assert answers[0] == answers[1] and _sha(doc) == before
+
+
+def test_generate_refuses_room_chat_mismatch_and_method(doc, capsys):
+    before = _sha(doc)
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(doc), "--prompt", "Who?",
+                 "--max-new-tokens", "900"]) == 2
+    assert "beyond the model's max_position_embeddings (1024)" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(doc), "--prompt", "Who?", "--chat"]) == 2
+    assert "made without --chat" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(doc), "--prompt", "Who?",
+                 "--method", "int8"]) == 2
+    assert "--method" in capsys.readouterr().err
+    assert _sha(doc) == before
+
+
+def test_generate_refuses_a_missing_or_foreign_file_before_loading(tmp_path, capsys):
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(tmp_path / "no.kvslim"),
+                 "--prompt", "Who?"]) == 2
+    assert "no prompt cache file" in capsys.readouterr().err
+    junk = tmp_path / "junk.kvslim"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(junk), "--prompt", "Who?"]) == 2
+    assert "not a readable kvslim prompt cache" in capsys.readouterr().err
+
+
+def test_cache_prompt_refuses_bad_arguments_writing_nothing(tmp_path, capsys):
+    out = tmp_path / "x.kvslim"
+    assert main(["cache-prompt", "--model", "tiny-mha", "--text", "botchan", "--out", str(out)]) == 2
+    assert "max_position_embeddings is 1024" in capsys.readouterr().err  # Botchan is longer than the model's
+    assert main(["cache-prompt", "--model", "tiny-mha", "--text", "botchan", "--out", str(tmp_path / "no" / "x"),
+                 "--tokens", "10"]) == 2
+    assert "existing folder" in capsys.readouterr().err
+    assert main(["cache-prompt", "--model", "tiny-mha", "--text", "botchan", "--out", str(out), "--tokens", "10",
+                 "--option", "int4.nope=1"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
