@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # rich is imported where a table is drawn: plans work without it (a bare GPU machine)
@@ -30,6 +30,8 @@ class LayerPlan:
         ring_codes: a ring with a residual window (``ResidualRingLayer``): its coded token slots (whole groups;
             the full-precision window holds the most recent tokens), ``None`` otherwise.
         attention: ``"sliding"`` or ``"full"``: how the *model* runs this layer (its config's layer types).
+        sparse, sparse_offset, sparse_page_bytes: sparse decode (``caches/sparse.py``): the layer's spec, where its
+            pages start, and the statistics bytes of one complete page (counted in :meth:`cache_bytes`).
         factory: builds the ``CacheLayerMixin`` for this layer; called with ``max_length`` (or ``None``).
     """
 
@@ -46,11 +48,17 @@ class LayerPlan:
     residual_bytes_per_token: int = 0
     ring_codes: int | None = None
     attention: str = "full"
+    sparse: Any = None  # caches.sparse.SparseSpec of a layer with sparse decode
+    sparse_offset: int = 0  # first token of its paged region (behind full-precision sinks)
+    sparse_page_bytes: int = 0  # statistics bytes per complete page per sequence (all KV heads)
     factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         if context == 0:
             return 0
+        if self.sparse is not None:
+            pages = max(0, context - self.sparse_offset) // self.sparse.page
+            return replace(self, sparse=None).cache_bytes(context, batch) + batch * pages * self.sparse_page_bytes
         if self.ring_codes is not None:  # window in full precision, then the ring's whole coded groups
             coded = self.flush * -(-max(0, context - self.residual) // self.flush)
             return batch * (min(coded, self.ring_codes) * self.bytes_per_token
@@ -118,7 +126,11 @@ class Plan:
                         "window": lp.window, "exactness": lp.exactness, "error": lp.error, "note": lp.note,
                         "fixed_bytes": lp.fixed_bytes, "residual": lp.residual, "flush": lp.flush,
                         "residual_bytes_per_token": lp.residual_bytes_per_token, "ring_codes": lp.ring_codes,
-                        "attention": lp.attention} for lp in self.layers],
+                        "attention": lp.attention,
+                        "sparse": None if lp.sparse is None else {
+                            "budget": lp.sparse.budget, "page": lp.sparse.page, "score": lp.sparse.score,
+                            "select": lp.sparse.select, "window": lp.sparse.window,
+                            "page_bytes": lp.sparse_page_bytes}} for lp in self.layers],
             "sliding_window": self.sliding_window,
         }
 
