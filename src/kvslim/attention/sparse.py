@@ -28,15 +28,20 @@ from ..caches.turbo import TurboStore
 from . import quant
 
 
-def page_scores(q: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """(B, H, G, D) queries against (B, H, P, D) page boxes -> (B, H, P) fp32 scores summed over the group."""
-    c, r = centre.float(), radius.float()
-    s = torch.einsum("bhgd,bhpd->bhgp", q, c) + torch.einsum("bhgd,bhpd->bhgp", q.abs(), r)
-    return s.sum(dim=2)
+def page_scores(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """(B, H, G, D) queries against (B, H, P, 2D) page boxes ``[c | r]`` -> (B, H, P) fp32 scores summed over the
+    group: ``Σ_g q_g·c + |q_g|·r`` as one product."""
+    qq = torch.cat((q, q.abs()), dim=-1).sum(dim=2, keepdim=True)  # Σ_g first: (B, H, 1, 2D)
+    return torch.matmul(qq, boxes.float().transpose(-1, -2))[:, :, 0]
 
 
 def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
     """Region rows a step reads: (B, H, R) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
+    return rows_of(h, select_pages(h, q))
+
+
+def select_pages(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
+    """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
     st, spec = h.stats, h.stats.spec
     p, n_pages = spec.page, h.pages
     kept = st.kept
@@ -45,15 +50,21 @@ def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
         new = torch.arange(since, n_pages, device=q.device).expand(*idx.shape[:2], n_pages - since)
         idx = torch.cat((idx, new), dim=-1)
     else:
-        scores = page_scores(q, st.centre[:, :, :n_pages], st.radius[:, :, :n_pages])
+        scores = page_scores(q, st.boxes[:, :, :n_pages])
         if spec.sinks_in_pages:
             scores[..., 0] = float("inf")
         idx = scores.topk(min(spec.pages, n_pages), dim=-1).indices.sort(dim=-1).values
         if spec.select == "prompt":
             st.kept = (idx, n_pages)
+    return idx
+
+
+def rows_of(h: SparseKV, idx: torch.Tensor) -> torch.Tensor:
+    """Pages (B, H, k) -> region rows (B, H, k·page + the rest of the region after the candidate pages)."""
+    p, n_pages = h.stats.spec.page, h.pages
     b, hk, k = idx.shape
-    rows = (idx[..., None] * p + torch.arange(p, device=q.device)).reshape(b, hk, k * p)
-    rest = torch.arange(n_pages * p, h.n, device=q.device).expand(b, hk, h.n - n_pages * p)
+    rows = (idx[..., None] * p + torch.arange(p, device=idx.device)).reshape(b, hk, k * p)
+    rest = torch.arange(n_pages * p, h.n, device=idx.device).expand(b, hk, h.n - n_pages * p)
     return torch.cat((rows, rest), dim=-1)
 
 
@@ -63,31 +74,67 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     b, heads, _, d = query.shape
     hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
-    rows = select(h, q)
-    if h.fused is not None and attention_mask is None:
-        out = _coded(h, rows, query, scaling)
+    idx = select_pages(h, q)
+    if attention_mask is None:
+        out = _coded(h, idx, query, scaling) if h.fused is not None else _dense(h, idx, query, scaling)
         if out is not None:
             return out
-    if h.fused is None:
-        return _dense(h, rows, query, attention_mask, scaling)
-    return reference(h, query, attention_mask, scaling, rows)
+    return reference(h, query, attention_mask, scaling, rows_of(h, idx))
 
 
-def _gathered(store, rows: torch.Tensor):
-    """A shallow copy of ``store`` whose tensors hold only ``rows`` (B, H, R) of its slots (codes, scales,
-    zero-points: R rows each, the per-row bytes of the format, never dequantized)."""
+def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int]) -> torch.Tensor:
+    """``t`` (B, H, slots, X) -> (B, H, k·page + rest rows, X): pages ``idx`` (B, H, k) of ``page`` slots each, then
+    slots ``[rest[0], rest[1])`` (the same for every head). One ``index_select`` of whole pages (page·X contiguous
+    values) when ``t``'s rows are contiguous and its heads page-aligned, else row by row."""
+    b, h, slots, x = t.shape
+    s0, s1, s2, s3 = t.stride()
+    ps = page * s2
+    lo, hi = rest
+    if s3 == 1 and s2 == x and s0 % ps == 0 and s1 % ps == 0:
+        n = (b - 1) * (s0 // ps) + (h - 1) * (s1 // ps) + slots // page
+        flat = t.as_strided((n, page * x), (ps, 1))
+        base = (torch.arange(b, device=idx.device).view(b, 1, 1) * (s0 // ps)
+                + torch.arange(h, device=idx.device).view(1, h, 1) * (s1 // ps))
+        picked = flat.index_select(0, (idx + base).reshape(-1)).view(b, h, idx.shape[-1] * page, x)
+    else:
+        rows = (idx[..., None] * page + torch.arange(page, device=idx.device)).reshape(b, h, -1)
+        picked = take_rows(t, rows)
+    return torch.cat((picked, t[:, :, lo:hi]), dim=2) if hi > lo else picked
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, slots, X) at ``rows`` (B, H, R) -> (B, H, R, X): one ``index_select`` of whole rows over the
+    buffer ``t`` views (a store's whole buffer, or a prefix of its slots; ``torch.gather`` with an expanded index
+    ran ~10× slower here)."""
+    b, h, slots, x = t.shape
+    s0, s1, s2, s3 = t.stride()
+    if s3 != 1 or s2 < x or s0 % s2 or s1 % s2:
+        return t.gather(2, rows[..., None].expand(*rows.shape, x))
+    n = (b - 1) * (s0 // s2) + (h - 1) * (s1 // s2) + slots  # rows of the underlying buffer up to t's last
+    flat = t.as_strided((n, x), (s2, 1))
+    base = (torch.arange(b, device=rows.device).view(b, 1, 1) * (s0 // s2)
+            + torch.arange(h, device=rows.device).view(1, h, 1) * (s1 // s2))
+    return flat.index_select(0, (rows + base).reshape(-1)).view(b, h, rows.shape[-1], x)
+
+
+def _gathered(store, idx: torch.Tensor, page: int, rest: tuple[int, int]):
+    """A shallow copy of ``store`` whose tensors hold only pages ``idx`` and the ``rest`` slots (codes, scales,
+    zero-points: the format's own bytes, never dequantized)."""
     out = copy.copy(store)
-    out.set_tensors([t.gather(2, rows[..., None].expand(*rows.shape, t.shape[-1])) for t in store.tensors()])
+    out.set_tensors([take_pages(t, idx, page, rest) for t in store.tensors()])
     return out
 
 
-def _coded(h: SparseKV, rows: torch.Tensor, query: torch.Tensor, scaling) -> torch.Tensor | None:
+def _coded(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torch.Tensor | None:
     """The fused decode op over the gathered codes (``None``: a format whose op reads per-slot tables, e.g.
     RoPE-centred turbo keys, goes to the twin)."""
     f = h.fused
     if isinstance(f.k, TurboStore) and f.k.spec.rope_centred:
         return None
-    g = dataclasses.replace(f, k=_gathered(f.k, rows), v=_gathered(f.v, rows), n=rows.shape[-1], lengths=None)
+    p = h.stats.spec.page
+    rest = (h.pages * p, h.n)
+    k, v = _gathered(f.k, idx, p, rest), _gathered(f.v, idx, p, rest)
+    g = dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
     return quant.decode(g, query, None, scaling)
 
 
@@ -103,7 +150,8 @@ def _temporal(h: SparseKV, rows: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    return x.gather(2, pos[..., None].expand(*pos.shape, x.shape[-1]))
+    return take_rows(x, pos) if x.shape[:2] == pos.shape[:2] else x.gather(2, pos[..., None].expand(
+        *pos.shape, x.shape[-1]))
 
 
 def _mask_rows(attention_mask, pos: torch.Tensor, total: int) -> torch.Tensor | None:
@@ -118,19 +166,16 @@ def _mask_rows(attention_mask, pos: torch.Tensor, total: int) -> torch.Tensor | 
     return mask[:, None, :].expand(mask.shape[0], hk, total).gather(2, pos.expand(mask.shape[0], hk, r))[:, :, None]
 
 
-def _dense(h: SparseKV, rows: torch.Tensor, query: torch.Tensor, attention_mask, scaling) -> torch.Tensor:
-    """A dense layer: SDPA over the gathered rows, the G query heads of a KV head packed as query rows (the dense
-    full read's packed-GQA path)."""
-    total = h.keys.shape[2]
-    pos = _temporal(h, rows, total)
-    k, v = _gather_rows(h.keys, pos), _gather_rows(h.values, pos)  # (B, Hk, R', D)
+def _dense(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torch.Tensor:
+    """A dense layer: SDPA over the chosen pages and every row after them (the rest of the region, the step's
+    token), the G query heads of a KV head packed as query rows (the dense full read's packed-GQA path)."""
+    p = h.stats.spec.page
+    rest = (h.pages * p, h.keys.shape[2])
+    k, v = take_pages(h.keys, idx, p, rest), take_pages(h.values, idx, p, rest)  # (B, Hk, R, D)
     b, heads, _, d = query.shape
     hk = k.shape[1]
     packed = query.reshape(b, hk, heads // hk, d)
-    mask = _mask_rows(attention_mask, pos, total)
-    if mask is not None:
-        mask = mask.to(query.dtype)
-    out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scaling)  # (B, Hk, G, D)
+    out = F.scaled_dot_product_attention(packed, k, v, scale=scaling)  # (B, Hk, G, D)
     return out.reshape(b, heads, 1, v.shape[-1]).transpose(1, 2).contiguous()
 
 

@@ -92,15 +92,14 @@ def _outward(c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class PageStats:
-    """Per-page key boxes of one layer: ``centre``/``radius`` (B, H, pages, D) fp16, page p = tokens
+    """Per-page key boxes of one layer: ``boxes`` (B, H, pages, 2D) fp16 = ``[centre | radius]``, page p = tokens
     ``[offset + p·page, offset + (p+1)·page)``; the running sums of the page being filled are kept in fp32
     (``acc``: (B, H, 2, D): sum and sum of squares, or min and max). ``offset``: the first token of the paged
     region (a layer's full-precision sinks stay out of the pages)."""
 
     def __init__(self, spec: SparseSpec, offset: int = 0):
         self.spec, self.offset = spec, offset
-        self.centre: torch.Tensor | None = None
-        self.radius: torch.Tensor | None = None
+        self.boxes: torch.Tensor | None = None  # (B, H, pages, 2D) fp16: [centre | radius] per page
         self.acc: torch.Tensor | None = None
         self.length = 0  # tokens of the paged region written (complete pages = length // page)
         self.kept: tuple[torch.Tensor, int] | None = None  # select="prompt": (pages (B, H, k), pages then)
@@ -125,19 +124,22 @@ class PageStats:
             self.broken = self.broken or keep != self.length
         self.kept = None
 
+    @property
+    def centre(self) -> torch.Tensor:
+        return self.boxes[..., :self.boxes.shape[-1] // 2]
+
+    @property
+    def radius(self) -> torch.Tensor:
+        return self.boxes[..., self.boxes.shape[-1] // 2:]
+
     def _grow(self, b: int, h: int, d: int, pages: int, device: torch.device) -> None:
-        if self.centre is None or self.centre.shape[:2] != (b, h) or self.centre.shape[3] != d:
-            cap = max(pages, 16)
-            self.centre = torch.zeros(b, h, cap, d, dtype=torch.float16, device=device)
-            self.radius = torch.zeros_like(self.centre)
+        if self.boxes is None or self.boxes.shape[:2] != (b, h) or self.boxes.shape[3] != 2 * d:
+            self.boxes = torch.zeros(b, h, max(pages, 16), 2 * d, dtype=torch.float16, device=device)
             self.acc = torch.zeros(b, h, 2, d, dtype=torch.float32, device=device)
-        elif pages > self.centre.shape[2]:
-            cap = max(pages, self.centre.shape[2] * 3 // 2)
-            for name in ("centre", "radius"):
-                old = getattr(self, name)
-                new = old.new_zeros(b, h, cap, d)
-                new[:, :, :old.shape[2]] = old
-                setattr(self, name, new)
+        elif pages > self.boxes.shape[2]:
+            old = self.boxes
+            self.boxes = old.new_zeros(b, h, max(pages, old.shape[2] * 3 // 2), 2 * d)
+            self.boxes[:, :, :old.shape[2]] = old
 
     def write(self, start: int, keys: torch.Tensor) -> None:
         """Account for ``keys`` (B, H, S, D), tokens ``[start, start + S)`` of the sequence (appended in order;
@@ -193,10 +195,11 @@ class PageStats:
             n = self.spec.page
             c = a / n
             r = (b / n - c * c).clamp_min(0).sqrt()
-        self.centre[:, :, index], self.radius[:, :, index] = _outward(c, r)
+        c16, r16 = _outward(c, r)
+        self.boxes[:, :, index] = torch.cat((c16, r16), dim=-1)
 
     def map_sequences(self, fn) -> None:
-        for name in ("centre", "radius", "acc"):
+        for name in ("boxes", "acc"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
@@ -205,13 +208,13 @@ class PageStats:
     def nbytes(self) -> int:
         """Bytes of the complete pages' statistics (the running sums of the page being filled not counted: a
         fixed 2·D fp32 per head, like the smoothing factors)."""
-        if self.centre is None:
+        if self.boxes is None:
             return 0
-        b, h, _, d = self.centre.shape
-        return b * h * self.complete * 2 * d * 2
+        b, h, _, d2 = self.boxes.shape
+        return b * h * self.complete * d2 * 2
 
     def allocated_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.centre, self.radius, self.acc) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.boxes, self.acc) if t is not None)
 
 
 @dataclass
