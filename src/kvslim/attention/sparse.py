@@ -43,7 +43,7 @@ def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
 def select_pages(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
     """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
     st, spec = h.stats, h.stats.spec
-    p, n_pages = spec.page, h.pages
+    n_pages = h.pages
     kept = st.kept
     if spec.select == "prompt" and kept is not None and kept[1] <= n_pages:
         idx, since = kept
@@ -84,22 +84,29 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
 
 def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int]) -> torch.Tensor:
     """``t`` (B, H, slots, X) -> (B, H, k·page + rest rows, X): pages ``idx`` (B, H, k) of ``page`` slots each, then
-    slots ``[rest[0], rest[1])`` (the same for every head). One ``index_select`` of whole pages (page·X contiguous
-    values) when ``t``'s rows are contiguous and its heads page-aligned, else row by row."""
+    slots ``[rest[0], rest[1])`` (page-aligned at ``rest[0]``; the same for every head). One ``index_select`` of whole
+    pages (page·X contiguous values each; the rest as pages too, the last one cut) when ``t``'s rows are contiguous
+    and its heads page-aligned in a buffer holding the last page, else row by row."""
     b, h, slots, x = t.shape
     s0, s1, s2, s3 = t.stride()
     ps = page * s2
     lo, hi = rest
-    if s3 == 1 and s2 == x and s0 % ps == 0 and s1 % ps == 0:
-        n = (b - 1) * (s0 // ps) + (h - 1) * (s1 // ps) + slots // page
-        flat = t.as_strided((n, page * x), (ps, 1))
-        base = (torch.arange(b, device=idx.device).view(b, 1, 1) * (s0 // ps)
-                + torch.arange(h, device=idx.device).view(1, h, 1) * (s1 // ps))
-        picked = flat.index_select(0, (idx + base).reshape(-1)).view(b, h, idx.shape[-1] * page, x)
-    else:
-        rows = (idx[..., None] * page + torch.arange(page, device=idx.device)).reshape(b, h, -1)
-        picked = take_rows(t, rows)
-    return torch.cat((picked, t[:, :, lo:hi]), dim=2) if hi > lo else picked
+    k, extra = idx.shape[-1], -(-(hi - lo) // page)
+    rows = k * page + hi - lo
+    if s3 == 1 and s2 == x and s0 % ps == 0 and s1 % ps == 0 and lo % page == 0:
+        n = (b - 1) * (s0 // ps) + (h - 1) * (s1 // ps) + lo // page + extra
+        if t.storage_offset() + n * ps <= t.untyped_storage().nbytes() // t.element_size():
+            if extra:
+                tail = torch.arange(lo // page, lo // page + extra, device=idx.device).expand(b, h, extra)
+                idx = torch.cat((idx, tail), dim=-1)
+            flat = t.as_strided((n, page * x), (ps, 1))
+            base = (torch.arange(b, device=idx.device).view(b, 1, 1) * (s0 // ps)
+                    + torch.arange(h, device=idx.device).view(1, h, 1) * (s1 // ps))
+            picked = flat.index_select(0, (idx + base).reshape(-1)).view(b, h, idx.shape[-1] * page, x)
+            return picked[:, :, :rows]
+    pages = (idx[..., None] * page + torch.arange(page, device=idx.device)).reshape(b, h, -1)
+    after = torch.arange(lo, hi, device=idx.device).expand(b, h, hi - lo)
+    return take_rows(t, torch.cat((pages, after), dim=-1))
 
 
 def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
