@@ -25,6 +25,7 @@ from transformers import LlamaConfig
 import kvslim
 from kvslim.adapters.sdpa import packed_gqa_sdpa_forward
 from kvslim.adapters.shape import shape_from_config
+from kvslim.caches.storage import ScratchPool
 from kvslim.methods import METHODS
 
 CFG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -44,6 +45,7 @@ def layer_for(method: str, budget: int, page: int):
     layer = plan.layers[2].factory(None)
     layer.fused_decode = True
     layer.sparse_attention = True
+    layer.scratch_pool = ScratchPool()  # as a KVSlimCache gives its layers
     return layer
 
 

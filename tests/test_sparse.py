@@ -10,6 +10,7 @@ from conftest import padded_batch, tiny_model
 import kvslim
 from kvslim.attention import sparse as attn
 from kvslim.caches.sparse import PageStats, SparseSpec, sparse_of
+from kvslim.caches.storage import ScratchPool
 from kvslim.methods import METHODS
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -27,9 +28,11 @@ def model():
     return tiny_model("llama")
 
 
-def _layer(model, method: str, index: int = 2, **options):
+def _layer(model, method: str, index: int = 2, scratch: bool = False, **options):
     plan = METHODS[method].plan_model(model, **options)
     layer = plan.layers[index].factory(None)
+    if scratch:
+        layer.scratch_pool = ScratchPool()
     layer.sparse_attention = True
     layer.fused_decode = True
     return layer, plan
@@ -82,8 +85,10 @@ def _oracle(h, keys: torch.Tensor, q: torch.Tensor, scaling: float, mat: tuple |
 @pytest.mark.parametrize("score", ["meanstd", "minmax"])
 def test_step_matches_float64_oracle(model, method, score):
     """The step's output (C++ op over gathered codes, SDPA over gathered rows, or the twin) equals a float64
-    oracle that computes the statistics, the choice and the attention itself."""
-    layer, _ = _layer(model, method, sparse_budget=256, sparse_dense_layers=0, sparse_score=score)
+    oracle that computes the statistics, the choice and the attention itself (gathered into reused buffers for
+    the minmax half)."""
+    layer, _ = _layer(model, method, scratch=score == "minmax", sparse_budget=256, sparse_dense_layers=0,
+                      sparse_score=score)
     b, hk, d, heads = 2, 2, 16, 4
     keys, _, h = _step(layer, b, hk, d, prompt=700)
     assert h is not None and h.pages > h.stats.spec.pages  # a sparse step

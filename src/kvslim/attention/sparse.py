@@ -82,11 +82,12 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     return reference(h, query, attention_mask, scaling, rows_of(h, idx))
 
 
-def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int]) -> torch.Tensor:
+def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int], out=None) -> torch.Tensor:
     """``t`` (B, H, slots, X) -> (B, H, k·page + rest rows, X): pages ``idx`` (B, H, k) of ``page`` slots each, then
     slots ``[rest[0], rest[1])`` (page-aligned at ``rest[0]``; the same for every head). One ``index_select`` of whole
     pages (page·X contiguous values each; the rest as pages too, the last one cut) when ``t``'s rows are contiguous
-    and its heads page-aligned in a buffer holding the last page, else row by row."""
+    and its heads page-aligned in a buffer holding the last page, else row by row. ``out``: (ScratchPool, role) to
+    gather into a reused buffer (a fresh one page-faults: ~2.5× slower measured here)."""
     b, h, slots, x = t.shape
     s0, s1, s2, s3 = t.stride()
     ps = page * s2
@@ -102,7 +103,13 @@ def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, i
             flat = t.as_strided((n, page * x), (ps, 1))
             base = (torch.arange(b, device=idx.device).view(b, 1, 1) * (s0 // ps)
                     + torch.arange(h, device=idx.device).view(1, h, 1) * (s1 // ps))
-            picked = flat.index_select(0, (idx + base).reshape(-1)).view(b, h, idx.shape[-1] * page, x)
+            sel = (idx + base).reshape(-1)
+            if out is not None and not torch.is_grad_enabled():
+                buf = out[0].flat(out[1], sel.numel() * page * x, t.dtype, t.device).view(sel.numel(), page * x)
+                picked = torch.index_select(flat, 0, sel, out=buf)
+            else:
+                picked = flat.index_select(0, sel)
+            picked = picked.view(b, h, idx.shape[-1] * page, x)
             return picked[:, :, :rows]
     pages = (idx[..., None] * page + torch.arange(page, device=idx.device)).reshape(b, h, -1)
     after = torch.arange(lo, hi, device=idx.device).expand(b, h, hi - lo)
@@ -124,11 +131,12 @@ def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, (rows + base).reshape(-1)).view(b, h, rows.shape[-1], x)
 
 
-def _gathered(store, idx: torch.Tensor, page: int, rest: tuple[int, int]):
+def _gathered(store, idx: torch.Tensor, page: int, rest: tuple[int, int], scratch, role: str):
     """A shallow copy of ``store`` whose tensors hold only pages ``idx`` and the ``rest`` slots (codes, scales,
     zero-points: the format's own bytes, never dequantized)."""
     out = copy.copy(store)
-    out.set_tensors([take_pages(t, idx, page, rest) for t in store.tensors()])
+    out.set_tensors([take_pages(t, idx, page, rest, None if scratch is None else (scratch, f"{role}{i}"))
+                     for i, t in enumerate(store.tensors())])
     return out
 
 
@@ -140,7 +148,7 @@ def _coded(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torc
         return None
     p = h.stats.spec.page
     rest = (h.pages * p, h.n)
-    k, v = _gathered(f.k, idx, p, rest), _gathered(f.v, idx, p, rest)
+    k, v = _gathered(f.k, idx, p, rest, h.scratch, "sparse-k"), _gathered(f.v, idx, p, rest, h.scratch, "sparse-v")
     g = dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
     return quant.decode(g, query, None, scaling)
 
@@ -178,7 +186,9 @@ def _dense(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torc
     token), the G query heads of a KV head packed as query rows (the dense full read's packed-GQA path)."""
     p = h.stats.spec.page
     rest = (h.pages * p, h.keys.shape[2])
-    k, v = take_pages(h.keys, idx, p, rest), take_pages(h.values, idx, p, rest)  # (B, Hk, R, D)
+    pool = h.scratch
+    k = take_pages(h.keys, idx, p, rest, None if pool is None else (pool, "sparse-k"))  # (B, Hk, R, D)
+    v = take_pages(h.values, idx, p, rest, None if pool is None else (pool, "sparse-v"))
     b, heads, _, d = query.shape
     hk = k.shape[1]
     packed = query.reshape(b, hk, heads // hk, d)

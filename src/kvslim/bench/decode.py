@@ -30,7 +30,7 @@ def mha_100m(dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausa
     """A ~100M-parameter random Llama-MHA: d 768, 12 layers, 12 heads (head_dim 64), vocab 32000."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=16384)
+                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=32768)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 

@@ -113,11 +113,12 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             h = fused.append_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
             n, tail = h.n, h.tokens - h.n - st.offset
             pages = candidate_pages(n, tail, sp, st.complete)
-            return SparseKV(st, n, pages, fused=h) if pages > sp.pages else None
+            return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool) if pages > sp.pages else None
         pages = candidate_pages(end - 1, 1, sp, st.complete)
         if pages <= sp.pages:
             return None
-        return SparseKV(st, end - 1, pages, keys=self.k_store.read(0, end), values=self.v_store.read(0, end))
+        return SparseKV(st, end - 1, pages, keys=self.k_store.read(0, end), values=self.v_store.read(0, end),
+                        scratch=self.scratch_pool)
 
     def _reads(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

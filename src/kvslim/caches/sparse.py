@@ -232,6 +232,7 @@ class SparseKV:
     fused: object | None = None
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scratch: object | None = None  # the cache's ScratchPool: reused buffers for the gathered pages
 
     @property
     def tokens(self) -> int:
