@@ -64,6 +64,23 @@ class LayerPlan:
             return batch * (min(coded, self.ring_codes) * self.bytes_per_token
                             + (context - coded) * self.residual_bytes_per_token + self.fixed_bytes)
         tokens = context if self.window is None else min(context, self.window - 1)  # a ring stores W − 1
+        return self._stored(tokens, batch)
+
+    def step_read_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes a single-token decode step reads from this layer after ``context`` tokens: everything, or with
+        sparse decode past its budget the rows of ``budget`` tokens (+ at most a page being filled, counted at its
+        average: half a page) in the layer's format plus every complete page's statistics (an estimate: which rows
+        are coded and which full precision follows :meth:`cache_bytes` at that many tokens)."""
+        if self.sparse is None:
+            return self.cache_bytes(context, batch)
+        plain = replace(self, sparse=None)
+        rows = self.sparse.budget + self.sparse.page // 2
+        if context <= rows:
+            return self.cache_bytes(context, batch)
+        pages = max(0, context - self.sparse_offset) // self.sparse.page
+        return plain.cache_bytes(rows, batch) + batch * pages * self.sparse_page_bytes
+
+    def _stored(self, tokens: int, batch: int) -> int:
         coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
         return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
                         + (self.fixed_bytes if coded else 0))  # fitted by the coded store's first write
@@ -91,6 +108,11 @@ class Plan:
     def dense_bytes(self, context: int, batch: int = 1) -> int:
         """Bytes of the model's ordinary K+V cache in the same dtype (``dense_bytes_per_token`` is per layer)."""
         return batch * (context * self.dense_bytes_per_token * len(self.layers) + self.dense_fixed_bytes)
+
+    def step_read_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes of cache a single-token decode step reads after ``context`` tokens (all of it without sparse
+        decode; :meth:`LayerPlan.step_read_bytes`)."""
+        return sum(lp.step_read_bytes(context, batch) for lp in self.layers)
 
     def ratio(self, context: int) -> float:
         return self.cache_bytes(context) / max(1, self.dense_bytes(context))
@@ -163,6 +185,10 @@ class Plan:
             for kind, row in by.items():
                 console.print(f"{kind} layers ({row['layers']}): {row['cache_bytes']:,} B at 4096 tokens; HF's own "
                               f"cache {row['hf_bytes']:,} B")
+        if any(lp.sparse is not None for lp in self.layers):
+            for n in (4096, 32768):
+                console.print(f"sparse decode: a single-token step reads {self.step_read_bytes(n):,} of "
+                              f"{self.cache_bytes(n):,} cache bytes at {n:,} tokens (batch 1)")
         for n in self.notes:
             console.print(f"note: {n}")
         return buf.getvalue()

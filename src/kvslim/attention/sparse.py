@@ -23,16 +23,18 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..caches.sparse import SparseKV
+from ..caches.sparse import FP16_MAX, SparseKV
 from ..caches.turbo import TurboStore
 from . import quant
 
 
 def page_scores(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """(B, H, G, D) queries against (B, H, P, 2D) page boxes ``[c | r]`` -> (B, H, P) fp32 scores summed over the
-    group: ``Σ_g q_g·c + |q_g|·r`` as one product."""
-    qq = torch.cat((q, q.abs()), dim=-1).sum(dim=2, keepdim=True)  # Σ_g first: (B, H, 1, 2D)
-    return torch.matmul(qq, boxes.float().transpose(-1, -2))[:, :, 0]
+    """(B, H, G, D) fp32 queries against (B, H, P, 2D) fp16 page boxes ``[c | r]`` -> (B, H, P) scores summed over
+    the group: ``Σ_g q_g·c + |q_g|·r`` as one product, in the boxes' fp16 (a ranking: converting the boxes to fp32
+    first cost 2-3× the product at 8 × 32k; fp16 keeps 11 bits of each score, ties broken by position)."""
+    qq = torch.cat((q, q.abs()), dim=-1).sum(dim=2)[..., None]  # Σ_g first: (B, H, 2D, 1)
+    qq = qq.clamp(-FP16_MAX, FP16_MAX).to(boxes.dtype)
+    return torch.matmul(boxes, qq)[..., 0].float()  # boxes as stored (a slice of their buffer), then fp32 scores
 
 
 def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
@@ -74,12 +76,34 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     b, heads, _, d = query.shape
     hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
-    idx = select_pages(h, q)
     if attention_mask is None:
-        out = _coded(h, idx, query, scaling) if h.fused is not None else _dense(h, idx, query, scaling)
+        with _serial(query.device):
+            idx = select_pages(h, q)
+            picked = _picked(h, idx)
+        out = _coded(h, picked, query, scaling) if h.fused is not None else _dense(h, picked, query, scaling)
         if out is not None:
             return out
+    else:
+        idx = select_pages(h, q)
     return reference(h, query, attention_mask, scaling, rows_of(h, idx))
+
+
+class _serial:
+    """The selection and the page gathers (a dozen small ops) on one CPU thread: with two threads each op is a
+    parallel region whose wake-up of the other thread measured ~10 ms on the shared 2-core machine (a profile of
+    one int4 8 × 32k step: 10 regions, ~10 ms each), more than the work. The attention op after them runs on all
+    threads (one region). CUDA: nothing changes."""
+
+    def __init__(self, device: torch.device):
+        self.threads = torch.get_num_threads() if device.type == "cpu" else 1
+
+    def __enter__(self):
+        if self.threads > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.threads > 1:
+            torch.set_num_threads(self.threads)
 
 
 def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int], out=None) -> torch.Tensor:
@@ -140,17 +164,25 @@ def _gathered(store, idx: torch.Tensor, page: int, rest: tuple[int, int], scratc
     return out
 
 
-def _coded(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torch.Tensor | None:
-    """The fused decode op over the gathered codes (``None``: a format whose op reads per-slot tables, e.g.
-    RoPE-centred turbo keys, goes to the twin)."""
+def _picked(h: SparseKV, idx: torch.Tensor):
+    """What the fast paths attend: a coded layer's handle over the gathered codes, a dense layer's gathered (K, V);
+    ``None`` for a format whose op reads per-slot tables (RoPE-centred turbo keys: the twin)."""
+    p = h.stats.spec.page
     f = h.fused
+    if f is None:
+        rest, pool = (h.pages * p, h.keys.shape[2]), h.scratch
+        return (take_pages(h.keys, idx, p, rest, None if pool is None else (pool, "sparse-k")),  # (B, Hk, R, D)
+                take_pages(h.values, idx, p, rest, None if pool is None else (pool, "sparse-v")))
     if isinstance(f.k, TurboStore) and f.k.spec.rope_centred:
         return None
-    p = h.stats.spec.page
     rest = (h.pages * p, h.n)
     k, v = _gathered(f.k, idx, p, rest, h.scratch, "sparse-k"), _gathered(f.v, idx, p, rest, h.scratch, "sparse-v")
-    g = dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
-    return quant.decode(g, query, None, scaling)
+    return dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
+
+
+def _coded(h: SparseKV, g, query: torch.Tensor, scaling) -> torch.Tensor | None:
+    """The fused decode op over the gathered codes (``None``: the twin takes it)."""
+    return None if g is None else quant.decode(g, query, None, scaling)
 
 
 def _temporal(h: SparseKV, rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -181,14 +213,10 @@ def _mask_rows(attention_mask, pos: torch.Tensor, total: int) -> torch.Tensor | 
     return mask[:, None, :].expand(mask.shape[0], hk, total).gather(2, pos.expand(mask.shape[0], hk, r))[:, :, None]
 
 
-def _dense(h: SparseKV, idx: torch.Tensor, query: torch.Tensor, scaling) -> torch.Tensor:
+def _dense(h: SparseKV, kv, query: torch.Tensor, scaling) -> torch.Tensor:
     """A dense layer: SDPA over the chosen pages and every row after them (the rest of the region, the step's
     token), the G query heads of a KV head packed as query rows (the dense full read's packed-GQA path)."""
-    p = h.stats.spec.page
-    rest = (h.pages * p, h.keys.shape[2])
-    pool = h.scratch
-    k = take_pages(h.keys, idx, p, rest, None if pool is None else (pool, "sparse-k"))  # (B, Hk, R, D)
-    v = take_pages(h.values, idx, p, rest, None if pool is None else (pool, "sparse-v"))
+    k, v = kv
     b, heads, _, d = query.shape
     hk = k.shape[1]
     packed = query.reshape(b, hk, heads // hk, d)
