@@ -101,6 +101,9 @@ def test_step_matches_float64_oracle(model, method, score):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     twin = attn.reference(h, q, None, scaling)
     torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-5)
+    if method in ("int8", "int4"):  # the C++ op reads the chosen pages in place (a page list, no gathered copy)
+        picked = attn._picked(h, attn.select_pages(h, q.float().reshape(b, hk, heads // hk, d)))
+        assert picked.pages is not None and picked.k is h.fused.k
     # the rows read: the budget's pages plus the rest of the region and the tail, never more than budget + page
     rows = attn.select(h, q.float().reshape(b, hk, heads // hk, d))
     read = rows.shape[-1] + h.stats.offset + (h.tokens - h.n - h.stats.offset)
@@ -261,3 +264,44 @@ def test_cli_spelling(model):
     assert opts == {"int4": {"sparse_budget": 2048, "sparse_score": "minmax"}}
     with pytest.raises(ValueError, match="sparse_page"):
         parse_method_options(["int4.sparse_budget=2048", "int4.sparse_page=100"], ["int4"])
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "int8", "int4"])
+@pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
+def test_quant_decode_page_list(kind, backend, monkeypatch):
+    """``kvslim::quant_decode`` with a page list (rows read in place) equals the op over the same rows gathered
+    (C++: every score/value path; the twin and the Triton kernels under the interpreter read the gathered rows)."""
+    from kvslim.caches.spec import StoreSpec
+    from kvslim.caches.stores import make_store
+    from kvslim.kernels import quant_decode as qd
+
+    if backend == "cpp" and not qd.available():
+        pytest.skip("C++ op not built")
+    monkeypatch.setenv("KVSLIM_BACKEND", backend)
+    spec = {"kivi4": StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=32, residual=64, flush=32),
+            "int8": StoreSpec(8, 32), "int4": StoreSpec(4, 32, asymmetric=True)}[kind]
+    g = torch.Generator().manual_seed(0)
+    b, h, grp, d, page = 2, 3, 2, 64, 64
+    stores = []
+    for sp in (spec, spec.for_values()):
+        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
+        st.write(0, torch.randn(b, h, 1024, d, generator=g))
+        stores.append(getattr(st, "inner", st))
+    k, v = stores
+    pages = torch.stack([torch.randperm(14, generator=g)[:6].sort().values for _ in range(b * h)]).view(b, h, 6)
+    n = 6 * page - 24  # the last page partly read (pages < 14: the residual store has coded 960 of 1,024 rows)
+    q = torch.randn(b, h, grp, d, generator=g)
+    tensors = (k.data, k.scale, k.zero, v.data, v.scale, v.zero)
+    gathered = [None if t is None else qd.paged_rows(t, pages, page) for t in tensors]
+    paths = [("exact", "exact"), ("int8", "int8")] if backend == "cpp" else [(None, None)]
+    for scores, values in paths:
+        out = qd.quant_decode(q, *tensors, spec.bits, spec.group_size, spec.channel_group, n, pages=pages,
+                              page=page, scores=scores, values=values)
+        ref = qd.quant_decode(q, *gathered, spec.bits, spec.group_size, spec.channel_group, n, scores=scores,
+                              values=values)
+        torch.testing.assert_close(out[0], ref[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(out[1], ref[1], atol=2e-6, rtol=1e-5)
+    if backend == "cpp":
+        with pytest.raises(ValueError, match="pages"):
+            qd.quant_decode(q, *tensors, spec.bits, spec.group_size, spec.channel_group, n,
+                            pages=pages + 100, page=page)

@@ -59,7 +59,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     kt, vt = h.k_tail, h.v_tail
     kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
     if isinstance(h.k, TurboStore) or isinstance(h.v, TurboStore):
-        return _turbo(h, q, kt, vt, mask, scaling, query.dtype)
+        return None if h.pages is not None else _turbo(h, q, kt, vt, mask, scaling, query.dtype)
     channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
     if channel is not None:
         q = q * channel
@@ -69,6 +69,8 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         if kt is not None and not h.k_tail_rotated:
             kt = kt @ rot
     spec, vbits = h.k.spec, h.v.spec.bits
+    if h.pages is not None and (spec.bits != vbits or spec.bits in LOW_BITS):
+        return None  # a page list is read by the int8/int4 op only (attention/sparse.py gathers for the others)
     if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only
         if spec.bits not in LOW_BITS or vbits not in LOW_BITS or h.k.zero is None or h.v.zero is None:
             return None
@@ -84,7 +86,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
     out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                           spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
-                          v_unrot=h.v.unrotation)
+                          v_unrot=h.v.unrotation, pages=h.pages, page=h.page)
     return out.view(b, 1, heads, d).to(query.dtype)
 
 

@@ -176,8 +176,25 @@ def _picked(h: SparseKV, idx: torch.Tensor):
     if isinstance(f.k, TurboStore) and f.k.spec.rope_centred:
         return None
     rest = (h.pages * p, h.n)
+    if _in_place(f, p):  # int8/int4 on the C++ op: a page list, the codes read where they are (no copy)
+        extra = -(-(h.n - rest[0]) // p)
+        after = torch.arange(rest[0] // p, rest[0] // p + extra, device=idx.device).expand(*idx.shape[:2], extra)
+        n = idx.shape[-1] * p + h.n - rest[0]
+        return dataclasses.replace(f, n=n, lengths=None, pages=torch.cat((idx, after), dim=-1), page=p)
     k, v = _gathered(f.k, idx, p, rest, h.scratch, "sparse-k"), _gathered(f.v, idx, p, rest, h.scratch, "sparse-v")
     return dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
+
+
+def _in_place(f, page: int) -> bool:
+    """Whether the int8/int4 op reads this layer's codes through a page list: CPU with the op built, both stores
+    int8/int4 codes of one width, whole pages in the buffers."""
+    from ..caches.storage import QuantizedStore
+    from ..kernels import quant_decode as qd
+
+    k, v = f.k, f.v
+    return (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and not isinstance(k, TurboStore)
+            and k.spec.bits == v.spec.bits and k.spec.bits in (4, 8) and k.data.device.type == "cpu"
+            and k.capacity % page == 0 and v.capacity % page == 0 and qd._backend("cpu") == "cpp")
 
 
 def _coded(h: SparseKV, g, query: torch.Tensor, scaling) -> torch.Tensor | None:
