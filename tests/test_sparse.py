@@ -241,6 +241,13 @@ def test_page_must_hold_whole_key_groups():
         METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=16)
     plan = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=32)
     assert plan.layers[2].sparse.pages == (2048 - 128) // 32 and plan.layers[1].sparse is None
+    # what a step reads: everything within the budget, ~budget rows + the statistics past it (kvslim plan prints it)
+    assert plan.step_read_bytes(1024) == plan.cache_bytes(1024)
+    full = METHODS["int4"].plan(shape, torch.float32)
+    assert plan.cache_bytes(32768) > full.cache_bytes(32768)  # the statistics are counted
+    sparse_layer = plan.layers[2].step_read_bytes(32768)
+    assert sparse_layer < full.layers[2].cache_bytes(32768) / 4  # at page 32 the boxes are over half of it
+    assert "a single-token step reads" in str(plan)
 
 
 def test_sparse_refused_where_it_cannot_run(model):

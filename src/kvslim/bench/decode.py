@@ -131,7 +131,7 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
             skipped[kind] = str(err)
             continue
         runs[kind] = {"model": m, "cache": cache, "pos": context, "times": [], "rounds": [],
-                      "bytes": _cache_bytes(cache, context)}
+                      "bytes": _cache_bytes(cache, context), "read": _read_bytes(cache, context, batch)}
     for r in range(rounds):
         for kind in runs:
             run = runs[kind]
@@ -144,13 +144,13 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
     for kind in list(runs):
         run = runs.pop(kind)
         step = statistics.median(run["times"])
-        bytes_per_step = weight_bytes(model) + run["bytes"]
+        bytes_per_step = weight_bytes(model) + run["read"]
         gbps = bytes_per_step / step / 1e9
         records.append({"method": kind, "model": model_name,
                         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "context": context,
                         "batch": batch, "steps": steps, "rounds": rounds, "step_s_median": step,
                         "step_s_all": run["times"], "step_s_round_medians": run["rounds"],
-                        "tokens_per_s": batch / step, "cache_bytes": run["bytes"],
+                        "tokens_per_s": batch / step, "cache_bytes": run["bytes"], "cache_read_bytes": run["read"],
                         "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
                         "roofline_fraction": gbps / roofline_gbps})
         method = KVSLIM_KINDS.get(kind, ("", {}))[0]
@@ -158,6 +158,15 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
             records[-1]["options"] = {**KVSLIM_KINDS[kind][1], **options[method]}
         del run
     return records
+
+
+def _read_bytes(cache, context: int, batch: int) -> int:
+    """Cache bytes a decode step reads: all of them, or with sparse decode what the plan says a step past the
+    budget reads (``Plan.step_read_bytes``)."""
+    plan = getattr(cache, "plan", None)
+    if plan is not None and any(getattr(lp, "sparse", None) is not None for lp in getattr(plan, "layers", ())):
+        return int(plan.step_read_bytes(context, batch))
+    return _cache_bytes(cache, context)
 
 
 def _cache_bytes(cache, context: int) -> int:
