@@ -101,7 +101,7 @@ def test_step_matches_float64_oracle(model, method, score):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     twin = attn.reference(h, q, None, scaling)
     torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-5)
-    if method in ("int8", "int4"):  # the C++ op reads the chosen pages in place (a page list, no gathered copy)
+    if method in ("int8", "int4", "int3", "int2"):  # the C++ ops read the chosen pages in place (no copy)
         picked = attn._picked(h, attn.select_pages(h, q.float().reshape(b, hk, heads // hk, d)))
         assert picked.pages is not None and picked.k is h.fused.k
     # the rows read: the budget's pages plus the rest of the region and the tail, never more than budget + page
@@ -312,3 +312,35 @@ def test_quant_decode_page_list(kind, backend, monkeypatch):
         with pytest.raises(ValueError, match="pages"):
             qd.quant_decode(q, *tensors, spec.bits, spec.group_size, spec.channel_group, n,
                             pages=pages + 100, page=page)
+
+
+@pytest.mark.parametrize("kivi", [64, 0])
+@pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
+def test_quant_decode_lowbit_page_list(kivi, backend, monkeypatch):
+    """``kvslim::quant_decode_lowbit`` (int3/int2 codes) with a page list equals the op over the gathered rows."""
+    from kvslim.caches.spec import StoreSpec
+    from kvslim.caches.stores import make_store
+    from kvslim.kernels import quant_decode_lowbit as ql
+    from kvslim.kernels.quant_decode import paged_rows
+
+    if backend == "cpp" and not ql.available():
+        pytest.skip("C++ op not built")
+    monkeypatch.setenv("KVSLIM_BACKEND", backend)
+    spec = StoreSpec(3, 64, torch.float16, asymmetric=True, channel_group=kivi, residual=64 if kivi else 0,
+                     flush=64 if kivi else 1, value_bits=2, value_rotation="hadamard")
+    g = torch.Generator().manual_seed(1)
+    b, h, grp, d, page = 2, 2, 3, 64, 64
+    stores = []
+    for sp in (spec, spec.for_values()):
+        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
+        st.write(0, torch.randn(b, h, 1024, d, generator=g))
+        stores.append(getattr(st, "inner", st))
+    k, v = stores
+    pages = torch.stack([torch.randperm(14, generator=g)[:5].sort().values for _ in range(b * h)]).view(b, h, 5)
+    n = 5 * page - 40
+    q = torch.randn(b, h, grp, d, generator=g)
+    tensors = (k.data, k.scale, k.zero, v.data, v.scale, v.zero)
+    out = ql.quant_decode_lowbit(q, *tensors, 3, 2, 64, kivi, n, pages=pages, page=page)
+    ref = ql.quant_decode_lowbit(q, *[paged_rows(t, pages, page) for t in tensors], 3, 2, 64, kivi, n)
+    torch.testing.assert_close(out[0], ref[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out[1], ref[1], atol=2e-6, rtol=1e-5)

@@ -69,8 +69,6 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         if kt is not None and not h.k_tail_rotated:
             kt = kt @ rot
     spec, vbits = h.k.spec, h.v.spec.bits
-    if h.pages is not None and (spec.bits != vbits or spec.bits in LOW_BITS):
-        return None  # a page list is read by the int8/int4 op only (attention/sparse.py gathers for the others)
     if spec.bits != vbits or spec.bits in LOW_BITS:  # low-bit (int2) formats: their own op, asymmetric only
         if spec.bits not in LOW_BITS or vbits not in LOW_BITS or h.k.zero is None or h.v.zero is None:
             return None
@@ -78,7 +76,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
             vt = vt @ vrot
         out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                                      vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
-                                     h.kernel_mask(mask), scaling)
+                                     h.kernel_mask(mask), scaling, pages=h.pages, page=h.page)
         out = out.reshape(b * heads, d)
         if vrot is not None:
             out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)

@@ -186,15 +186,21 @@ def _picked(h: SparseKV, idx: torch.Tensor):
 
 
 def _in_place(f, page: int) -> bool:
-    """Whether the int8/int4 op reads this layer's codes through a page list: CPU with the op built, both stores
-    int8/int4 codes of one width, whole pages in the buffers."""
+    """Whether a C++ op reads this layer's codes through a page list: CPU with the op built, int8/int4 codes of one
+    width (``quant_decode``) or asymmetric 2/3-bit codes (``quant_decode_lowbit``), whole pages in the buffers."""
     from ..caches.storage import QuantizedStore
     from ..kernels import quant_decode as qd
+    from ..kernels import quant_decode_lowbit as ql
 
     k, v = f.k, f.v
-    return (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and not isinstance(k, TurboStore)
-            and k.spec.bits == v.spec.bits and k.spec.bits in (4, 8) and k.data.device.type == "cpu"
-            and k.capacity % page == 0 and v.capacity % page == 0 and qd._backend("cpu") == "cpp")
+    if not (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and k.data.device.type == "cpu"
+            and k.capacity % page == 0 and v.capacity % page == 0):
+        return False
+    kb, vb = k.spec.bits, v.spec.bits
+    if kb == vb and kb in (4, 8):
+        return qd._backend("cpu") == "cpp"
+    return (kb in ql.BITS and vb in ql.BITS and k.zero is not None and v.zero is not None
+            and ql._backend("cpu") == "cpp")
 
 
 def _coded(h: SparseKV, g, query: torch.Tensor, scaling) -> torch.Tensor | None:

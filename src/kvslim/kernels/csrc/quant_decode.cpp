@@ -52,10 +52,7 @@ struct QArgs : kvslim_decode::Common {
   bool qdot = false;  // scores from an int8-rounded query where the format allows (qdot_ok in the body)
   bool qvals = false;  // value products from uint8-rounded softmax weights where the format allows (qv_ok)
   const float* vunrot = nullptr;  // (D, D) M: value codes hold v·R, their weighted sum is taken back by · M = Rᵀ
-  // sparse decode's page list: (B, Hk, npages) int64, logical coded row t at stored row pages[b, h, t / page]·page +
-  // t % page (nullptr: row t is row t)
-  const int64_t* pages = nullptr;
-  int64_t page = 0, npages = 0;
+  kvslim_decode::PageList paged;  // sparse decode's page list (decode_common.h; none: row t is row t)
 };
 
 inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64_t i, int sdt) {
@@ -229,45 +226,26 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   a.asym = k_zero.has_value();
   const at::ScalarType code_t = (bits == 8 && !a.asym) ? at::kChar : at::kByte;
   const int64_t width = a.D * bits / 8;
-  at::Tensor page_list;
-  if (pages.has_value()) {  // the codes' stored rows are checked against the pages below, not against n
-    const at::Tensor& pl = *pages;
-    TORCH_CHECK_VALUE(page > 0 && (a.kivi == 0 || page % a.kivi == 0), OP, ": page=", page,
-                      " must be positive and a multiple of key_channel_group=", a.kivi);
-    TORCH_CHECK_VALUE(pl.device().is_cpu() && pl.scalar_type() == at::kLong && pl.dim() == 3 && pl.size(0) == a.B &&
-                          pl.size(1) == a.Hk && pl.size(2) * page >= n,
-                      OP, ": pages must be an int64 CPU tensor (B=", a.B, ", Hk=", a.Hk, ", k) with k·page ≥ n=", n,
-                      ", got ", pl.scalar_type(), " ", pl.sizes());
-    page_list = pl.contiguous();
-    const int64_t* pp = page_list.data_ptr<int64_t>();
-    const int64_t stored = std::min(k_codes.size(2), v_codes.size(2)) / page;
-    for (int64_t i = 0; i < page_list.numel(); ++i)
-      TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < stored, OP, ": pages[", i, "] = ", pp[i], " is outside the ", stored,
-                        " whole pages the codes hold");
-    a.pages = pp;
-    a.page = page;
-    a.npages = pl.size(2);
-  } else {
-    TORCH_CHECK_VALUE(page == 0, OP, ": page=", page, " without pages");
-  }
-  const int64_t rows = a.pages ? 0 : n;  // rows the codes must hold (a page list: its own check above)
+  a.paged = kvslim_decode::bind_pages(OP, pages, page, a.B, a.Hk, n, a.kivi,
+                                      std::min(k_codes.size(2), v_codes.size(2)));
+  const int64_t rows = a.paged.pages ? 0 : n;  // rows the codes must hold (a page list: its own check above)
   check_4d(k_codes, "k_codes", a.B, a.Hk, rows, width);
   check_4d(v_codes, "v_codes", a.B, a.Hk, rows, width);
   TORCH_CHECK_VALUE(k_codes.scalar_type() == code_t && v_codes.scalar_type() == code_t, OP, ": ",
                     a.asym ? "asymmetric" : "symmetric", " int", bits, " codes must be ", code_t, ", got ",
                     k_codes.scalar_type(), " / ", v_codes.scalar_type());
   const int64_t kparams = a.kivi ? a.D / a.kivi : a.D / a.gs;
-  const int64_t ktokens = a.pages ? a.npages ? k_codes.size(2) / page * page : 0
+  const int64_t ktokens = a.paged.pages ? k_codes.size(2) / page * page
                                    : a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
   check_4d(k_scale, "k_scale", a.B, a.Hk, ktokens, kparams);
-  check_4d(v_scale, "v_scale", a.B, a.Hk, a.pages ? ktokens : n, a.D / a.gs);
+  check_4d(v_scale, "v_scale", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
   a.sdt = kvslim_decode::param_code(OP, k_scale.scalar_type());
   TORCH_CHECK_VALUE(v_scale.scalar_type() == k_scale.scalar_type(), OP, ": k_scale and v_scale dtypes differ");
   at::Tensor kc = unit_last(k_codes), vc = unit_last(v_codes), ks = unit_last(k_scale), vs = unit_last(v_scale);
   at::Tensor kz, vz;
   if (a.asym) {
     check_4d(*k_zero, "k_zero", a.B, a.Hk, ktokens, kparams);
-    check_4d(*v_zero, "v_zero", a.B, a.Hk, a.pages ? ktokens : n, a.D / a.gs);
+    check_4d(*v_zero, "v_zero", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
     TORCH_CHECK_VALUE(k_zero->scalar_type() == k_scale.scalar_type() && v_zero->scalar_type() == k_scale.scalar_type(),
                       OP, ": zero-points must have the scales' dtype ", k_scale.scalar_type());
     kz = unit_last(*k_zero);

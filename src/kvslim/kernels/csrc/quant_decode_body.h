@@ -477,15 +477,11 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   if (qd && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j) qdot_prep<BITS, ASYM>(a, sp, j, sp.q.data() + j * D, ng);
   if ((fast || qd) && ASYM && a.kivi == 0) kvslim_decode::group_sums(sp.q.data(), G, D, a.gs, sp.qsum.data());
-  // a page list (sparse decode): logical row t of (b, h) is stored at row pages[b, h, t / page]·page + t % page; a
-  // block never crosses a page, and every read below takes the stored row (r0), the mask and scores the logical one
+  // a page list (sparse decode, decode_common.h): a block never crosses a page; every read below takes the stored
+  // row r0, the mask and the scores the logical t0
   for (int64_t t0 = t_begin; t0 < t_end;) {
     int64_t m = std::min(T, t_end - t0);
-    int64_t r0 = t0;
-    if (a.pages) {
-      m = std::min(m, a.page - t0 % a.page);
-      r0 = a.pages[(b * a.Hk + h) * a.npages + t0 / a.page] * a.page + t0 % a.page;
-    }
+    const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
     const float* mk = mask ? mask + t0 : nullptr;
     if (qd && a.kivi == 0) {
       load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());
