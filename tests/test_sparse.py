@@ -109,6 +109,15 @@ def test_step_matches_float64_oracle(model, method, score):
     read = rows.shape[-1] + h.stats.offset + (h.tokens - h.n - h.stats.offset)
     assert read <= h.stats.spec.budget + h.stats.spec.page
     assert bool((rows[..., 1:] > rows[..., :-1]).all())  # ascending, no row twice
+    # always read: the sinks (the rows before the region, or page 0) and the newest spec.window positions
+    spec, total = h.stats.spec, h.tokens
+    pos = attn._temporal(h, rows, total)
+    must = list(range(total - spec.window, total)) + list(range(h.stats.offset))
+    if spec.sinks_in_pages:
+        must += list(range(spec.page))
+    for i in range(b):
+        for j in range(hk):
+            assert set(must) <= set(pos[i, j].tolist())
 
 
 def test_masked_step_reads_the_same_rows(model):
