@@ -43,11 +43,19 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "quanto 4-bit": ("quanto", {"nbits": 4}),
     "quanto 2-bit": ("quanto", {"nbits": 2}),
     "window 1024": ("window", {"window": 1024}),
+    # sparse decode (issue 43, docs/sparse.md): the answer's single-token steps read the chosen pages only; the
+    # question (a multi-token call) reads everything. Cells are keyed by these labels: resumable like the others.
+    "sparse int4 2048": ("int4", {"sparse_budget": 2048}),
+    "sparse int4 1024": ("int4", {"sparse_budget": 1024}),
+    "sparse int4 4096": ("int4", {"sparse_budget": 4096}),
+    "sparse dense 2048": ("dense", {"sparse_budget": 2048}),
+    "sparse int2 2048": ("int2", {"sparse_budget": 2048}),
 }
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
-               "window 1024"]
+               "window 1024", "sparse dense 2048", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
+               "sparse int2 2048"]
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 

@@ -66,6 +66,14 @@ def _describe(obj) -> str:
 
 def _plan_model(m, model, **options) -> Plan:
     """``m.plan_model``; a refusal for the model's shape names the methods that do apply."""
+    from .methods import sparse_options
+    from .methods.storage import StorageMethod
+
+    asked = [k for k in sparse_options.SPARSE_OPTIONS if k in options]
+    if asked and not isinstance(m, StorageMethod):
+        raise ValueError(f"{asked[0]}: method {m.name!r} cannot decode sparsely (sparse decode pages an append-only "
+                         "K+V cache: dense, int8, int4, int3, int2, turbo4/3/2; slim's K-/X-only rows and MLA's "
+                         "latent rows are not scored yet, docs/sparse.md)")
     try:
         return m.plan_model(model, **options)
     except NotApplicable as e:

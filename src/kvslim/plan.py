@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # rich is imported where a table is drawn: plans work without it (a bare GPU machine)
@@ -30,6 +30,8 @@ class LayerPlan:
         ring_codes: a ring with a residual window (``ResidualRingLayer``): its coded token slots (whole groups;
             the full-precision window holds the most recent tokens), ``None`` otherwise.
         attention: ``"sliding"`` or ``"full"``: how the *model* runs this layer (its config's layer types).
+        sparse, sparse_offset, sparse_page_bytes: sparse decode (``caches/sparse.py``): the layer's spec, where its
+            pages start, and the statistics bytes of one complete page (counted in :meth:`cache_bytes`).
         factory: builds the ``CacheLayerMixin`` for this layer; called with ``max_length`` (or ``None``).
     """
 
@@ -46,16 +48,39 @@ class LayerPlan:
     residual_bytes_per_token: int = 0
     ring_codes: int | None = None
     attention: str = "full"
+    sparse: Any = None  # caches.sparse.SparseSpec of a layer with sparse decode
+    sparse_offset: int = 0  # first token of its paged region (behind full-precision sinks)
+    sparse_page_bytes: int = 0  # statistics bytes per complete page per sequence (all KV heads)
     factory: Callable[[int | None], Any] | None = field(default=None, compare=False, repr=False)
 
     def cache_bytes(self, context: int, batch: int = 1) -> int:
         if context == 0:
             return 0
+        if self.sparse is not None:
+            pages = max(0, context - self.sparse_offset) // self.sparse.page
+            return replace(self, sparse=None).cache_bytes(context, batch) + batch * pages * self.sparse_page_bytes
         if self.ring_codes is not None:  # window in full precision, then the ring's whole coded groups
             coded = self.flush * -(-max(0, context - self.residual) // self.flush)
             return batch * (min(coded, self.ring_codes) * self.bytes_per_token
                             + (context - coded) * self.residual_bytes_per_token + self.fixed_bytes)
         tokens = context if self.window is None else min(context, self.window - 1)  # a ring stores W − 1
+        return self._stored(tokens, batch)
+
+    def step_read_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes a single-token decode step reads from this layer after ``context`` tokens: everything, or with
+        sparse decode past its budget the rows of ``budget`` tokens (+ at most a page being filled, counted at its
+        average: half a page) in the layer's format plus every complete page's statistics (an estimate: which rows
+        are coded and which full precision follows :meth:`cache_bytes` at that many tokens)."""
+        if self.sparse is None:
+            return self.cache_bytes(context, batch)
+        plain = replace(self, sparse=None)
+        rows = self.sparse.budget + self.sparse.page // 2
+        if context <= rows:
+            return self.cache_bytes(context, batch)
+        pages = max(0, context - self.sparse_offset) // self.sparse.page
+        return plain.cache_bytes(rows, batch) + batch * pages * self.sparse_page_bytes
+
+    def _stored(self, tokens: int, batch: int) -> int:
         coded = tokens if not self.residual else self.flush * -(-max(0, tokens - self.residual) // self.flush)
         return batch * (coded * self.bytes_per_token + (tokens - coded) * self.residual_bytes_per_token
                         + (self.fixed_bytes if coded else 0))  # fitted by the coded store's first write
@@ -83,6 +108,11 @@ class Plan:
     def dense_bytes(self, context: int, batch: int = 1) -> int:
         """Bytes of the model's ordinary K+V cache in the same dtype (``dense_bytes_per_token`` is per layer)."""
         return batch * (context * self.dense_bytes_per_token * len(self.layers) + self.dense_fixed_bytes)
+
+    def step_read_bytes(self, context: int, batch: int = 1) -> int:
+        """Bytes of cache a single-token decode step reads after ``context`` tokens (all of it without sparse
+        decode; :meth:`LayerPlan.step_read_bytes`)."""
+        return sum(lp.step_read_bytes(context, batch) for lp in self.layers)
 
     def ratio(self, context: int) -> float:
         return self.cache_bytes(context) / max(1, self.dense_bytes(context))
@@ -118,7 +148,11 @@ class Plan:
                         "window": lp.window, "exactness": lp.exactness, "error": lp.error, "note": lp.note,
                         "fixed_bytes": lp.fixed_bytes, "residual": lp.residual, "flush": lp.flush,
                         "residual_bytes_per_token": lp.residual_bytes_per_token, "ring_codes": lp.ring_codes,
-                        "attention": lp.attention} for lp in self.layers],
+                        "attention": lp.attention,
+                        "sparse": None if lp.sparse is None else {
+                            "budget": lp.sparse.budget, "page": lp.sparse.page, "score": lp.sparse.score,
+                            "select": lp.sparse.select, "window": lp.sparse.window,
+                            "page_bytes": lp.sparse_page_bytes}} for lp in self.layers],
             "sliding_window": self.sliding_window,
         }
 
@@ -151,6 +185,10 @@ class Plan:
             for kind, row in by.items():
                 console.print(f"{kind} layers ({row['layers']}): {row['cache_bytes']:,} B at 4096 tokens; HF's own "
                               f"cache {row['hf_bytes']:,} B")
+        if any(lp.sparse is not None for lp in self.layers):
+            for n in (4096, 32768):
+                console.print(f"sparse decode: a single-token step reads {self.step_read_bytes(n):,} of "
+                              f"{self.cache_bytes(n):,} cache bytes at {n:,} tokens (batch 1)")
         for n in self.notes:
             console.print(f"note: {n}")
         return buf.getvalue()

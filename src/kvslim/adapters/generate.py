@@ -65,6 +65,7 @@ def build_cache(model, plan, max_length: int | None) -> KVSlimCache:
     cache = KVSlimCache([lp.factory(max_length) for lp in plan.layers], plan=plan)
     if getattr(model.config, "_attn_implementation", None) == "kvslim_sdpa":  # adapters/sdpa.NAME
         cache.enable_column_attention()
+        cache.enable_sparse_decode()
     if _fused_attention(model, plan):
         cache.enable_fused_decode()
     return cache

@@ -26,9 +26,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention import quant
+from ..attention import quant, sparse
 from ..caches.capture_ring import ring_columns, ring_mask
 from ..caches.fused import fused_of
+from ..caches.sparse import sparse_of
 from ..ops.sdpa import CUDA_BACKENDS, sdpa_backends, sdpa_context
 
 __all__ = ["CUDA_BACKENDS", "NAME", "packed_gqa_sdpa_forward", "restore_attention", "sdpa_backends", "sdpa_context",
@@ -52,6 +53,14 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, **kwar
     columns = ring_columns(key)
     if columns is not None:  # a capturable ring's W slots: HF's mask over absolute positions, at their columns
         attention_mask = ring_mask(attention_mask, columns, query.shape[2])
+    picked = sparse_of(key)
+    if picked is not None:  # a sparse decode step (caches/sparse.py): the chosen pages only
+        if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None:
+            return sparse.decode(picked, query, attention_mask, scaling), None
+        if picked.fused is None:
+            key, value = picked.keys, picked.values
+        else:
+            key, value = picked.fused.materialize()
     fused = fused_of(key)
     if fused is not None:
         out = None

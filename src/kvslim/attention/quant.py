@@ -59,7 +59,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     kt, vt = h.k_tail, h.v_tail
     kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
     if isinstance(h.k, TurboStore) or isinstance(h.v, TurboStore):
-        return _turbo(h, q, kt, vt, mask, scaling, query.dtype)
+        return None if h.pages is not None else _turbo(h, q, kt, vt, mask, scaling, query.dtype)
     channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
     if channel is not None:
         q = q * channel
@@ -76,7 +76,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
             vt = vt @ vrot
         out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                                      vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
-                                     h.kernel_mask(mask), scaling)
+                                     h.kernel_mask(mask), scaling, pages=h.pages, page=h.page)
         out = out.reshape(b * heads, d)
         if vrot is not None:
             out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
@@ -84,7 +84,7 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
     # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
     out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                           spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
-                          v_unrot=h.v.unrotation)
+                          v_unrot=h.v.unrotation, pages=h.pages, page=h.page)
     return out.view(b, 1, heads, d).to(query.dtype)
 
 

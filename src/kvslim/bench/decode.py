@@ -31,7 +31,7 @@ def mha_100m(dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausa
     """A ~100M-parameter random Llama-MHA: d 768, 12 layers, 12 heads (head_dim 64), vocab 32000."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=16384)
+                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=32768)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -132,7 +132,7 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
         except ValueError as err:  # a bad option (e.g. a per_layer entry past the model's layers): refused
             raise ValueError(f"{kind}: {err}") from None
         runs[kind] = {"model": m, "cache": cache, "pos": context, "times": [], "rounds": [],
-                      "bytes": _cache_bytes(cache, context)}
+                      "bytes": _cache_bytes(cache, context), "read": _read_bytes(cache, context, batch)}
     for r in range(rounds):
         for kind in runs:
             run = runs[kind]
@@ -145,13 +145,13 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
     for kind in list(runs):
         run = runs.pop(kind)
         step = statistics.median(run["times"])
-        bytes_per_step = weight_bytes(model) + run["bytes"]
+        bytes_per_step = weight_bytes(model) + run["read"]
         gbps = bytes_per_step / step / 1e9
         records.append({"method": kind, "model": model_name,
                         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "context": context,
                         "batch": batch, "steps": steps, "rounds": rounds, "step_s_median": step,
                         "step_s_all": run["times"], "step_s_round_medians": run["rounds"],
-                        "tokens_per_s": batch / step, "cache_bytes": run["bytes"],
+                        "tokens_per_s": batch / step, "cache_bytes": run["bytes"], "cache_read_bytes": run["read"],
                         "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
                         "roofline_fraction": gbps / roofline_gbps})
         method = KVSLIM_KINDS.get(kind, ("", {}))[0]
@@ -159,6 +159,15 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
             records[-1]["options"] = {**KVSLIM_KINDS[kind][1], **options[method]}
         del run
     return records
+
+
+def _read_bytes(cache, context: int, batch: int) -> int:
+    """Cache bytes a decode step reads: all of them, or with sparse decode what the plan says a step past the
+    budget reads (``Plan.step_read_bytes``)."""
+    plan = getattr(cache, "plan", None)
+    if plan is not None and any(getattr(lp, "sparse", None) is not None for lp in getattr(plan, "layers", ())):
+        return int(plan.step_read_bytes(context, batch))
+    return _cache_bytes(cache, context)
 
 
 def _cache_bytes(cache, context: int) -> int:

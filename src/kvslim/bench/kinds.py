@@ -10,6 +10,9 @@ KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvs
                 "kvslim-turbo3": ("turbo3", {}), "kvslim-turbo2": ("turbo2", {}),
                 "kvslim-turbo3-prerope": ("turbo3", {"prerope_keys": True}),
                 "kvslim-turbo3-rc": ("turbo3", {"rope_centred_keys": True}),
-                "kvslim-turbo2-rc": ("turbo2", {"rope_centred_keys": True})}
+                "kvslim-turbo2-rc": ("turbo2", {"rope_centred_keys": True}),
+                # sparse decode (issue 43, docs/sparse.md): the method's defaults + a 2,048-token budget per step
+                "kvslim-dense-sparse": ("dense", {"sparse_budget": 2048}),
+                "kvslim-int4-sparse": ("int4", {"sparse_budget": 2048})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)

@@ -45,6 +45,13 @@ class KVSlimCache(Cache):
             if hasattr(layer, "fused_decode"):
                 layer.fused_decode = True
 
+    def enable_sparse_decode(self) -> None:
+        """The model runs kvslim's attention (``adapters/sdpa.py``), which reads a sparse decode step's chosen pages
+        (``caches/sparse.py``): layers built with ``sparse`` may then hand it those steps."""
+        for layer in self.layers:
+            if getattr(layer, "sparse", None) is not None:
+                layer.sparse_attention = True
+
     def enable_column_attention(self) -> None:
         """The model runs kvslim's attention (``adapters/sdpa.py``), which masks a capturable ring's slots by the
         positions they hold (``caches/capture_ring.py``): ring layers may then be made capturable."""
@@ -71,6 +78,11 @@ class KVSlimCache(Cache):
         update)."""
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be True or False, got {capturable!r}")
+        sparse = [i for i, layer in enumerate(self.layers) if getattr(layer, "sparse", None) is not None]
+        if capturable and sparse:
+            raise ValueError(f"capturable=True: layers {sparse} decode sparsely (sparse_budget=...), whose page "
+                             "selection runs on the eager path only so far (docs/sparse.md); build the cache without "
+                             "capturable=True, or apply the method without sparse_budget")
         able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "

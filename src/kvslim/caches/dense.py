@@ -13,18 +13,29 @@ import torch
 from . import fused
 from .base import KVStoreLayer, check_crop
 from .capture import CapturableMixin, graph_step, reset_static_state
+from .sparse import PageStats, SparseKV, SparseSpec, candidate_pages, sparse_markers
 from .spec import StoreSpec
 
 
 class AppendLayer(CapturableMixin, KVStoreLayer):
     """Grows by whole chunks of ``chunk`` tokens (or to ``max_length`` at once when known). With ``max_length``, a
     step traced by dynamo or captured by a CUDA graph (or any step of a ``capturable`` cache) takes the static path
-    of :mod:`kvslim.caches.capture`."""
+    of :mod:`kvslim.caches.capture`. ``sparse``: query-aware sparse decode (:mod:`kvslim.caches.sparse`): page
+    statistics are kept as tokens are written, and a single-token step past the budget reads only chosen pages
+    (eager steps; the static path reads everything)."""
 
     is_croppable = True
 
-    def __init__(self, spec: StoreSpec | None = None, *, chunk: int = 256, max_length: int | None = None):
+    def __init__(self, spec: StoreSpec | None = None, *, chunk: int = 256, max_length: int | None = None,
+                 sparse: SparseSpec | None = None):
         super().__init__(spec)
+        if sparse is not None and not isinstance(sparse, SparseSpec):
+            raise ValueError(f"sparse must be a SparseSpec or None, got {type(sparse).__name__}")
+        self.sparse = sparse
+        self.sparse_attention = False  # set by KVSlimCache.enable_sparse_decode (kvslim's attention runs)
+        # the paged region starts behind a layer's full-precision sinks (its coded slot 0 = token ``sink``)
+        self.page_stats = None if sparse is None else PageStats(
+            sparse, self.spec.sink if self.spec.sink and self.spec.residual else 0)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
@@ -74,11 +85,40 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         self.v_store.write(start, value_states)
         self.cumulative_length = end
         self._note_length()
+        if self.page_stats is not None:
+            self.page_stats.write(start, key_states)
+            if key_states.shape[2] != 1:
+                self.page_stats.kept = None  # select="prompt": chosen again at the next step
+            else:
+                h = self._sparse_step(start, key_states, value_states)
+                if h is not None:
+                    return sparse_markers(h, key_states)
         if self._fused_step(key_states):  # attention reads the codes (caches/fused.py)
             reads = functools.partial(self._reads, start, key_states, value_states)
             return fused.markers(fused.append_handle(self.k_store, self.v_store, start, key_states, value_states,
                                                      reads), key_states)
         return self._reads(start, key_states, value_states)
+
+    def _sparse_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> SparseKV | None:
+        """The handle of a sparse decode step, or ``None`` when this step reads everything (the pages fit the
+        budget: the full read, bit for bit; no kvslim attention; autograd; statistics lost to a rewind)."""
+        st, sp = self.page_stats, self.sparse
+        if not self.sparse_attention or torch.is_grad_enabled() or st.broken:
+            return None
+        end = start + 1
+        if self.spec.bits:
+            if not (fused.fusable(self.k_store) and fused.fusable(self.v_store)):
+                return None
+            reads = functools.partial(self._reads, start, key_states, value_states)
+            h = fused.append_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
+            n, tail = h.n, h.tokens - h.n - st.offset
+            pages = candidate_pages(n, tail, sp, st.complete)
+            return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool) if pages > sp.pages else None
+        pages = candidate_pages(end - 1, 1, sp, st.complete)
+        if pages <= sp.pages:
+            return None
+        return SparseKV(st, end - 1, pages, keys=self.k_store.read(0, end), values=self.v_store.read(0, end),
+                        scratch=self.scratch_pool)
 
     def _reads(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,11 +163,15 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
 
     def reset(self) -> None:
         super().reset()
+        if self.page_stats is not None:
+            self.page_stats.reset()
         self.host_stale = self.refused = False
         reset_static_state(self)
 
     def _map_batch(self, fn) -> None:
         super()._map_batch(fn)
+        if self.page_stats is not None:
+            self.page_stats.map_sequences(fn)
         if self.length_t is not None:
             self.length_t = fn(self.length_t)
 
@@ -140,6 +184,15 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         if not self.is_initialized or self._residual_static():
             return None
         return min(self.stored_tokens(), self.k_store.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of the live keys, values and scales, and of the complete pages' sparse statistics."""
+        return super().nbytes + (0 if self.page_stats is None else self.page_stats.nbytes())
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return super().allocated_nbytes + (0 if self.page_stats is None else self.page_stats.allocated_nbytes())
 
     def stored_tokens(self) -> int:
         self._sync_host()
@@ -155,3 +208,5 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         self._sync_host()
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         self._note_length()
+        if self.page_stats is not None:
+            self.page_stats.rewind(self.cumulative_length)

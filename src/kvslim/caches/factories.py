@@ -11,12 +11,13 @@ import functools
 from .dense import AppendLayer
 from .latent import LatentLayer
 from .slim import SlimLayer
+from .sparse import SparseSpec
 from .spec import StoreSpec
 from .window import ResidualRingLayer, RingLayer
 
 
-def _append(max_length: int | None, spec: StoreSpec, chunk: int) -> AppendLayer:
-    return AppendLayer(spec, chunk=chunk, max_length=max_length)
+def _append(max_length: int | None, spec: StoreSpec, chunk: int, sparse: SparseSpec | None = None) -> AppendLayer:
+    return AppendLayer(spec, chunk=chunk, max_length=max_length, sparse=sparse)
 
 
 def _ring(max_length: int | None, spec: StoreSpec, window: int) -> RingLayer:
@@ -31,9 +32,11 @@ def _slim(max_length: int | None, technique: str, width: int, spec: StoreSpec, c
     return SlimLayer(technique, width, spec, chunk=chunk, max_length=max_length)
 
 
-def append_factory(spec: StoreSpec, chunk: int) -> functools.partial:
-    """Factory of :class:`AppendLayer` (K and V, plain or quantized)."""
-    return functools.partial(_append, spec=spec, chunk=chunk)
+def append_factory(spec: StoreSpec, chunk: int, sparse: SparseSpec | None = None) -> functools.partial:
+    """Factory of :class:`AppendLayer` (K and V, plain or quantized; ``sparse``: sparse decode, caches/sparse.py)."""
+    if sparse is None:
+        return functools.partial(_append, spec=spec, chunk=chunk)
+    return functools.partial(_append, spec=spec, chunk=chunk, sparse=sparse)
 
 
 def ring_factory(spec: StoreSpec, window: int) -> functools.partial:

@@ -63,6 +63,10 @@ class FusedKV:
     #: tokens to read (the step's own token is the tail), HF's mask covers the ``n`` slots; the tail is attended
     lengths: torch.Tensor | None = None
     static: bool = False
+    #: sparse decode (attention/sparse.py): the ``n`` coded rows are logical, row t stored at slot
+    #: ``pages[b, h, t // page]·page + t % page`` ((B, H, k) int64); the int8/int4 op reads them in place
+    pages: torch.Tensor | None = None
+    page: int = 0
 
     @property
     def tokens(self) -> int:

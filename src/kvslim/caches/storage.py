@@ -84,6 +84,16 @@ class ScratchPool:
     def __getstate__(self) -> dict:
         return {"chunk": self.chunk, "buffers": {}}  # scratch holds nothing to keep: a copied cache makes its own
 
+    def flat(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable 1-D buffer of at least ``numel`` elements of ``dtype`` (sparse decode's gathered pages,
+        ``attention/sparse.py``): valid until the next request of the same role."""
+        key = f"flat:{role}"
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            size = max(numel, 0 if buf is None or buf.dtype != dtype else buf.numel() * 3 // 2)
+            buf = self.buffers[key] = torch.empty(size, dtype=dtype, device=device)
+        return buf[:numel]
+
     def view(self, role: str, batch: int, heads: int, tokens: int, dim: int, device: torch.device) -> torch.Tensor:
         buf = self.buffers.get(role)
         if buf is None or buf.shape[0] != batch or buf.shape[1] < heads or buf.shape[2] < tokens \

@@ -139,7 +139,8 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-          k_tail, v_tail, mask, scaling, splits=0, int_scores=False, int_values=False, v_unrot=None):
+          k_tail, v_tail, mask, scaling, splits=0, int_scores=False, int_values=False, v_unrot=None, pages=None,
+          page=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -276,10 +277,15 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
                  splits: int = 0, scores: str | None = None,
-                 values: str | None = None, v_unrot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 values: str | None = None, v_unrot: torch.Tensor | None = None, pages: torch.Tensor | None = None,
+                 page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` names: the C++
     op (CPU), the Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``) or the twin; an input the chosen kernel
     does not take runs the twin.
+
+    ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row
+    t stored at ``pages[b, h, t // page]·page + t % page``; the C++ op reads them in place; the Triton kernels and the
+    twin read :func:`paged_rows` (a gathered copy: same values, same math).
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs);
@@ -300,8 +306,13 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         raise ValueError(f"v_unrot must be a float32 {q.device.type.upper()} tensor of shape ({d}, {d}) (Rᵀ of the "
                          f"value codes' rotation), got {v_unrot.dtype} {tuple(v_unrot.shape)} on {v_unrot.device}")
     device = backend.same_device("quant_decode", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
-                                 k_tail, v_tail, mask, v_unrot)
+                                 k_tail, v_tail, mask, v_unrot, pages)
     which = _backend(str(device.type))
+    if pages is not None and not (which == "cpp" and supported(q, k_codes, bits)):
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+            None if t is None else paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                                        v_zero))
+        pages, page = None, 0
     if which == "triton":
         from .triton import quant_decode as tq  # imports Triton: only when a call takes this path
 
@@ -316,9 +327,17 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
                                              k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8",
-                                             vmode == "int8", v_unrot)
+                                             vmode == "int8", v_unrot, pages, int(page))
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
                      lengths, k_tail, v_tail, mask, scaling, mode, vmode, v_unrot)
+
+
+def paged_rows(t: torch.Tensor, pages: torch.Tensor, page: int) -> torch.Tensor:
+    """(B, H, stored rows, X) -> (B, H, k·page, X): the rows a page list names, in its order (the twin's and the
+    Triton kernels' view of a paged call)."""
+    b, h, _, x = t.shape
+    rows = (pages[..., None] * page + torch.arange(page, device=pages.device)).reshape(b, h, -1)
+    return t.gather(2, rows[..., None].expand(b, h, rows.shape[-1], x))
 
 
 @torch._dynamo.assume_constant_result  # under torch.compile: decided once at trace time, not traced into

@@ -46,7 +46,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
-          lengths, k_tail, v_tail, mask, scaling, splits=0):
+          lengths, k_tail, v_tail, mask, scaling, splits=0, pages=None, page=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -144,13 +144,16 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                         group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None = None,
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0,
-                        splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        splits: int = 0, pages: torch.Tensor | None = None,
+                        page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` chooses: the
     Triton kernels (``kernels/triton/quant_decode_lowbit.py``; CUDA, or CPU under ``TRITON_INTERPRET=1``), the C++
     op (CPU), or the twin; an input the chosen kernel does not take runs the twin.
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs).
+    ``pages`` / ``page``: a page list (sparse decode) as in :func:`kvslim.kernels.quant_decode.quant_decode`: the C++
+    op reads the rows in place, the Triton kernels and the twin a gathered copy.
 
     Raises:
         ValueError: bad bits, a tail half given, no zero-points, tensors on several devices, or a backend forced by
@@ -163,8 +166,14 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     if k_zero is None or v_zero is None:
         raise ValueError("k_zero and v_zero are required (the low-bit op reads asymmetric codes only)")
     device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
-                                 v_tail, mask)
+                                 v_tail, mask, pages)
     which = _backend(device.type)
+    if pages is not None and not (which == "cpp" and supported(q, k_codes, group_size)):
+        from .quant_decode import paged_rows
+
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+            paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+        pages, page = None, 0
     if which == "triton":
         tq = _triton()
         why = tq.covers(q)
@@ -181,7 +190,7 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
             return torch.ops.kvslim.quant_decode_lowbit(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale,
                                                         v_zero, int(k_bits), int(v_bits), int(group_size),
                                                         int(key_channel_group), int(n), lengths, k_tail, v_tail,
-                                                        mask, float(scaling), int(splits))
+                                                        mask, float(scaling), int(splits), pages, int(page))
         if backend.forced() == "cpp":
             backend.warn_fallback(f"{FAMILY} (cpp)", "head dim or group size not a multiple of 16, or autograd")
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,

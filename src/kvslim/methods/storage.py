@@ -19,6 +19,7 @@ from ..caches.spec import MAX_RESIDUAL
 from ..caches.window import residual_ring_slots
 from ..ops.quant import default_group_size
 from ..plan import LayerPlan, Plan
+from . import sparse_options
 from .base import Method, parse_dtype
 
 STANDARD_KV_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "gemma3_text")
@@ -142,6 +143,12 @@ class StorageMethod(Method):
         restore_attention(model, vars(model).pop("_kvslim_attn_previous", None))
 
     def options(self, **options) -> StorageOptions:
+        """The method's :class:`StorageOptions` (the sparse-decode options are checked and set aside:
+        ``methods/sparse_options.py``)."""
+        if self.windowed and any(k in options for k in sparse_options.SPARSE_OPTIONS):
+            raise ValueError(f"sparse_budget: method {self.name!r} keeps ring buffers, which already read a bounded "
+                             "window; sparse decode needs an append-only cache (dense, int8, int4, int3, int2, turbo)")
+        _, options = sparse_options.split(options)
         allowed = ({"window", "group_size", "scale_dtype", "chunk", "smooth_keys", "asymmetric", "rotation",
                     "key_channel_group", "residual", "flush", "key_bits", "value_rotation", "sink", "per_layer"}
                    if self.bits else {"window", "chunk"})
@@ -168,6 +175,13 @@ class StorageMethod(Method):
         reason = self.not_applicable(shape)
         if reason:
             raise ValueError(f"method {self.name!r} does not apply: {reason}")
+        self.options(**options)  # every option checked (the sparse ones included) before anything is built
+        sparse, rest = sparse_options.split(options)
+        plan = self._plan_storage(shape, dtype, rest)
+        plan = sparse_options.apply(plan, sparse, shape.num_kv_heads, shape.head_dim)
+        return replace(plan, options=dict(options))
+
+    def _plan_storage(self, shape: ModelShape, dtype: torch.dtype, options: dict) -> Plan:
         opts = self.options(**options)
         notes = []
         kcg = opts.key_channel_group

@@ -25,6 +25,7 @@ from ..adapters.shape import ModelShape
 from ..caches.factories import append_factory
 from ..caches.spec import MAX_RESIDUAL
 from ..plan import Plan
+from . import sparse_options
 from .storage import StorageMethod, StorageOptions, check_full_precision
 
 TURBO_OPTIONS = {"residual", "flush", "sink", "rotation", "outliers", "key_bits", "smooth_keys", "center_keys",
@@ -69,6 +70,7 @@ class TurboMethod(StorageMethod):
         return reason
 
     def options(self, **options):
+        _, options = sparse_options.split(options)  # checked and set aside (methods/sparse_options.py)
         unknown = set(options) - TURBO_OPTIONS
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
@@ -157,7 +159,8 @@ class TurboMethod(StorageMethod):
                                  f"{shape.num_kv_heads} KV heads")
             fixed = shape.num_kv_heads * (spec.fixed_bytes(shape.head_dim)
                                           + spec.for_values().fixed_bytes(shape.head_dim))
-            layers.append(replace(lp, fixed_bytes=fixed, factory=append_factory(spec, lp.factory.keywords["chunk"])))
+            layers.append(replace(lp, fixed_bytes=fixed, factory=append_factory(spec, lp.factory.keywords["chunk"],
+                                                                                sparse=lp.sparse)))
         return replace(plan, layers=tuple(layers), options=dict(options), notes=plan.notes + tuple(notes))
 
 

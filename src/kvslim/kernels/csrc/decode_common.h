@@ -141,6 +141,50 @@ inline Held bind_common(const char* op, Common& a, const at::Tensor& q, double s
 // One task's start: its token range (split s of S over the first len coded tokens, in whole blocks of T), the
 // (sequence b, KV head h)'s query times scaling into q (G × D), acc (G × D) / m / l (G) cleared. Returns the
 // sequence's mask row (nullptr: no mask).
+// Sparse decode's page list (docs/sparse.md): the n coded rows of a call are logical, row t of (b, h) stored at row
+// pages[b, h, t / page]·page + t % page. A task walks its rows in blocks; `paged_block` clips a block at its page and
+// gives the stored row of its first token (every read of the block then takes stored rows; the mask and the scores
+// stay logical). Without a list (pages == nullptr) a block and its rows are the logical ones.
+struct PageList {
+  const int64_t* pages = nullptr;  // (B, Hk, npages) int64, contiguous
+  int64_t page = 0, npages = 0;
+  at::Tensor held;
+};
+
+// `pages` checked (int64 (B, Hk, k) on CPU, k·page ≥ n, page a multiple of kivi, every entry a whole page of the
+// `stored` rows every coded tensor holds) and bound; ValueError naming it otherwise.
+inline PageList bind_pages(const char* op, const c10::optional<at::Tensor>& pages, int64_t page, int64_t B,
+                           int64_t Hk, int64_t n, int64_t kivi, int64_t stored) {
+  PageList pl;
+  if (!pages.has_value()) {
+    TORCH_CHECK_VALUE(page == 0, op, ": page=", page, " without pages");
+    return pl;
+  }
+  const at::Tensor& t = *pages;
+  TORCH_CHECK_VALUE(page > 0 && (kivi == 0 || page % kivi == 0), op, ": page=", page,
+                    " must be positive and a multiple of key_channel_group=", kivi);
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 3 && t.size(0) == B &&
+                        t.size(1) == Hk && t.size(2) * page >= n,
+                    op, ": pages must be an int64 CPU tensor (B=", B, ", Hk=", Hk, ", k) with k·page ≥ n=", n,
+                    ", got ", t.scalar_type(), " ", t.sizes());
+  pl.held = t.contiguous();
+  const int64_t* pp = pl.held.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pl.held.numel(); ++i)
+    TORCH_CHECK_VALUE(pp[i] >= 0 && pp[i] < stored / page, op, ": pages[", i, "] = ", pp[i], " is outside the ",
+                      stored / page, " whole pages the codes hold");
+  pl.pages = pp;
+  pl.page = page;
+  pl.npages = t.size(2);
+  return pl;
+}
+
+// the block of logical rows [t0, t0 + m) of (b, h): m clipped at t0's page, the stored row of t0 returned
+inline int64_t paged_block(const PageList& pl, int64_t Hk, int64_t b, int64_t h, int64_t t0, int64_t& m) {
+  if (!pl.pages) return t0;
+  m = std::min(m, pl.page - t0 % pl.page);
+  return pl.pages[(b * Hk + h) * pl.npages + t0 / pl.page] * pl.page + t0 % pl.page;
+}
+
 struct TaskRange {
   int64_t begin, end;
   const float* mask;

@@ -52,6 +52,7 @@ struct QArgs : kvslim_decode::Common {
   bool qdot = false;  // scores from an int8-rounded query where the format allows (qdot_ok in the body)
   bool qvals = false;  // value products from uint8-rounded softmax weights where the format allows (qv_ok)
   const float* vunrot = nullptr;  // (D, D) M: value codes hold v·R, their weighted sum is taken back by · M = Rᵀ
+  kvslim_decode::PageList paged;  // sparse decode's page list (decode_common.h; none: row t is row t)
 };
 
 inline float load_param(const Strided& s, int64_t b, int64_t h, int64_t t, int64_t i, int sdt) {
@@ -205,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
     const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores, bool int_values,
-    const c10::optional<at::Tensor>& v_unrot) {
+    const c10::optional<at::Tensor>& v_unrot, const c10::optional<at::Tensor>& pages, int64_t page) {
   using namespace kvslim_quant;
   QArgs a;
   kvslim_decode::read_query_shape(OP, a, q);
@@ -225,22 +226,26 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   a.asym = k_zero.has_value();
   const at::ScalarType code_t = (bits == 8 && !a.asym) ? at::kChar : at::kByte;
   const int64_t width = a.D * bits / 8;
-  check_4d(k_codes, "k_codes", a.B, a.Hk, n, width);
-  check_4d(v_codes, "v_codes", a.B, a.Hk, n, width);
+  a.paged = kvslim_decode::bind_pages(OP, pages, page, a.B, a.Hk, n, a.kivi,
+                                      std::min(k_codes.size(2), v_codes.size(2)));
+  const int64_t rows = a.paged.pages ? 0 : n;  // rows the codes must hold (a page list: its own check above)
+  check_4d(k_codes, "k_codes", a.B, a.Hk, rows, width);
+  check_4d(v_codes, "v_codes", a.B, a.Hk, rows, width);
   TORCH_CHECK_VALUE(k_codes.scalar_type() == code_t && v_codes.scalar_type() == code_t, OP, ": ",
                     a.asym ? "asymmetric" : "symmetric", " int", bits, " codes must be ", code_t, ", got ",
                     k_codes.scalar_type(), " / ", v_codes.scalar_type());
   const int64_t kparams = a.kivi ? a.D / a.kivi : a.D / a.gs;
-  const int64_t ktokens = a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
+  const int64_t ktokens = a.paged.pages ? k_codes.size(2) / page * page
+                                   : a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
   check_4d(k_scale, "k_scale", a.B, a.Hk, ktokens, kparams);
-  check_4d(v_scale, "v_scale", a.B, a.Hk, n, a.D / a.gs);
+  check_4d(v_scale, "v_scale", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
   a.sdt = kvslim_decode::param_code(OP, k_scale.scalar_type());
   TORCH_CHECK_VALUE(v_scale.scalar_type() == k_scale.scalar_type(), OP, ": k_scale and v_scale dtypes differ");
   at::Tensor kc = unit_last(k_codes), vc = unit_last(v_codes), ks = unit_last(k_scale), vs = unit_last(v_scale);
   at::Tensor kz, vz;
   if (a.asym) {
     check_4d(*k_zero, "k_zero", a.B, a.Hk, ktokens, kparams);
-    check_4d(*v_zero, "v_zero", a.B, a.Hk, n, a.D / a.gs);
+    check_4d(*v_zero, "v_zero", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
     TORCH_CHECK_VALUE(k_zero->scalar_type() == k_scale.scalar_type() && v_zero->scalar_type() == k_scale.scalar_type(),
                       OP, ": zero-points must have the scales' dtype ", k_scale.scalar_type());
     kz = unit_last(*k_zero);
@@ -289,7 +294,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
         "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False, "
-        "Tensor? v_unrot=None) -> (Tensor, Tensor)");
+        "Tensor? v_unrot=None, Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
   m.def("quant_decode_set_isa(str isa) -> str", &quant_decode_set_isa);
 }

@@ -477,31 +477,34 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   if (qd && a.kivi == 0)
     for (int64_t j = 0; j < G; ++j) qdot_prep<BITS, ASYM>(a, sp, j, sp.q.data() + j * D, ng);
   if ((fast || qd) && ASYM && a.kivi == 0) kvslim_decode::group_sums(sp.q.data(), G, D, a.gs, sp.qsum.data());
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
-    const int64_t m = std::min(T, t_end - t0);
+  // a page list (sparse decode, decode_common.h): a block never crosses a page; every read below takes the stored
+  // row r0, the mask and the scores the logical t0
+  for (int64_t t0 = t_begin; t0 < t_end;) {
+    int64_t m = std::min(T, t_end - t0);
+    const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
     const float* mk = mask ? mask + t0 : nullptr;
     if (qd && a.kivi == 0) {
-      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
-      if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
-      qscores<BITS, ASYM, false>(a, sp, b, h, t0, m, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
+      load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());
+      if (ASYM) load_params(a, a.k.zero, b, h, r0, m, sp.kz.data());
+      qscores<BITS, ASYM, false>(a, sp, b, h, r0, m, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
                                  sp.sc.data(), T);
     } else if (qd) {  // KIVI: per token group, the int8 query of q ⊙ s (natural order) and q · z in fp32
-      for (int64_t u0 = t0; u0 < t0 + m;) {
-        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+      for (int64_t u0 = r0; u0 < r0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(r0 + m, (g + 1) * a.kivi);
         kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
         kivi_qprep<BITS, ASYM>(a, sp);
         qscores<BITS, ASYM, true>(a, sp, b, h, u0, u1 - u0, nullptr, sp.zq.data(), nullptr, nullptr,
-                                  mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+                                  mk ? mk + (u0 - r0) : nullptr, sp.sc.data() + (u0 - r0), T);
         u0 = u1;
       }
     } else if (fast && a.kivi == 0) {
-      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
-      if (ASYM) load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
-      fast_scores<BITS, ASYM, false>(a, b, h, t0, m, qk, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
+      load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());
+      if (ASYM) load_params(a, a.k.zero, b, h, r0, m, sp.kz.data());
+      fast_scores<BITS, ASYM, false>(a, b, h, r0, m, qk, sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(), mk,
                                      sp.sc.data(), T);
     } else if (fast) {  // KIVI: per token group, the query ⊙ its scales (and q · zeros), then plain dot products
-      for (int64_t u0 = t0; u0 < t0 + m;) {
-        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+      for (int64_t u0 = r0; u0 < r0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(r0 + m, (g + 1) * a.kivi);
         kivi_params<ASYM>(a, b, h, g, sp.srow.data(), sp.zrow.data());
         const float* srow = sp.srow.data();
         if (BITS == 4) {  // scales into chunk order, like the query in qk
@@ -521,21 +524,22 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
         }
         const float* qs = sp.qs.data();
         fast_scores<BITS, ASYM, true>(a, b, h, u0, u1 - u0, qs, nullptr, sp.zq.data(), nullptr, nullptr,
-                                      mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+                                      mk ? mk + (u0 - r0) : nullptr, sp.sc.data() + (u0 - r0), T);
         u0 = u1;
       }
     } else {
-      deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, t0, m, sp.k.data(), sp);
+      deq_rows<BITS, ASYM>(a, a.k, a.kivi, b, h, r0, m, sp.k.data(), sp);
       block_scores(sp.q.data(), G, D, sp.k.data(), D, m, mk, sp.sc.data(), T);
     }
+    t0 += m;  // the next block (the reads below use r0 and m)
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
     if (fast) {
-      load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
-      if (ASYM) load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
-      fast_values<BITS, ASYM>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc, sp,
+      load_params(a, a.v.scale, b, h, r0, m, sp.vs.data());
+      if (ASYM) load_params(a, a.v.zero, b, h, r0, m, sp.vz.data());
+      fast_values<BITS, ASYM>(a, b, h, r0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc, sp,
                               qv);
     } else {
-      deq_rows<BITS, ASYM>(a, a.v, 0, b, h, t0, m, sp.k.data(), sp);  // values: per-token groups
+      deq_rows<BITS, ASYM>(a, a.v, 0, b, h, r0, m, sp.k.data(), sp);  // values: per-token groups
       block_values(sp.sc.data(), T, G, D, sp.k.data(), D, m, acc);
     }
   }

@@ -42,6 +42,7 @@ struct LArgs : kvslim_decode::Common {
   int64_t gs = 0, kivi = 0;
   int sdt = 0;  // parameter dtype: 0 fp32, 1 fp16, 2 bf16
   Codes k, v;
+  kvslim_decode::PageList paged;  // sparse decode's page list (decode_common.h; none: row t is row t)
 };
 
 struct Scratch {
@@ -110,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
     const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero, int64_t k_bits, int64_t v_bits,
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
-    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits) {
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, const c10::optional<at::Tensor>& pages,
+    int64_t page) {
   using namespace kvslim_lowbit;
   LArgs a;
   kvslim_decode::read_query_shape(OP, a, q);
@@ -128,16 +130,20 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
   a.kivi = key_channel_group;
   TORCH_CHECK_VALUE(n >= 0, OP, ": n must be ≥ 0, got ", n);
   a.n = n;
-  check_4d(k_codes, "k_codes", a.B, a.Hk, n, a.D * k_bits / 8);
-  check_4d(v_codes, "v_codes", a.B, a.Hk, n, a.D * v_bits / 8);
+  a.paged = kvslim_decode::bind_pages(OP, pages, page, a.B, a.Hk, n, a.kivi, std::min(k_codes.size(2),
+                                                                                      v_codes.size(2)));
+  const int64_t rows = a.paged.pages ? 0 : n;  // a page list: its own check above
+  check_4d(k_codes, "k_codes", a.B, a.Hk, rows, a.D * k_bits / 8);
+  check_4d(v_codes, "v_codes", a.B, a.Hk, rows, a.D * v_bits / 8);
   TORCH_CHECK_VALUE(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, OP,
                     ": codes must be uint8, got ", k_codes.scalar_type(), " / ", v_codes.scalar_type());
   const int64_t kparams = a.kivi ? a.D / a.kivi : a.D / a.gs;
-  const int64_t ktokens = a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
+  const int64_t ktokens = a.paged.pages ? k_codes.size(2) / page * page
+                                         : a.kivi ? (n + a.kivi - 1) / a.kivi * a.kivi : n;
   check_4d(k_scale, "k_scale", a.B, a.Hk, ktokens, kparams);
   check_4d(k_zero, "k_zero", a.B, a.Hk, ktokens, kparams);
-  check_4d(v_scale, "v_scale", a.B, a.Hk, n, a.D / a.gs);
-  check_4d(v_zero, "v_zero", a.B, a.Hk, n, a.D / a.gs);
+  check_4d(v_scale, "v_scale", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
+  check_4d(v_zero, "v_zero", a.B, a.Hk, a.paged.pages ? ktokens : n, a.D / a.gs);
   a.sdt = kvslim_decode::param_code(OP, k_scale.scalar_type());
   for (const at::Tensor* t : {&k_zero, &v_scale, &v_zero})
     TORCH_CHECK_VALUE(t->scalar_type() == k_scale.scalar_type(), OP,
@@ -166,8 +172,8 @@ std::string quant_decode_lowbit_set_isa(const std::string& isa) {
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode_lowbit(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
         "Tensor v_scale, Tensor v_zero, int k_bits, int v_bits, int group_size, int key_channel_group, int n, "
-        "Tensor? lengths, Tensor? k_tail, Tensor? v_tail, Tensor? mask, float scaling, int splits=0) "
-        "-> (Tensor, Tensor)");
+        "Tensor? lengths, Tensor? k_tail, Tensor? v_tail, Tensor? mask, float scaling, int splits=0, "
+        "Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
   m.def("quant_decode_lowbit_isa() -> str", &quant_decode_lowbit_isa);
   m.def("quant_decode_lowbit_set_isa(str isa) -> str", &quant_decode_lowbit_set_isa);
 }

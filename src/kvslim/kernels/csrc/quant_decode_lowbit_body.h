@@ -209,12 +209,15 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
     for (int64_t i = 0; i < G * D; i += V::W) V::store(sp.qs.data() + i, V::mul(V::load(q + i), kdown));
   }
   int64_t row_group = -1;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += T) {
-    const int64_t m = std::min(T, t_end - t0);
+  // a page list (sparse decode, decode_common.h): a block never crosses a page; every read below takes the stored
+  // row r0, the mask and the scores the logical t0
+  for (int64_t t0 = t_begin; t0 < t_end;) {
+    int64_t m = std::min(T, t_end - t0);
+    const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
     const float* mk = mask ? mask + t0 : nullptr;
     if (KIVI) {  // per token group: q ⊙ its scales and q · its zeros, then plain dot products with the codes
-      for (int64_t u0 = t0; u0 < t0 + m;) {
-        const int64_t g = u0 / a.kivi, u1 = std::min(t0 + m, (g + 1) * a.kivi);
+      for (int64_t u0 = r0; u0 < r0 + m;) {
+        const int64_t g = u0 / a.kivi, u1 = std::min(r0 + m, (g + 1) * a.kivi);
         if (g != row_group) {
           kivi_row(a, a.k.scale, b, h, g, sp.srow.data());
           kivi_row(a, a.k.zero, b, h, g, sp.zrow.data());
@@ -230,19 +233,20 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
           row_group = g;
         }
         code_scores<KB, true>(a, b, h, u0, u1 - u0, sp.qs.data(), nullptr, sp.zq.data(), nullptr, nullptr,
-                              mk ? mk + (u0 - t0) : nullptr, sp.sc.data() + (u0 - t0), T);
+                              mk ? mk + (u0 - r0) : nullptr, sp.sc.data() + (u0 - r0), T);
         u0 = u1;
       }
     } else {
-      load_params(a, a.k.scale, b, h, t0, m, sp.ks.data());
-      load_params(a, a.k.zero, b, h, t0, m, sp.kz.data());
-      code_scores<KB, false>(a, b, h, t0, m, sp.qs.data(), sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(),
+      load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());
+      load_params(a, a.k.zero, b, h, r0, m, sp.kz.data());
+      code_scores<KB, false>(a, b, h, r0, m, sp.qs.data(), sp.qsum.data(), nullptr, sp.ks.data(), sp.kz.data(),
                              mk, sp.sc.data(), T);
     }
+    t0 += m;  // the next block (the reads below use r0 and m)
     if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    load_params(a, a.v.scale, b, h, t0, m, sp.vs.data());
-    load_params(a, a.v.zero, b, h, t0, m, sp.vz.data());
-    code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
+    load_params(a, a.v.scale, b, h, r0, m, sp.vs.data());
+    load_params(a, a.v.zero, b, h, r0, m, sp.vz.data());
+    code_values<VB>(a, b, h, r0, m, sp.sc.data(), T, sp.vs.data(), sp.vz.data(), sp.pw.data(), acc);
   }
   const auto vdown = V::template lanes<VB, -1>();  // the accumulator back to the values' basis (exact)
   for (int64_t i = 0; i < G * D; i += V::W) V::store(acc + i, V::mul(V::load(acc + i), vdown));

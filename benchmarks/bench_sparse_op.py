@@ -1,0 +1,120 @@
+"""Sparse decode (issue 43): one layer's decode attention, sparse against the full read, interleaved.
+
+``mha-100m`` shapes (12 KV heads, head dim 64, fp32), one cache layer of each kind filled with random keys through
+its own ``update`` (statistics included), then the attention of one decode step (kvslim's SDPA entry point:
+dense → SDPA, int4 → the fused op; sparse → selection + the same math over the chosen rows) timed A B A B ... for
+``--rounds`` rounds of ``--reps`` calls each; median per call. Writes one JSON record naming its commit.
+
+    python benchmarks/bench_sparse_op.py --contexts 4096 8192 16384 32768 --batches 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import types
+
+import torch
+from transformers import LlamaConfig
+
+import kvslim
+from kvslim.adapters.sdpa import packed_gqa_sdpa_forward
+from kvslim.adapters.shape import shape_from_config
+from kvslim.caches.storage import ScratchPool
+from kvslim.methods import METHODS
+
+CFG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+           num_key_value_heads=12, max_position_embeddings=32768)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def layer_for(method: str, budget: int, page: int):
+    shape = shape_from_config(LlamaConfig(**CFG))
+    plan = METHODS[method].plan(shape, torch.float32, sparse_budget=budget, sparse_page=page)
+    layer = plan.layers[2].factory(None)
+    layer.fused_decode = True
+    layer.sparse_attention = True
+    layer.scratch_pool = ScratchPool()  # as a KVSlimCache gives its layers
+    return layer
+
+
+def point(method: str, context: int, batch: int, budget: int, page: int, rounds: int, reps: int) -> dict:
+    layer = layer_for(method, budget, page)
+    g = torch.Generator().manual_seed(0)
+    h, d = CFG["num_key_value_heads"], CFG["hidden_size"] // CFG["num_attention_heads"]
+    for s in range(0, context, 4096):  # the prefill, in chunks (as a chunked prefill writes)
+        n = min(4096, context - s)
+        k = torch.randn(batch, h, n, d, generator=g)
+        layer.update(k, torch.randn(batch, h, n, d, generator=g))
+    one = torch.randn(batch, h, 1, d, generator=g)
+    layer.sparse_attention = False
+    k_full, v_full = layer.update(one, one.clone())
+    layer.sparse_attention = True
+    k_sp, v_sp = layer.update(one, one.clone())
+    assert getattr(k_sp, "_kvslim_sparse", None) is not None, "not a sparse step"
+    module = types.SimpleNamespace(num_key_value_groups=1)
+    q = torch.randn(batch, CFG["num_attention_heads"], 1, d, generator=g)
+
+    def run(k, v):
+        t = time.perf_counter()
+        for _ in range(reps):
+            packed_gqa_sdpa_forward(module, q, k, v, None, scaling=d ** -0.5)
+        return (time.perf_counter() - t) / reps * 1e3
+
+    run(k_full, v_full), run(k_sp, v_sp)  # warm-up
+    full, sparse = [], []
+    for _ in range(rounds):
+        full.append(run(k_full, v_full))
+        sparse.append(run(k_sp, v_sp))
+    f, s = statistics.median(full), statistics.median(sparse)
+    rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": page,
+           "full_ms": round(f, 3), "sparse_ms": round(s, 3), "speedup": round(f / s, 2),
+           "full_ms_rounds": [round(x, 3) for x in full], "sparse_ms_rounds": [round(x, 3) for x in sparse],
+           "stats_bytes": layer.page_stats.nbytes(), "cache_bytes": layer.nbytes}
+    print(json.dumps({k: v for k, v in rec.items() if not k.endswith("rounds")}), flush=True)
+    return rec
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", nargs="+", default=["int4", "dense"])
+    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--page", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip", nargs="*", default=[], help="METHOD:CONTEXT:BATCH points to leave out (memory)")
+    p.add_argument("--out", default="benchmarks/results/bench_sparse_op.json")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    records = []
+    with torch.no_grad():
+        for method in a.methods:
+            for batch in a.batches:
+                for context in a.contexts:
+                    if f"{method}:{context}:{batch}" in a.skip:
+                        continue
+                    records.append(point(method, context, batch, a.budget, a.page, a.rounds, a.reps))
+    out = {"commit": _commit(), "torch": torch.__version__, "kvslim": kvslim.__version__,
+           "machine": platform.machine(), "threads": a.threads, "load_average": os.getloadavg(),
+           "shape": "mha-100m layer (12 KV heads x 64, fp32)", "records": records}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

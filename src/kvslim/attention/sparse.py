@@ -1,0 +1,268 @@
+"""Sparse decode attention (issue 43): score a layer's pages against the step's query, attend over the chosen rows.
+
+A single-token step of a layer with :class:`~kvslim.caches.sparse.SparseSpec` whose paged region holds more pages
+than the budget allows hands attention a :class:`~kvslim.caches.sparse.SparseKV` (marker tensors, like the fused
+quantized path). Per sequence and KV head (one choice for the G query heads of the group):
+
+    score_p = Σ_g (q_g · c_p + |q_g| · r_p)                  (the box bound of the page's keys, fp32)
+    pages   = top-(k) of score (page 0 forced when it holds the sinks), sorted
+    rows    = the pages' rows, then the rest of the region (the newest part of a page, the window rows inside it)
+
+and attends over exactly those rows plus the layer's tail (sinks and full-precision window, the step's token) with
+the math a full read uses (dense: SDPA with packed GQA queries; coded layers: the fused decode op over the gathered
+codes, no dequantized copy; anything else: :func:`reference`). All on the device: no host synchronisation.
+
+:func:`reference` is the twin: the layer's own full reads (dequantized), the same rows gathered, fp32 softmax.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..caches.sparse import FP16_MAX, SparseKV
+from ..caches.turbo import TurboStore
+from . import quant
+
+
+def page_scores(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries against (B, H, P, 2D) fp16 page boxes ``[c | r]`` -> (B, H, P) scores summed over
+    the group: ``Σ_g q_g·c + |q_g|·r`` as one product, in the boxes' fp16 (a ranking: converting the boxes to fp32
+    first cost 2-3× the product at 8 × 32k; fp16 keeps 11 bits of each score, ties broken by position)."""
+    qq = torch.cat((q, q.abs()), dim=-1).sum(dim=2)[..., None]  # Σ_g first: (B, H, 2D, 1)
+    qq = qq.clamp(-FP16_MAX, FP16_MAX).to(boxes.dtype)
+    return torch.matmul(boxes, qq)[..., 0].float()  # boxes as stored (a slice of their buffer), then fp32 scores
+
+
+def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
+    """Region rows a step reads: (B, H, R) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
+    return rows_of(h, select_pages(h, q))
+
+
+def select_pages(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
+    """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
+    st, spec = h.stats, h.stats.spec
+    n_pages = h.pages
+    kept = st.kept
+    if spec.select == "prompt" and kept is not None and kept[1] <= n_pages:
+        idx, since = kept
+        new = torch.arange(since, n_pages, device=q.device).expand(*idx.shape[:2], n_pages - since)
+        idx = torch.cat((idx, new), dim=-1)
+    else:
+        scores = page_scores(q, st.boxes[:, :, :n_pages])
+        if spec.sinks_in_pages:
+            scores[..., 0] = float("inf")
+        idx = scores.topk(min(spec.pages, n_pages), dim=-1).indices.sort(dim=-1).values
+        if spec.select == "prompt":
+            st.kept = (idx, n_pages)
+    return idx
+
+
+def rows_of(h: SparseKV, idx: torch.Tensor) -> torch.Tensor:
+    """Pages (B, H, k) -> region rows (B, H, k·page + the rest of the region after the candidate pages)."""
+    p, n_pages = h.stats.spec.page, h.pages
+    b, hk, k = idx.shape
+    rows = (idx[..., None] * p + torch.arange(p, device=idx.device)).reshape(b, hk, k * p)
+    rest = torch.arange(n_pages * p, h.n, device=idx.device).expand(b, hk, h.n - n_pages * p)
+    return torch.cat((rows, rest), dim=-1)
+
+
+def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
+           scaling: float | None) -> torch.Tensor:
+    """Attention output (B, 1, H, D) in the query's dtype for a step's query (B, H, 1, D)."""
+    b, heads, _, d = query.shape
+    hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
+    q = query.float().reshape(b, hk, heads // hk, d)
+    if attention_mask is None:
+        with _serial(query.device):
+            idx = select_pages(h, q)
+            picked = _picked(h, idx)
+        out = _coded(h, picked, query, scaling) if h.fused is not None else _dense(h, picked, query, scaling)
+        if out is not None:
+            return out
+    else:
+        idx = select_pages(h, q)
+    return reference(h, query, attention_mask, scaling, rows_of(h, idx))
+
+
+class _serial:
+    """The selection and the page gathers (a dozen small ops) on one CPU thread: with two threads each op is a
+    parallel region whose wake-up of the other thread measured ~10 ms on the shared 2-core machine (a profile of
+    one int4 8 × 32k step: 10 regions, ~10 ms each), more than the work. The attention op after them runs on all
+    threads (one region). CUDA: nothing changes."""
+
+    def __init__(self, device: torch.device):
+        self.threads = torch.get_num_threads() if device.type == "cpu" else 1
+
+    def __enter__(self):
+        if self.threads > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.threads > 1:
+            torch.set_num_threads(self.threads)
+
+
+def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int], out=None) -> torch.Tensor:
+    """``t`` (B, H, slots, X) -> (B, H, k·page + rest rows, X): pages ``idx`` (B, H, k) of ``page`` slots each, then
+    slots ``[rest[0], rest[1])`` (page-aligned at ``rest[0]``; the same for every head). One ``index_select`` of whole
+    pages (page·X contiguous values each; the rest as pages too, the last one cut) when ``t``'s rows are contiguous
+    and its heads page-aligned in a buffer holding the last page, else row by row. ``out``: (ScratchPool, role) to
+    gather into a reused buffer (a fresh one page-faults: ~2.5× slower measured here)."""
+    b, h, slots, x = t.shape
+    s0, s1, s2, s3 = t.stride()
+    ps = page * s2
+    lo, hi = rest
+    k, extra = idx.shape[-1], -(-(hi - lo) // page)
+    rows = k * page + hi - lo
+    if s3 == 1 and s2 == x and s0 % ps == 0 and s1 % ps == 0 and lo % page == 0:
+        n = (b - 1) * (s0 // ps) + (h - 1) * (s1 // ps) + lo // page + extra
+        if t.storage_offset() + n * ps <= t.untyped_storage().nbytes() // t.element_size():
+            if extra:
+                tail = torch.arange(lo // page, lo // page + extra, device=idx.device).expand(b, h, extra)
+                idx = torch.cat((idx, tail), dim=-1)
+            flat = t.as_strided((n, page * x), (ps, 1))
+            base = (torch.arange(b, device=idx.device).view(b, 1, 1) * (s0 // ps)
+                    + torch.arange(h, device=idx.device).view(1, h, 1) * (s1 // ps))
+            sel = (idx + base).reshape(-1)
+            if out is not None and not torch.is_grad_enabled():
+                buf = out[0].flat(out[1], sel.numel() * page * x, t.dtype, t.device).view(sel.numel(), page * x)
+                picked = torch.index_select(flat, 0, sel, out=buf)
+            else:
+                picked = flat.index_select(0, sel)
+            picked = picked.view(b, h, idx.shape[-1] * page, x)
+            return picked[:, :, :rows]
+    pages = (idx[..., None] * page + torch.arange(page, device=idx.device)).reshape(b, h, -1)
+    after = torch.arange(lo, hi, device=idx.device).expand(b, h, hi - lo)
+    return take_rows(t, torch.cat((pages, after), dim=-1))
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, slots, X) at ``rows`` (B, H, R) -> (B, H, R, X): one ``index_select`` of whole rows over the
+    buffer ``t`` views (a store's whole buffer, or a prefix of its slots; ``torch.gather`` with an expanded index
+    ran ~10× slower here)."""
+    b, h, slots, x = t.shape
+    s0, s1, s2, s3 = t.stride()
+    if s3 != 1 or s2 < x or s0 % s2 or s1 % s2:
+        return t.gather(2, rows[..., None].expand(*rows.shape, x))
+    n = (b - 1) * (s0 // s2) + (h - 1) * (s1 // s2) + slots  # rows of the underlying buffer up to t's last
+    flat = t.as_strided((n, x), (s2, 1))
+    base = (torch.arange(b, device=rows.device).view(b, 1, 1) * (s0 // s2)
+            + torch.arange(h, device=rows.device).view(1, h, 1) * (s1 // s2))
+    return flat.index_select(0, (rows + base).reshape(-1)).view(b, h, rows.shape[-1], x)
+
+
+def _gathered(store, idx: torch.Tensor, page: int, rest: tuple[int, int], scratch, role: str):
+    """A shallow copy of ``store`` whose tensors hold only pages ``idx`` and the ``rest`` slots (codes, scales,
+    zero-points: the format's own bytes, never dequantized)."""
+    out = copy.copy(store)
+    out.set_tensors([take_pages(t, idx, page, rest, None if scratch is None else (scratch, f"{role}{i}"))
+                     for i, t in enumerate(store.tensors())])
+    return out
+
+
+def _picked(h: SparseKV, idx: torch.Tensor):
+    """What the fast paths attend: a coded layer's handle over the gathered codes, a dense layer's gathered (K, V);
+    ``None`` for a format whose op reads per-slot tables (RoPE-centred turbo keys: the twin)."""
+    p = h.stats.spec.page
+    f = h.fused
+    if f is None:
+        rest, pool = (h.pages * p, h.keys.shape[2]), h.scratch
+        return (take_pages(h.keys, idx, p, rest, None if pool is None else (pool, "sparse-k")),  # (B, Hk, R, D)
+                take_pages(h.values, idx, p, rest, None if pool is None else (pool, "sparse-v")))
+    if isinstance(f.k, TurboStore) and f.k.spec.rope_centred:
+        return None
+    rest = (h.pages * p, h.n)
+    if _in_place(f, p):  # int8/int4 on the C++ op: a page list, the codes read where they are (no copy)
+        extra = -(-(h.n - rest[0]) // p)
+        after = torch.arange(rest[0] // p, rest[0] // p + extra, device=idx.device).expand(*idx.shape[:2], extra)
+        n = idx.shape[-1] * p + h.n - rest[0]
+        return dataclasses.replace(f, n=n, lengths=None, pages=torch.cat((idx, after), dim=-1), page=p)
+    k, v = _gathered(f.k, idx, p, rest, h.scratch, "sparse-k"), _gathered(f.v, idx, p, rest, h.scratch, "sparse-v")
+    return dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
+
+
+def _in_place(f, page: int) -> bool:
+    """Whether a C++ op reads this layer's codes through a page list: CPU with the op built, int8/int4 codes of one
+    width (``quant_decode``) or asymmetric 2/3-bit codes (``quant_decode_lowbit``), whole pages in the buffers."""
+    from ..caches.storage import QuantizedStore
+    from ..kernels import quant_decode as qd
+    from ..kernels import quant_decode_lowbit as ql
+
+    k, v = f.k, f.v
+    if not (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and k.data.device.type == "cpu"
+            and k.capacity % page == 0 and v.capacity % page == 0):
+        return False
+    kb, vb = k.spec.bits, v.spec.bits
+    if kb == vb and kb in (4, 8):
+        return qd._backend("cpu") == "cpp"
+    return (kb in ql.BITS and vb in ql.BITS and k.zero is not None and v.zero is not None
+            and ql._backend("cpu") == "cpp")
+
+
+def _coded(h: SparseKV, g, query: torch.Tensor, scaling) -> torch.Tensor | None:
+    """The fused decode op over the gathered codes (``None``: the twin takes it)."""
+    return None if g is None else quant.decode(g, query, None, scaling)
+
+
+def _temporal(h: SparseKV, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """Region rows (B, H, R) -> positions in the layer's temporal order (B, H, R + outside rows): the sinks before
+    the region, the chosen rows, everything after the region (the window, the step's token)."""
+    b, hk, _ = rows.shape
+    off = h.stats.offset
+    dev = rows.device
+    head = torch.arange(off, device=dev).expand(b, hk, off)
+    tail = torch.arange(off + h.n, total, device=dev).expand(b, hk, total - off - h.n)
+    return torch.cat((head, rows + off, tail), dim=-1)
+
+
+def _gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return take_rows(x, pos) if x.shape[:2] == pos.shape[:2] else x.gather(2, pos[..., None].expand(
+        *pos.shape, x.shape[-1]))
+
+
+def _mask_rows(attention_mask, pos: torch.Tensor, total: int) -> torch.Tensor | None:
+    """HF's decode mask -> additive fp32 (B|1, H, 1, R) over the gathered positions (or ``None``)."""
+    mask = quant.additive_mask(attention_mask, total)
+    if mask is None:
+        return None
+    if mask is False:
+        raise ValueError("sparse decode: an attention mask of this shape is not supported (one query token, "
+                         f"(B, 1, 1, {total}) expected), got {tuple(attention_mask.shape)}")
+    b, hk, r = pos.shape
+    return mask[:, None, :].expand(mask.shape[0], hk, total).gather(2, pos.expand(mask.shape[0], hk, r))[:, :, None]
+
+
+def _dense(h: SparseKV, kv, query: torch.Tensor, scaling) -> torch.Tensor:
+    """A dense layer: SDPA over the chosen pages and every row after them (the rest of the region, the step's
+    token), the G query heads of a KV head packed as query rows (the dense full read's packed-GQA path)."""
+    k, v = kv
+    b, heads, _, d = query.shape
+    hk = k.shape[1]
+    packed = query.reshape(b, hk, heads // hk, d)
+    out = F.scaled_dot_product_attention(packed, k, v, scale=scaling)  # (B, Hk, G, D)
+    return out.reshape(b, heads, 1, v.shape[-1]).transpose(1, 2).contiguous()
+
+
+def reference(h: SparseKV, query: torch.Tensor, attention_mask, scaling, rows: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The twin: the layer's full reads (dequantized; ``FusedKV.materialize``), the chosen rows gathered, fp32
+    softmax attention. ``rows``: the region rows to read (default: :func:`select`'s choice)."""
+    keys, values = h.fused.materialize() if h.fused is not None else (h.keys, h.values)
+    b, heads, _, d = query.shape
+    hk, total = keys.shape[1], keys.shape[2]
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    q = query.float().reshape(b, hk, heads // hk, d)
+    if rows is None:
+        rows = select(h, q)
+    pos = _temporal(h, rows, total)
+    k, v = _gather_rows(keys, pos).float(), _gather_rows(values, pos).float()
+    scores = torch.einsum("bhgd,bhtd->bhgt", q, k) * scaling
+    mask = _mask_rows(attention_mask, pos, total)
+    if mask is not None:
+        scores = scores + mask
+    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, 1, heads, d).to(query.dtype)

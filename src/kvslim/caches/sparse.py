@@ -1,0 +1,255 @@
+"""Query-aware sparse decode (issue 43, Quest-class): per-page key statistics kept beside an append-only cache.
+
+What it stores: for every complete page of ``page`` tokens of a layer's paged region, per sequence and KV head, a
+box ``[c − r, c + r]`` around the page's post-RoPE keys (``c``, ``r``: (D,) each, fp16, rounded outward so that
+the box still contains what it was computed from), computed once when the page's last token is written, from the
+keys as given to ``update`` (full precision, before any quantization). Memory: 2·D fp16 values per page per KV head
+(``4·D/page`` bytes per token and head: 6.25 % of an fp16 K+V row at page 64 over a 128-dim head... see
+docs/sparse.md). Lossy only in what a step reads (exact when the context fits the budget).
+
+A decode step scores page p for the G query heads q_g of a KV head with the box bound
+``Σ_g Σ_d max(q_gd·(c−r)_d, q_gd·(c+r)_d) = Σ_g (q_g·c + |q_g|·r)`` (Quest, ICML 2024, with ``score="minmax"``:
+c ± r = the elementwise min/max; ``"meanstd"``: c = the mean, r = the standard deviation) and reads the best
+pages. The selection and the rows a step attends are built in :mod:`kvslim.attention.sparse`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCORES = ("meanstd", "minmax")
+SELECTS = ("step", "prompt")
+#: rows always read outright by a layer that keeps no full-precision window of its own (dense, int8): the most
+#: recent ``RECENT`` tokens (the int4/int3/int2/turbo defaults keep 4 sinks + 124 recent tokens = 128 outright)
+RECENT = 128
+MIN_PAGE = 16
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """One layer's sparse decode: read at most ``budget`` rows per single-token step (plus the part of a page not
+    yet complete), in pages of ``page`` tokens, chosen by ``score``; ``select``: ``"step"`` (a new choice each step)
+    or ``"prompt"`` (chosen at the first step after a multi-token call, kept for the answer; pages completed since
+    are read whole). ``sinks_in_pages``: the layer keeps no full-precision sinks, so page 0 is always read (it holds
+    the attention sinks); ``window``: rows always read after the pages (the layer's sinks + full-precision window,
+    else :data:`RECENT`)."""
+
+    budget: int
+    page: int = 64
+    score: str = "meanstd"
+    select: str = "step"
+    window: int = RECENT
+    sinks_in_pages: bool = True
+
+    def __post_init__(self) -> None:
+        check_sparse_options(self.budget, self.page, self.score, self.select)
+        if self.pages < 1 + self.sinks_in_pages:
+            sinks = "page 0 (the sinks) + " if self.sinks_in_pages else ""
+            need = self.window + (1 + self.sinks_in_pages) * self.page
+            raise ValueError(f"sparse_budget={self.budget} is smaller than what every step reads: {sinks}the "
+                             f"{self.window} window rows + one page of {self.page} = {need} tokens; take "
+                             f"sparse_budget={need} or more")
+
+    @property
+    def pages(self) -> int:
+        """Pages a step reads (page 0 included when it holds the sinks)."""
+        return (self.budget - self.window) // self.page
+
+    def stats_bytes_per_token(self, dim: int) -> float:
+        """Bytes of statistics per token and KV head (2·D fp16 values per page)."""
+        return 4 * dim / self.page
+
+
+def check_sparse_options(budget, page, score, select) -> None:
+    """``ValueError`` naming the option for a value sparse decode cannot take (the checks that need no layer)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ValueError(f"sparse_budget must be a positive int (tokens read per decode step), got {budget!r}")
+    if not isinstance(page, int) or isinstance(page, bool) or page < MIN_PAGE or page & (page - 1):
+        raise ValueError(f"sparse_page must be a power of two of at least {MIN_PAGE} (tokens per page), got "
+                         f"{page!r}; e.g. 64")
+    if score not in SCORES:
+        raise ValueError(f"sparse_score must be one of {list(SCORES)}, got {score!r}")
+    if select not in SELECTS:
+        raise ValueError(f"sparse_select must be one of {list(SELECTS)}, got {select!r}")
+
+
+def candidate_pages(n: int, tail: int, spec: SparseSpec, complete: int) -> int:
+    """Complete pages of a region of ``n`` rows followed by ``tail`` rows that are candidates: the newest
+    ``spec.window`` rows (the tail counted) are read outright, so are the rows of a page not yet complete."""
+    return max(0, min(complete, (n + tail - spec.window) // spec.page))
+
+
+def _outward(c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 centre/radius -> fp16 whose box contains the fp32 box (the radius absorbs the centre's rounding and is
+    rounded up)."""
+    c16 = c.clamp(-FP16_MAX, FP16_MAX).half()
+    need = r + (c - c16.float()).abs()
+    r16 = (need * (1 + 2.0 ** -10) + 2.0 ** -24).clamp_max(FP16_MAX).half()
+    return c16, r16
+
+
+class PageStats:
+    """Per-page key boxes of one layer: ``boxes`` (B, H, pages, 2D) fp16 = ``[centre | radius]``, page p = tokens
+    ``[offset + p·page, offset + (p+1)·page)``; the running sums of the page being filled are kept in fp32
+    (``acc``: (B, H, 2, D): sum and sum of squares, or min and max). ``offset``: the first token of the paged
+    region (a layer's full-precision sinks stay out of the pages)."""
+
+    def __init__(self, spec: SparseSpec, offset: int = 0):
+        self.spec, self.offset = spec, offset
+        self.boxes: torch.Tensor | None = None  # (B, H, pages, 2D) fp16: [centre | radius] per page
+        self.acc: torch.Tensor | None = None
+        self.length = 0  # tokens of the paged region written (complete pages = length // page)
+        self.kept: tuple[torch.Tensor, int] | None = None  # select="prompt": (pages (B, H, k), pages then)
+        self.broken = False  # a rewind into a page: statistics incomplete until reset (the layer reads all)
+
+    @property
+    def complete(self) -> int:
+        return self.length // self.spec.page
+
+    def reset(self) -> None:
+        self.length = 0
+        self.kept = None
+        self.broken = False
+
+    def rewind(self, tokens: int) -> None:
+        """Forget everything from token ``tokens`` on (a crop). Complete pages before it stay; a rewind into a page
+        loses that page's running sums (its keys are not kept in full precision), so the layer reads everything
+        (``broken``) until it is reset."""
+        keep = max(0, tokens - self.offset)
+        if keep < self.length:
+            self.length = keep // self.spec.page * self.spec.page
+            self.broken = self.broken or keep != self.length
+        self.kept = None
+
+    @property
+    def centre(self) -> torch.Tensor:
+        return self.boxes[..., :self.boxes.shape[-1] // 2]
+
+    @property
+    def radius(self) -> torch.Tensor:
+        return self.boxes[..., self.boxes.shape[-1] // 2:]
+
+    def _grow(self, b: int, h: int, d: int, pages: int, device: torch.device) -> None:
+        if self.boxes is None or self.boxes.shape[:2] != (b, h) or self.boxes.shape[3] != 2 * d:
+            self.boxes = torch.zeros(b, h, max(pages, 16), 2 * d, dtype=torch.float16, device=device)
+            self.acc = torch.zeros(b, h, 2, d, dtype=torch.float32, device=device)
+        elif pages > self.boxes.shape[2]:
+            old = self.boxes
+            self.boxes = old.new_zeros(b, h, max(pages, old.shape[2] * 3 // 2), 2 * d)
+            self.boxes[:, :, :old.shape[2]] = old
+
+    def write(self, start: int, keys: torch.Tensor) -> None:
+        """Account for ``keys`` (B, H, S, D), tokens ``[start, start + S)`` of the sequence (appended in order;
+        a ``start`` before the paged length rewinds to it)."""
+        p = self.spec.page
+        lo = max(start, self.offset) - self.offset  # first paged token of this write
+        hi = start + keys.shape[2] - self.offset
+        if hi <= lo:
+            return
+        if lo < self.length:
+            self.rewind(lo + self.offset)
+        if lo != self.length:  # a rewind into a page: its running sums are gone
+            self.broken = True
+        if self.broken:
+            return
+        b, h, _, d = keys.shape
+        x = keys[:, :, lo + self.offset - start:].float()  # (B, H, hi - lo, D)
+        self._grow(b, h, d, hi // p + 1, keys.device)
+        pos = lo
+        while pos < hi:
+            page_end = (pos // p + 1) * p
+            take = min(hi, page_end) - pos
+            part = x[:, :, pos - lo:pos - lo + take]
+            first = pos % p == 0
+            self._accumulate(part, first)
+            pos += take
+            if pos == page_end:
+                self._finish(pos // p - 1)
+        self.length = hi
+
+    def _accumulate(self, part: torch.Tensor, first: bool) -> None:
+        if self.spec.score == "minmax":
+            mn, mx = part.amin(dim=2), part.amax(dim=2)
+            if first:
+                self.acc[:, :, 0], self.acc[:, :, 1] = mn, mx
+            else:
+                torch.minimum(self.acc[:, :, 0], mn, out=self.acc[:, :, 0])
+                torch.maximum(self.acc[:, :, 1], mx, out=self.acc[:, :, 1])
+            return
+        s, s2 = part.sum(dim=2), (part * part).sum(dim=2)
+        if first:
+            self.acc[:, :, 0], self.acc[:, :, 1] = s, s2
+        else:
+            self.acc[:, :, 0] += s
+            self.acc[:, :, 1] += s2
+
+    def _finish(self, index: int) -> None:
+        a, b = self.acc[:, :, 0], self.acc[:, :, 1]
+        if self.spec.score == "minmax":
+            c, r = (a + b) * 0.5, (b - a) * 0.5
+            r = torch.maximum(r, torch.maximum(b - c, c - a))  # the fp32 midpoint's rounding
+        else:
+            n = self.spec.page
+            c = a / n
+            r = (b / n - c * c).clamp_min(0).sqrt()
+        c16, r16 = _outward(c, r)
+        self.boxes[:, :, index] = torch.cat((c16, r16), dim=-1)
+
+    def map_sequences(self, fn) -> None:
+        for name in ("boxes", "acc"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+        self.kept = None
+
+    def nbytes(self) -> int:
+        """Bytes of the complete pages' statistics (the running sums of the page being filled not counted: a
+        fixed 2·D fp32 per head, like the smoothing factors)."""
+        if self.boxes is None:
+            return 0
+        b, h, _, d2 = self.boxes.shape
+        return b * h * self.complete * d2 * 2
+
+    def allocated_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.boxes, self.acc) if t is not None)
+
+
+@dataclass
+class SparseKV:
+    """What a sparse decode step hands attention (carried by marker tensors like :class:`~kvslim.caches.fused.
+    FusedKV`): the layer's statistics and either the fused handle of a coded layer (``fused``) or a dense layer's
+    full keys/values (``keys``/``values``: (B, H, T, D) views, no copy). ``n``: rows of the paged region (coded
+    history or, dense, the history before the step's token), slot ``j`` = token ``stats.offset + j`` (temporal
+    position ``offset + j`` of the layer's full reads); ``pages``: the complete pages that are candidates (the
+    newest ``spec.window`` rows, tail included, are read outright)."""
+
+    stats: PageStats
+    n: int
+    pages: int
+    fused: object | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    scratch: object | None = None  # the cache's ScratchPool: reused buffers for the gathered pages
+
+    @property
+    def tokens(self) -> int:
+        return self.fused.tokens if self.fused is not None else self.keys.shape[2]
+
+
+def sparse_of(key: torch.Tensor) -> SparseKV | None:
+    return getattr(key, "_kvslim_sparse", None)
+
+
+def sparse_markers(h: SparseKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two NaN zero-stride (B, H, tokens, D) tensors carrying ``h`` (and its fused handle, if any)."""
+    b, heads, _, d = like.shape
+    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+    out = []
+    for _ in range(2):
+        m = nan.expand(b, heads, h.tokens, d)
+        m._kvslim_sparse = h
+        out.append(m)
+    return out[0], out[1]

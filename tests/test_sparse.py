@@ -1,0 +1,355 @@
+"""Query-aware sparse decode (issue 43): options, page statistics, selection against a float64 oracle, the fast
+paths against the twin, bitwise equality within the budget, end-to-end generate on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_model
+
+import kvslim
+from kvslim.attention import sparse as attn
+from kvslim.caches.sparse import PageStats, SparseSpec, sparse_of
+from kvslim.caches.storage import ScratchPool
+from kvslim.methods import METHODS
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+METHOD_NAMES = ["dense", "int8", "int4", "int3", "int2", "turbo4", "turbo3", "turbo2"]
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def _layer(model, method: str, index: int = 2, scratch: bool = False, **options):
+    plan = METHODS[method].plan_model(model, **options)
+    layer = plan.layers[index].factory(None)
+    if scratch:
+        layer.scratch_pool = ScratchPool()
+    layer.sparse_attention = True
+    layer.fused_decode = True
+    return layer, plan
+
+
+def _step(layer, b: int, h: int, d: int, prompt: int, seed: int = 0):
+    """Prefill ``prompt`` random tokens (keys with a per-page offset so that pages differ), then one step."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, h, prompt + 1, d, generator=g)
+    keys += 3 * torch.randn(b, h, prompt // 16 + 1, d, generator=g).repeat_interleave(16, 2)[:, :, :prompt + 1]
+    values = torch.randn(b, h, prompt + 1, d, generator=g)
+    layer.update(keys[:, :, :prompt], values[:, :, :prompt])
+    k, _ = layer.update(keys[:, :, prompt:], values[:, :, prompt:])
+    return keys, values, sparse_of(k)
+
+
+def _oracle(h, keys: torch.Tensor, q: torch.Tensor, scaling: float, mat: tuple | None = None) -> torch.Tensor:
+    """float64: page statistics from the keys as written, scores, top pages, attention over the full reads'
+    rows (B, 1, heads, D)."""
+    spec, off = h.stats.spec, h.stats.offset
+    b, hk, t, d = keys.shape
+    p, npg = spec.page, h.pages
+    region = keys[:, :, off:off + npg * p].double().reshape(b, hk, npg, p, d)
+    if spec.score == "minmax":
+        lo, hi = region.amin(3), region.amax(3)
+        c, r = (lo + hi) / 2, (hi - lo) / 2
+    else:
+        c, r = region.mean(3), region.std(3, unbiased=False)
+    qg = q.double().reshape(b, hk, -1, d)
+    score = (torch.einsum("bhgd,bhpd->bhgp", qg, c) + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), r)).sum(2)
+    if spec.sinks_in_pages:
+        score[..., 0] = float("inf")
+    top = score.topk(min(spec.pages, npg), dim=-1).indices
+    full_k, full_v = mat if mat is not None else (h.keys, h.values)
+    out = torch.empty(b, hk, qg.shape[2], d, dtype=torch.float64)
+    for i in range(b):
+        for j in range(hk):
+            keep = torch.zeros(t, dtype=torch.bool)
+            keep[:off] = True
+            for pg in top[i, j].tolist():
+                keep[off + pg * p:off + (pg + 1) * p] = True
+            keep[off + npg * p:] = True
+            kk, vv = full_k[i, j, keep].double(), full_v[i, j, keep].double()
+            w = torch.softmax(qg[i, j] @ kk.T * scaling, dim=-1)
+            out[i, j] = w @ vv
+    return out.reshape(b, 1, -1, d)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+@pytest.mark.parametrize("score", ["meanstd", "minmax"])
+def test_step_matches_float64_oracle(model, method, score):
+    """The step's output (C++ op over gathered codes, SDPA over gathered rows, or the twin) equals a float64
+    oracle that computes the statistics, the choice and the attention itself (gathered into reused buffers for
+    the minmax half)."""
+    layer, _ = _layer(model, method, scratch=score == "minmax", sparse_budget=256, sparse_dense_layers=0,
+                      sparse_score=score)
+    b, hk, d, heads = 2, 2, 16, 4
+    keys, _, h = _step(layer, b, hk, d, prompt=700)
+    assert h is not None and h.pages > h.stats.spec.pages  # a sparse step
+    q = torch.randn(b, heads, 1, d, generator=torch.Generator().manual_seed(5))
+    scaling = d ** -0.5
+    out = attn.decode(h, q, None, scaling)
+    mat = None if h.fused is None else h.fused.materialize()
+    ref = _oracle(h, keys, q, scaling, mat)
+    assert out.shape == (b, 1, heads, d)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    twin = attn.reference(h, q, None, scaling)
+    torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-5)
+    if method in ("int8", "int4", "int3", "int2"):  # the C++ ops read the chosen pages in place (no copy)
+        picked = attn._picked(h, attn.select_pages(h, q.float().reshape(b, hk, heads // hk, d)))
+        assert picked.pages is not None and picked.k is h.fused.k
+    # the rows read: the budget's pages plus the rest of the region and the tail, never more than budget + page
+    rows = attn.select(h, q.float().reshape(b, hk, heads // hk, d))
+    read = rows.shape[-1] + h.stats.offset + (h.tokens - h.n - h.stats.offset)
+    assert read <= h.stats.spec.budget + h.stats.spec.page
+    assert bool((rows[..., 1:] > rows[..., :-1]).all())  # ascending, no row twice
+    # always read: the sinks (the rows before the region, or page 0) and the newest spec.window positions
+    spec, total = h.stats.spec, h.tokens
+    pos = attn._temporal(h, rows, total)
+    must = list(range(total - spec.window, total)) + list(range(h.stats.offset))
+    if spec.sinks_in_pages:
+        must += list(range(spec.page))
+    for i in range(b):
+        for j in range(hk):
+            assert set(must) <= set(pos[i, j].tolist())
+
+
+def test_masked_step_reads_the_same_rows(model):
+    """With an attention mask (padding) the step runs the twin over the same rows; masked rows get no weight."""
+    layer, _ = _layer(model, "int4", sparse_budget=256, sparse_dense_layers=0)
+    keys, _, h = _step(layer, 2, 2, 16, prompt=700)
+    q = torch.randn(2, 4, 1, 16)
+    mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
+    out = attn.decode(h, q, mask, 0.25)
+    torch.testing.assert_close(out, attn.decode(h, q, None, 0.25), atol=2e-5, rtol=1e-5)
+    mask[1, :, :, 500:] = False  # sequence 1 sees only its first 500 tokens
+    masked = attn.decode(h, q, mask, 0.25)
+    assert torch.isfinite(masked).all()
+    torch.testing.assert_close(masked[0], out[0], atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(masked[1], out[1])
+
+
+@pytest.mark.parametrize("score", ["meanstd", "minmax"])
+def test_page_boxes(score):
+    """Statistics are computed once per page from the keys as written, in any split of the writes; minmax boxes
+    (fp16, rounded outward) contain every key of their page."""
+    spec = SparseSpec(512, 16, score)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 70, 8, generator=g) * 50
+    a, b = PageStats(spec, offset=3), PageStats(spec, offset=3)
+    a.write(0, keys)
+    for t in range(70):  # one token at a time, as decode steps write
+        b.write(t, keys[:, :, t:t + 1])
+    assert a.complete == b.complete == (70 - 3) // 16
+    torch.testing.assert_close(a.centre[:, :, :a.complete], b.centre[:, :, :b.complete], atol=0.07, rtol=1e-3)
+    region = keys[:, :, 3:3 + 16 * a.complete].reshape(1, 2, a.complete, 16, 8)
+    lo = (a.centre[:, :, :a.complete].float() - a.radius[:, :, :a.complete].float())[:, :, :, None]
+    hi = (a.centre[:, :, :a.complete].float() + a.radius[:, :, :a.complete].float())[:, :, :, None]
+    if score == "minmax":
+        assert bool((region >= lo).all() and (region <= hi).all())
+    else:
+        torch.testing.assert_close(a.centre[:, :, :a.complete].float(), region.mean(3), atol=0.05, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_within_budget_is_the_full_read_bitwise(model, method, one_thread):
+    """A context that fits the budget: logits bitwise equal to the method without sparse decode."""
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3))
+    kvslim.apply(model, method)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    kvslim.apply(model, method, sparse_budget=4096, sparse_dense_layers=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    kvslim.restore(model)
+    assert all(torch.equal(a, b) for a, b in zip(ref.scores, out.scores))
+
+
+@pytest.mark.parametrize("method", ["dense", "int4", "turbo3"])
+def test_generate_sparse_end_to_end(model, method, one_thread):
+    """Past the budget: generate runs the sparse steps (counted), on a padded batch too; logits stay finite and
+    close to the full read (a random tiny model attends broadly, so the budget loses little)."""
+    ids = torch.randint(0, 128, (2, 420), generator=torch.Generator().manual_seed(4))
+    kvslim.apply(model, method)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    kvslim.apply(model, method, sparse_budget=256)
+    calls = []
+    original = attn.select_pages
+    attn.select_pages = lambda h, q: calls.append(h.pages) or original(h, q)
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        pids, pmask = padded_batch(2, 420)
+        padded = model.generate(pids, attention_mask=pmask, max_new_tokens=2, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True)
+    finally:
+        attn.select_pages = original
+        kvslim.restore(model)
+    assert len(calls) == 2 * 1 + 1 * 1  # 2 decode steps, then 1 (padded), on the one layer past sparse_dense_layers=2
+    for a, b in zip(ref.scores, out.scores):
+        assert torch.isfinite(b).all()
+        assert (a - b).abs().max() < 0.5
+    assert all(torch.isfinite(s).all() for s in padded.scores)
+
+
+def test_select_prompt_keeps_the_choice(model):
+    layer, _ = _layer(model, "dense", sparse_budget=256, sparse_dense_layers=0, sparse_select="prompt")
+    _, _, h = _step(layer, 1, 2, 16, prompt=700)
+    q1, q2 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    r1 = attn.select(h, q1.reshape(1, 2, 1, 16))
+    r2 = attn.select(h, q2.reshape(1, 2, 1, 16))
+    assert torch.equal(r1, r2)
+    assert h.stats.kept is not None
+    layer.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16))  # a new turn: chosen again
+    assert h.stats.kept is None
+
+
+def test_nbytes_match_the_plan(model):
+    for method in ("dense", "int4", "int8"):
+        layer, plan = _layer(model, method, sparse_budget=256, sparse_dense_layers=0)
+        _step(layer, 1, 2, 16, prompt=700)
+        assert layer.page_stats.nbytes() > 0
+        assert layer.nbytes == plan.layers[2].cache_bytes(701), method
+
+
+@pytest.mark.parametrize("options, needle", [
+    (dict(sparse_budget=100), "sparse_budget=100"),
+    (dict(sparse_budget=2048, sparse_page=48), "sparse_page"),
+    (dict(sparse_budget=2048, sparse_page=8), "sparse_page"),
+    (dict(sparse_budget=2048, sparse_score="topk"), "sparse_score"),
+    (dict(sparse_budget=2048, sparse_select="always"), "sparse_select"),
+    (dict(sparse_budget=2048, sparse_dense_layers=7), "sparse_dense_layers"),
+    (dict(sparse_budget=2048, sparse_dense_layers=[0, 9]), "sparse_dense_layers"),
+    (dict(sparse_page=64), "needs sparse_budget"),
+    (dict(sparse_budget=0), "sparse_budget"),
+])
+def test_bad_input_names_the_option(model, options, needle):
+    kvslim.apply(model, "int4")
+    before = kvslim.get_plan(model)
+    with pytest.raises(ValueError, match=needle):
+        kvslim.apply(model, "int4", **options)
+    assert kvslim.get_plan(model) is before  # nothing changed
+    kvslim.restore(model)
+
+
+def test_page_must_hold_whole_key_groups():
+    from transformers import LlamaConfig
+
+    from kvslim.adapters.shape import shape_from_config
+
+    shape = shape_from_config(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                          num_hidden_layers=3, vocab_size=128, intermediate_size=128))
+    with pytest.raises(ValueError, match="sparse_page=16 must be a multiple of the key groups' 32"):
+        METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=16)
+    plan = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=32)
+    assert plan.layers[2].sparse.pages == (2048 - 128) // 32 and plan.layers[1].sparse is None
+    # what a step reads: everything within the budget, ~budget rows + the statistics past it (kvslim plan prints it)
+    assert plan.step_read_bytes(1024) == plan.cache_bytes(1024)
+    full = METHODS["int4"].plan(shape, torch.float32)
+    assert plan.cache_bytes(32768) > full.cache_bytes(32768)  # the statistics are counted
+    sparse_layer = plan.layers[2].step_read_bytes(32768)
+    assert sparse_layer < full.layers[2].cache_bytes(32768) / 4  # at page 32 the boxes are over half of it
+    assert "a single-token step reads" in str(plan)
+
+
+def test_sparse_refused_where_it_cannot_run(model):
+    with pytest.raises(ValueError, match="sparse_budget"):
+        kvslim.apply(model, "window", window=16, sparse_budget=2048)
+    with pytest.raises(ValueError, match="sparse_budget"):
+        kvslim.apply(model, "int8", window=16, sparse_budget=2048)
+    mha = tiny_model("llama", kv_heads=4)
+    with pytest.raises(ValueError, match="sparse_budget"):
+        kvslim.apply(mha, "slim", sparse_budget=2048)
+    kvslim.apply(model, "int4", sparse_budget=512)
+    with pytest.raises(ValueError, match="sparse_budget"):
+        kvslim.make_cache(model, max_length=64, capturable=True)
+    kvslim.restore(model)
+
+
+def test_cli_spelling(model):
+    from kvslim.cli.method_options import parse_method_options
+
+    opts = parse_method_options(["int4.sparse_budget=2048", "int4.sparse_score=minmax"], ["int4"])
+    assert opts == {"int4": {"sparse_budget": 2048, "sparse_score": "minmax"}}
+    with pytest.raises(ValueError, match="sparse_page"):
+        parse_method_options(["int4.sparse_budget=2048", "int4.sparse_page=100"], ["int4"])
+
+
+@pytest.mark.parametrize("kind", ["kivi4", "int8", "int4"])
+@pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
+def test_quant_decode_page_list(kind, backend, monkeypatch):
+    """``kvslim::quant_decode`` with a page list (rows read in place) equals the op over the same rows gathered
+    (C++: every score/value path; the twin and the Triton kernels under the interpreter read the gathered rows)."""
+    from kvslim.caches.spec import StoreSpec
+    from kvslim.caches.stores import make_store
+    from kvslim.kernels import quant_decode as qd
+
+    if backend == "cpp" and not qd.available():
+        pytest.skip("C++ op not built")
+    monkeypatch.setenv("KVSLIM_BACKEND", backend)
+    spec = {"kivi4": StoreSpec(4, 64, torch.float16, asymmetric=True, channel_group=32, residual=64, flush=32),
+            "int8": StoreSpec(8, 32), "int4": StoreSpec(4, 32, asymmetric=True)}[kind]
+    g = torch.Generator().manual_seed(0)
+    b, h, grp, d, page = 2, 3, 2, 64, 64
+    stores = []
+    for sp in (spec, spec.for_values()):
+        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
+        st.write(0, torch.randn(b, h, 1024, d, generator=g))
+        stores.append(getattr(st, "inner", st))
+    k, v = stores
+    pages = torch.stack([torch.randperm(14, generator=g)[:6].sort().values for _ in range(b * h)]).view(b, h, 6)
+    n = 6 * page - 24  # the last page partly read (pages < 14: the residual store has coded 960 of 1,024 rows)
+    q = torch.randn(b, h, grp, d, generator=g)
+    tensors = (k.data, k.scale, k.zero, v.data, v.scale, v.zero)
+    gathered = [None if t is None else qd.paged_rows(t, pages, page) for t in tensors]
+    paths = [("exact", "exact"), ("int8", "int8")] if backend == "cpp" else [(None, None)]
+    for scores, values in paths:
+        out = qd.quant_decode(q, *tensors, spec.bits, spec.group_size, spec.channel_group, n, pages=pages,
+                              page=page, scores=scores, values=values)
+        ref = qd.quant_decode(q, *gathered, spec.bits, spec.group_size, spec.channel_group, n, scores=scores,
+                              values=values)
+        torch.testing.assert_close(out[0], ref[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(out[1], ref[1], atol=2e-6, rtol=1e-5)
+    if backend == "cpp":
+        with pytest.raises(ValueError, match="pages"):
+            qd.quant_decode(q, *tensors, spec.bits, spec.group_size, spec.channel_group, n,
+                            pages=pages + 100, page=page)
+
+
+@pytest.mark.parametrize("kivi", [64, 0])
+@pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
+def test_quant_decode_lowbit_page_list(kivi, backend, monkeypatch):
+    """``kvslim::quant_decode_lowbit`` (int3/int2 codes) with a page list equals the op over the gathered rows."""
+    from kvslim.caches.spec import StoreSpec
+    from kvslim.caches.stores import make_store
+    from kvslim.kernels import quant_decode_lowbit as ql
+    from kvslim.kernels.quant_decode import paged_rows
+
+    if backend == "cpp" and not ql.available():
+        pytest.skip("C++ op not built")
+    monkeypatch.setenv("KVSLIM_BACKEND", backend)
+    spec = StoreSpec(3, 64, torch.float16, asymmetric=True, channel_group=kivi, residual=64 if kivi else 0,
+                     flush=64 if kivi else 1, value_bits=2, value_rotation="hadamard")
+    g = torch.Generator().manual_seed(1)
+    b, h, grp, d, page = 2, 2, 3, 64, 64
+    stores = []
+    for sp in (spec, spec.for_values()):
+        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
+        st.write(0, torch.randn(b, h, 1024, d, generator=g))
+        stores.append(getattr(st, "inner", st))
+    k, v = stores
+    pages = torch.stack([torch.randperm(14, generator=g)[:5].sort().values for _ in range(b * h)]).view(b, h, 5)
+    n = 5 * page - 40
+    q = torch.randn(b, h, grp, d, generator=g)
+    tensors = (k.data, k.scale, k.zero, v.data, v.scale, v.zero)
+    out = ql.quant_decode_lowbit(q, *tensors, 3, 2, 64, kivi, n, pages=pages, page=page)
+    ref = ql.quant_decode_lowbit(q, *[paged_rows(t, pages, page) for t in tensors], 3, 2, 64, kivi, n)
+    torch.testing.assert_close(out[0], ref[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out[1], ref[1], atol=2e-6, rtol=1e-5)
