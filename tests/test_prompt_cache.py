@@ -43,6 +43,11 @@ CASES = [
     ("int8-mixed-rings", "qwen2-mixed", "int8", {}, None, False),
     ("slim", "llama-mha", "slim", {}, None, False),
     ("slim-static", "llama-mha", "slim", {}, 160, False),
+    # sparse decode's page statistics (issue 43): the context (107+) is past the budget, so the steps read pages
+    ("int4-sparse", "llama", "int4", {"residual": 32, "sink": 2, "key_channel_group": 16, "sparse_budget": 64,
+                                      "sparse_page": 16, "sparse_dense_layers": 0}, None, False),
+    ("turbo3-sparse", "llama", "turbo3", {"residual": 32, "sparse_budget": 64, "sparse_page": 16,
+                                          "sparse_dense_layers": 0, "sparse_select": "prompt"}, None, False),
 ]
 
 
