@@ -280,6 +280,15 @@ def test_cli_spelling(model):
     assert opts == {"int4": {"sparse_budget": 2048, "sparse_score": "minmax"}}
     with pytest.raises(ValueError, match="sparse_page"):
         parse_method_options(["int4.sparse_budget=2048", "int4.sparse_page=100"], ["int4"])
+    # dense takes sparse decode's options (and only those) on every command that runs it (plan, eval, cache-prompt)
+    assert parse_method_options(["dense.sparse_budget=512"], ["dense", "int4"]) == {"dense": {"sparse_budget": 512}}
+    with pytest.raises(ValueError, match="dense cache takes no options but sparse decode's"):
+        parse_method_options(["dense.chunk=8"], ["dense", "int4"])
+    with pytest.raises(ValueError, match="sparse_score"):
+        parse_method_options(["dense.sparse_budget=512", "dense.sparse_score=max"], ["dense"])
+    plan = kvslim.apply(model, "dense", **parse_method_options(["dense.sparse_budget=512"], ["dense"])["dense"])
+    assert plan.options == {"sparse_budget": 512}
+    kvslim.restore(model)
 
 
 @pytest.mark.parametrize("kind", ["kivi4", "int8", "int4"])

@@ -33,8 +33,8 @@ def _value(key: str, text: str):
 def parse_method_options(items: list[str] | None, methods: list[str], check: bool = True,
                          among: str = "--methods") -> dict[str, dict]:
     """``--option METHOD.NAME=VALUE`` items -> ``{method: {name: value}}``; ``ValueError`` naming the item when it
-    cannot be read, names a method outside ``methods`` (what the command runs, called ``among`` in the message) or
-    ``dense`` (the reference), or sets a name twice.
+    cannot be read, names a method outside ``methods`` (what the command runs, called ``among`` in the message), an
+    option of ``dense`` other than sparse decode's ``sparse_*``, or sets a name twice.
     With ``check``, each method's own option check (names, values) runs now, before any model is loaded (checks that
     need the model's shape run at its plan)."""
     out: dict[str, dict] = {}
@@ -44,8 +44,9 @@ def parse_method_options(items: list[str] | None, methods: list[str], check: boo
         name = name.strip()
         if not eq or not dot or not method or not name or not raw.strip():
             raise ValueError(f"{OPTION}: expected METHOD.NAME=VALUE (e.g. turbo3.residual=64), got {item!r}")
-        if method == "dense":
-            raise ValueError(f"{OPTION} {item!r}: the dense cache takes no options")
+        if method == "dense" and not name.startswith("sparse_"):
+            raise ValueError(f"{OPTION} {item!r}: the dense cache takes no options but sparse decode's "
+                             "(dense.sparse_budget=N, ...: docs/sparse.md)")
         if method not in methods:
             raise ValueError(f"{OPTION} {item!r}: method {method!r} is not in {among} {list(methods)}")
         opts = out.setdefault(method, {})
