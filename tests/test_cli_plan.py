@@ -38,6 +38,24 @@ def test_planner_bytes_equal_measured_nbytes(tmp_path, capsys, kind):
     assert dense["ratio"] == 1.0 if kind == "llama" else dense["ratio"] < 1.0
 
 
+def test_plan_prints_the_bytes_a_step_reads_with_sparse_decode(tmp_path, capsys):
+    """``read / step``: the whole cache without sparse decode; with ``--option int4.sparse_budget`` what the plan's
+    ``step_read_bytes`` says (the budget's rows + page statistics), far less than the cache at a long context."""
+    model = tiny_model("llama", max_position_embeddings=8192)
+    model.config.save_pretrained(tmp_path)
+    args = ["--context", "8192", "--dtype", "float32", "--option", "int4.sparse_budget=512",
+            "--option", "int4.sparse_dense_layers=0", "--option", "dense.sparse_budget=512",
+            "--option", "dense.sparse_dense_layers=0"]  # the tiny model's few layers all sparse
+    records = _plan_json(capsys, tmp_path / "config.json", *args)
+    assert records["int8"]["step_read_bytes"] == records["int8"]["cache_bytes"]
+    for method in ("int4", "dense"):
+        rec = records[method]
+        plan = kvslim.plan_config(model.config, method, torch.float32, sparse_budget=512, sparse_dense_layers=0)
+        assert rec["step_read_bytes"] == plan.step_read_bytes(8192) < rec["cache_bytes"] / 4, rec
+    assert main(["plan", "--config", str(tmp_path), *args]) == 0
+    assert "read / step" in capsys.readouterr().out
+
+
 def test_plan_lists_methods_that_do_not_apply_with_reason(tmp_path, capsys):
     cfg = {"model_type": "deepseek_v2", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
            "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,

@@ -146,6 +146,7 @@ def method_records(config, context: int, batch: int, dtype, window: int | None, 
                     "dense_bytes": plan.dense_bytes(context, batch), "ratio": round(plan.ratio(context), 6),
                     "exactness": sorted({lp.exactness for lp in plan.layers}), "notes": list(plan.notes),
                     "hf_bytes": plan.hf_bytes(context, batch),
+                    "step_read_bytes": plan.step_read_bytes(context, batch),
                     "by_attention": plan.bytes_by_attention(context, batch)}
             if ranks is not None:
                 from ..distributed.plan import per_rank
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     sliding = "sliding_attention" in shape.layer_types  # then HF's own cache keeps W − 1 rows there
     by_type = ("sliding layers", "full layers", "× HF's cache") if sliding else ()
     hf = None
-    for col in ("method", "cache", "× dense", *by_type, *extra, "exactness", "note"):
+    for col in ("method", "cache", "read / step", "× dense", *by_type, *extra, "exactness", "note"):
         table.add_column(col)
     for r in records:
         per = (human_bytes(r["cache_bytes_per_rank"]), human_bytes(r["sent_bytes_per_step"])) if extra and r["applies"] else ()
@@ -209,16 +210,17 @@ def run(args: argparse.Namespace) -> int:
                 types = tuple(human_bytes(by[t]["cache_bytes"]) if t in by else "-" for t in ("sliding", "full"))
                 types += (f"{r['cache_bytes'] / max(1, r['hf_bytes']):.3f}",)
                 hf = by
-            table.add_row(r["method"], human_bytes(r["cache_bytes"]), f"{r['ratio']:.3f}", *types, *per,
+            table.add_row(r["method"], human_bytes(r["cache_bytes"]), human_bytes(r["step_read_bytes"]),
+                          f"{r['ratio']:.3f}", *types, *per,
                           ", ".join(r["exactness"]), "; ".join(r["notes"]))
         else:
-            table.add_row(r["method"], "-", "-", *(("-",) * (len(by_type) + len(extra))), "not applicable",
+            table.add_row(r["method"], "-", "-", "-", *(("-",) * (len(by_type) + len(extra))), "not applicable",
                           r["reason"])
     if sliding and hf:
         table.caption = ("HF's own cache (DynamicCache: W − 1 rows on sliding layers): sliding layers "
                          f"{human_bytes(hf['sliding']['hf_bytes'])}, full layers "
                          f"{human_bytes(hf.get('full', {}).get('hf_bytes', 0))}")
     table.caption = ((table.caption + "\n") if table.caption else "") + \
-        "bytes in binary units (1 KiB = 1024 B); --json gives the exact counts"
+        "bytes in binary units (1 KiB = 1024 B); read / step: the cache bytes a single-token decode step reads (less than \"cache\" with sparse decode: docs/sparse.md); --json gives the exact counts"
     Console().print(table)
     return 0
