@@ -5,7 +5,8 @@ N tokens of seeded random keys and values (the work of the pass does not depend 
 then a 17-token question in one forward (``logits_to_keep=1``: its last logits are the first answer token), on a
 copy of the cache each time. "before" is the same process with the two fast paths swapped for their references
 (``unpack_codes_reference`` for the table lookup, HF's ``repeat_kv`` SDPA for the packed rows); before and after
-alternate trial by trial (the machine is shared) and their logits are compared bitwise. Medians; ratios per pair.
+alternate trial by trial (the machine is shared) and their logits are compared bitwise. Wall and process CPU
+seconds (CPU: both threads, less sensitive to a neighbour's load); medians; ratios per pair.
 
     PYTHONPATH=src nice -n 5 python benchmarks/bench_question_pass.py --tokens 4096,8192
 """
@@ -54,14 +55,15 @@ def reference_paths(enabled: bool):
         sdpa.packable_prefix = saved[1]
 
 
-def question_pass(model, cache, q: torch.Tensor, before: bool) -> tuple[float, torch.Tensor]:
+def question_pass(model, cache, q: torch.Tensor, before: bool) -> tuple[float, float, torch.Tensor]:
+    """(wall s, process CPU s, last logits) of one question pass on a copy of ``cache``."""
     from kvslim.adapters.compat import CACHE_KW
 
     c = copy.deepcopy(cache)
     with reference_paths(before), torch.no_grad():
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         logits = model(q, use_cache=True, logits_to_keep=1, **{CACHE_KW: c}).logits
-        return time.perf_counter() - t, logits
+        return time.perf_counter() - t, time.process_time() - cpu, logits
 
 
 def run(model, n: int, methods, trials: int, question: int) -> list[dict]:
@@ -83,20 +85,25 @@ def run(model, n: int, methods, trials: int, question: int) -> list[dict]:
             for i, (k, v) in enumerate(kv):
                 cache.update(k, v, i)
         question_pass(model, cache, q, False)  # warm-up (kernels, tables)
+        question_pass(model, cache, q, True)
         times = {"before": [], "after": []}
+        cpu = {"before": [], "after": []}
         same = True
         for t in range(trials):
             order = ("before", "after") if t % 2 == 0 else ("after", "before")
             got = {}
             for which in order:
-                s, got[which] = question_pass(model, cache, q, which == "before")
+                s, c, got[which] = question_pass(model, cache, q, which == "before")
                 times[which].append(s)
+                cpu[which].append(c)
             same = same and torch.equal(got["before"], got["after"])
         b, a = statistics.median(times["before"]), statistics.median(times["after"])
         ratios = [x / y for x, y in zip(times["before"], times["after"])]
         row = {"tokens": n, "method": method, "question_tokens": question, "before_s": b, "after_s": a,
-               "speedup_median_of_pairs": statistics.median(ratios), "logits_bitwise_equal": same,
-               "trials": times, "load_average": os.getloadavg()}
+               "speedup_median_of_pairs": statistics.median(ratios),
+               "before_cpu_s": statistics.median(cpu["before"]), "after_cpu_s": statistics.median(cpu["after"]),
+               "cpu_speedup_median_of_pairs": statistics.median(x / y for x, y in zip(cpu["before"], cpu["after"])),
+               "logits_bitwise_equal": same, "trials": times, "trials_cpu": cpu, "load_average": os.getloadavg()}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), file=sys.stderr, flush=True)
     return rows
