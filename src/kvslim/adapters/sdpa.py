@@ -32,8 +32,8 @@ from ..caches.fused import fused_of
 from ..caches.sparse import sparse_of
 from ..ops.sdpa import CUDA_BACKENDS, sdpa_backends, sdpa_context
 
-__all__ = ["CUDA_BACKENDS", "NAME", "packed_gqa_sdpa_forward", "restore_attention", "sdpa_backends", "sdpa_context",
-           "use_packed_sdpa"]
+__all__ = ["CUDA_BACKENDS", "NAME", "packable_prefix", "packed_gqa_sdpa_forward", "packed_rows_sdpa",
+           "restore_attention", "sdpa_backends", "sdpa_context", "use_packed_sdpa"]
 NAME = "kvslim_sdpa"
 
 
@@ -76,8 +76,39 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, **kwar
         packed = query.reshape(b, h // groups, groups, d)  # head h -> (h // G, h % G), HF's repeat_kv order
         out = F.scaled_dot_product_attention(packed, key, value, scale=scaling)  # (B, Hkv, G, D)
         return out.reshape(b, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    if packable_prefix(module, query, key, attention_mask, dropout, kwargs):
+        return packed_rows_sdpa(query, key, value, attention_mask, groups, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def packable_prefix(module, query, key, mask, dropout: float, kwargs: dict) -> bool:
+    """Whether a multi-token call over a cache (a question asked of a prompt cache, a chunk of a chunked prefill) can
+    run :func:`packed_rows_sdpa`: CPU, GQA, an explicit mask shared by the heads, nothing HF adds to the scores."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (groups > 1 and query.shape[2] > 1 and query.device.type == "cpu" and isinstance(mask, torch.Tensor)
+            and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == query.shape[2]
+            and mask.shape[3] == key.shape[2] and dropout == 0.0 and key.shape[1] * groups == query.shape[1]
+            and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
+            and kwargs.get("softcap") is None and not torch.compiler.is_compiling())
+
+
+def packed_rows_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, groups: int,
+                     scaling: float | None) -> torch.Tensor:
+    """GQA attention of S > 1 query tokens with each KV group's G query heads packed as G·S query rows.
+
+    HF's ``sdpa_attention_forward`` runs a masked multi-token call by ``repeat_kv``: a copy of the layer's whole key
+    and value history per query head (G× the cache, every layer, every call). Here the history is read as stored and
+    the mask (B|1, 1, S, T) is repeated G times instead (G·S·T entries). Reference: HF's path (tested against it).
+
+    Shapes: query (B, H, S, D), key/value (B, Hkv, T, D); returns (B, S, H, D) as HF's attention functions.
+    """
+    b, h, s, d = query.shape
+    packed = query.reshape(b, h // groups, groups * s, d)  # (B, Hkv, G·S, D): row g·S + i = head Hkv·G + g, token i
+    mb, _, _, t = mask.shape
+    rows = mask.unsqueeze(2).expand(mb, 1, groups, s, t).reshape(mb, 1, groups * s, t)  # (B|1, 1, G·S, T)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=rows, scale=scaling)  # (B, Hkv, G·S, Dv)
+    return out.reshape(b, h, s, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def use_packed_sdpa(model, quantized: bool = False) -> str | None:

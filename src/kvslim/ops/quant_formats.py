@@ -38,7 +38,47 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 (..., D·bits/8) -> int8 (signed, sign-extended) or uint8 (..., D)."""
+    """Inverse of :func:`pack_codes`: uint8 (..., D·bits/8) -> int8 (signed, sign-extended) or uint8 (..., D).
+
+    On the CPU (not traced) by one table lookup per byte (2 and 4 bits: 256 × 8/bits codes) or per 12-bit half
+    of a 3-byte word (3 bits: 4,096 × 4 codes): the same integers as :func:`unpack_codes_reference`, whose shifts
+    on uint8 tensors run element by element in torch's CPU kernels (a multi-token call over a coded prompt cache
+    decodes the whole history through here, every layer: 16k tokens × 64 channels per head)."""
+    if bits == 8:
+        return packed
+    if packed.device.type != "cpu" or torch.compiler.is_compiling():
+        return unpack_codes_reference(packed, bits, signed)
+    table = _unpack_table(bits, signed)  # (256 | 4096, codes per entry)
+    shape = (*packed.shape[:-1], packed.shape[-1] * 8 // bits)  # (..., D)
+    if bits == 3:
+        word = packed.unflatten(-1, (-1, 3)).to(torch.int32)  # (..., D/8, 3)
+        word = word[..., 0] | (word[..., 1] << 8) | (word[..., 2] << 16)  # (..., D/8) 24-bit words
+        halves = torch.stack((word & 0xFFF, word >> 12), dim=-1)  # (..., D/8, 2): codes 0-3, codes 4-7
+        return table.index_select(0, halves.reshape(-1)).view(shape)
+    index = packed.to(torch.int32).reshape(-1)  # (N·D·bits/8,)
+    return table.index_select(0, index).view(shape)
+
+
+_TABLES: dict[tuple[int, bool], torch.Tensor] = {}
+
+
+def _unpack_table(bits: int, signed: bool) -> torch.Tensor:
+    """The codes of every byte (2, 4 bits: (256, 8/bits)) or 12-bit half word (3 bits: (4096, 4)), CPU, built once
+    by :func:`unpack_codes_reference` (a constant of the format, not state)."""
+    key = (bits, signed)
+    if key not in _TABLES:
+        if bits == 3:  # a 12-bit half holds 4 codes: as the low half of a 3-byte word
+            half = torch.arange(4096, dtype=torch.int32)
+            words = torch.stack((half & 0xFF, half >> 8, torch.zeros_like(half)), dim=-1).to(torch.uint8)
+            _TABLES[key] = unpack_codes_reference(words, 3, signed)[:, :4].contiguous()
+        else:
+            _TABLES[key] = unpack_codes_reference(torch.arange(256, dtype=torch.uint8)[:, None], bits, signed)
+    return _TABLES[key]
+
+
+def unpack_codes_reference(packed: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
+    """:func:`unpack_codes` by shifts and masks, code by code: the reference the table lookup is tested against
+    (and the path a traced or non-CPU call takes)."""
     if bits == 8:
         return packed
     if bits == 3:
