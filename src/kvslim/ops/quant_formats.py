@@ -68,11 +68,12 @@ def _unpack_table(bits: int, signed: bool) -> torch.Tensor:
     key = (bits, signed)
     if key not in _TABLES:
         if bits == 3:  # a 12-bit half holds 4 codes: as the low half of a 3-byte word
-            half = torch.arange(4096, dtype=torch.int32)
+            half = torch.arange(4096, dtype=torch.int32, device="cpu")
             words = torch.stack((half & 0xFF, half >> 8, torch.zeros_like(half)), dim=-1).to(torch.uint8)
             _TABLES[key] = unpack_codes_reference(words, 3, signed)[:, :4].contiguous()
         else:
-            _TABLES[key] = unpack_codes_reference(torch.arange(256, dtype=torch.uint8)[:, None], bits, signed)
+            _TABLES[key] = unpack_codes_reference(torch.arange(256, dtype=torch.uint8, device="cpu")[:, None], bits,
+                                                  signed)
     return _TABLES[key]
 
 
