@@ -291,13 +291,25 @@ def test_cli_spelling(model):
     kvslim.restore(model)
 
 
+def _filled_key_value_stores(spec, b: int, h: int, d: int, g: torch.Generator):
+    """A key store of ``spec`` and its value store, each filled with 1,024 random rows (B, H, 1024, D); the coded
+    inner store where a residual window wraps it."""
+    from kvslim.caches.stores import make_store
+
+    stores = []
+    for sp in (spec, spec.for_values()):
+        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
+        st.write(0, torch.randn(b, h, 1024, d, generator=g))
+        stores.append(getattr(st, "inner", st))
+    return stores
+
+
 @pytest.mark.parametrize("kind", ["kivi4", "int8", "int4"])
 @pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
 def test_quant_decode_page_list(kind, backend, monkeypatch):
     """``kvslim::quant_decode`` with a page list (rows read in place) equals the op over the same rows gathered
     (C++: every score/value path; the twin and the Triton kernels under the interpreter read the gathered rows)."""
     from kvslim.caches.spec import StoreSpec
-    from kvslim.caches.stores import make_store
     from kvslim.kernels import quant_decode as qd
 
     if backend == "cpp" and not qd.available():
@@ -307,12 +319,7 @@ def test_quant_decode_page_list(kind, backend, monkeypatch):
             "int8": StoreSpec(8, 32), "int4": StoreSpec(4, 32, asymmetric=True)}[kind]
     g = torch.Generator().manual_seed(0)
     b, h, grp, d, page = 2, 3, 2, 64, 64
-    stores = []
-    for sp in (spec, spec.for_values()):
-        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
-        st.write(0, torch.randn(b, h, 1024, d, generator=g))
-        stores.append(getattr(st, "inner", st))
-    k, v = stores
+    k, v = _filled_key_value_stores(spec, b, h, d, g)
     pages = torch.stack([torch.randperm(14, generator=g)[:6].sort().values for _ in range(b * h)]).view(b, h, 6)
     n = 6 * page - 24  # the last page partly read (pages < 14: the residual store has coded 960 of 1,024 rows)
     q = torch.randn(b, h, grp, d, generator=g)
@@ -337,7 +344,6 @@ def test_quant_decode_page_list(kind, backend, monkeypatch):
 def test_quant_decode_lowbit_page_list(kivi, backend, monkeypatch):
     """``kvslim::quant_decode_lowbit`` (int3/int2 codes) with a page list equals the op over the gathered rows."""
     from kvslim.caches.spec import StoreSpec
-    from kvslim.caches.stores import make_store
     from kvslim.kernels import quant_decode_lowbit as ql
     from kvslim.kernels.quant_decode import paged_rows
 
@@ -348,12 +354,7 @@ def test_quant_decode_lowbit_page_list(kivi, backend, monkeypatch):
                      flush=64 if kivi else 1, value_bits=2, value_rotation="hadamard")
     g = torch.Generator().manual_seed(1)
     b, h, grp, d, page = 2, 2, 3, 64, 64
-    stores = []
-    for sp in (spec, spec.for_values()):
-        st = make_store(sp, torch.zeros(b, h, 1, d), 1024)
-        st.write(0, torch.randn(b, h, 1024, d, generator=g))
-        stores.append(getattr(st, "inner", st))
-    k, v = stores
+    k, v = _filled_key_value_stores(spec, b, h, d, g)
     pages = torch.stack([torch.randperm(14, generator=g)[:5].sort().values for _ in range(b * h)]).view(b, h, 5)
     n = 5 * page - 40
     q = torch.randn(b, h, grp, d, generator=g)
