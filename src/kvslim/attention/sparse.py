@@ -80,9 +80,10 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
         with _serial(query.device):
             idx = select_pages(h, q)
             picked = _picked(h, idx)
-        out = _coded(h, picked, query, scaling) if h.fused is not None else _dense(h, picked, query, scaling)
-        if out is not None:
-            return out
+        if h.fused is None:
+            return _dense(picked, query, scaling)
+        if picked is not None:  # None: a format whose op reads per-slot tables (the twin below)
+            return quant.decode(picked, query, None, scaling)
     else:
         idx = select_pages(h, q)
     return reference(h, query, attention_mask, scaling, rows_of(h, idx))
@@ -203,11 +204,6 @@ def _in_place(f, page: int) -> bool:
             and ql._backend("cpu") == "cpp")
 
 
-def _coded(h: SparseKV, g, query: torch.Tensor, scaling) -> torch.Tensor | None:
-    """The fused decode op over the gathered codes (``None``: the twin takes it)."""
-    return None if g is None else quant.decode(g, query, None, scaling)
-
-
 def _temporal(h: SparseKV, rows: torch.Tensor, total: int) -> torch.Tensor:
     """Region rows (B, H, R) -> positions in the layer's temporal order (B, H, R + outside rows): the sinks before
     the region, the chosen rows, everything after the region (the window, the step's token)."""
@@ -236,7 +232,7 @@ def _mask_rows(attention_mask, pos: torch.Tensor, total: int) -> torch.Tensor | 
     return mask[:, None, :].expand(mask.shape[0], hk, total).gather(2, pos.expand(mask.shape[0], hk, r))[:, :, None]
 
 
-def _dense(h: SparseKV, kv, query: torch.Tensor, scaling) -> torch.Tensor:
+def _dense(kv, query: torch.Tensor, scaling) -> torch.Tensor:
     """A dense layer: SDPA over the chosen pages and every row after them (the rest of the region, the step's
     token), the G query heads of a KV head packed as query rows (the dense full read's packed-GQA path)."""
     k, v = kv

@@ -223,14 +223,15 @@ def ring_handle(k_store: TensorStore, v_store: TensorStore, length: int, window:
                    lead=0 if evicted is None else 1)
 
 
-def markers(h: FusedKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two NaN zero-stride (B, H, tokens, D) tensors shaped like the step's K/V, carrying ``h``."""
+def markers(h, like: torch.Tensor, attr: str = ATTR) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two NaN zero-stride (B, H, ``h.tokens``, D) tensors shaped like the step's K/V, carrying handle ``h`` as
+    attribute ``attr`` (a :class:`FusedKV` here; sparse decode's handle under its own name)."""
     b, heads, _, d = like.shape
     nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
     out = []
     for _ in range(2):  # two views of one NaN scalar, each carrying h
         m = nan.expand(b, heads, h.tokens, d)
-        setattr(m, ATTR, h)
+        setattr(m, attr, h)
         out.append(m)
     return out[0], out[1]
 

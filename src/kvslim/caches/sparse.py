@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused import markers
+
 SCORES = ("meanstd", "minmax")
 SELECTS = ("step", "prompt")
 #: rows always read outright by a layer that keeps no full-precision window of its own (dense, int8): the most
@@ -239,17 +241,13 @@ class SparseKV:
         return self.fused.tokens if self.fused is not None else self.keys.shape[2]
 
 
+SPARSE_ATTR = "_kvslim_sparse"
+
+
 def sparse_of(key: torch.Tensor) -> SparseKV | None:
-    return getattr(key, "_kvslim_sparse", None)
+    return getattr(key, SPARSE_ATTR, None)
 
 
 def sparse_markers(h: SparseKV, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two NaN zero-stride (B, H, tokens, D) tensors carrying ``h`` (and its fused handle, if any)."""
-    b, heads, _, d = like.shape
-    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-    out = []
-    for _ in range(2):
-        m = nan.expand(b, heads, h.tokens, d)
-        m._kvslim_sparse = h
-        out.append(m)
-    return out[0], out[1]
+    return markers(h, like, SPARSE_ATTR)
