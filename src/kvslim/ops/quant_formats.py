@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 PACKED_BITS = (2, 3, 4, 8)
@@ -59,22 +61,15 @@ def unpack_codes(packed: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
     return table.index_select(0, index).view(shape)
 
 
-_TABLES: dict[tuple[int, bool], torch.Tensor] = {}
-
-
+@functools.cache
 def _unpack_table(bits: int, signed: bool) -> torch.Tensor:
     """The codes of every byte (2, 4 bits: (256, 8/bits)) or 12-bit half word (3 bits: (4096, 4)), CPU, built once
     by :func:`unpack_codes_reference` (a constant of the format, not state)."""
-    key = (bits, signed)
-    if key not in _TABLES:
-        if bits == 3:  # a 12-bit half holds 4 codes: as the low half of a 3-byte word
-            half = torch.arange(4096, dtype=torch.int32, device="cpu")
-            words = torch.stack((half & 0xFF, half >> 8, torch.zeros_like(half)), dim=-1).to(torch.uint8)
-            _TABLES[key] = unpack_codes_reference(words, 3, signed)[:, :4].contiguous()
-        else:
-            _TABLES[key] = unpack_codes_reference(torch.arange(256, dtype=torch.uint8, device="cpu")[:, None], bits,
-                                                  signed)
-    return _TABLES[key]
+    if bits == 3:  # a 12-bit half holds 4 codes: as the low half of a 3-byte word
+        half = torch.arange(4096, dtype=torch.int32, device="cpu")
+        words = torch.stack((half & 0xFF, half >> 8, torch.zeros_like(half)), dim=-1).to(torch.uint8)
+        return unpack_codes_reference(words, 3, signed)[:, :4].contiguous()
+    return unpack_codes_reference(torch.arange(256, dtype=torch.uint8, device="cpu")[:, None], bits, signed)
 
 
 def unpack_codes_reference(packed: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
