@@ -114,8 +114,8 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
                         s = s_head.sum(1)
                     elif rule == "max":
                         s = s_head.max(1).values
-                    elif rule == "softmax":
-                        s = torch.softmax(s_head * scale, -1).sum(1)
+                    elif rule == "softmax":  # log of the group's summed estimated attentions (no underflow ties)
+                        s = torch.log_softmax(s_head * scale, -1).logsumexp(1)
                     elif rule == "exact":
                         s = exact.max(1).values
                     elif rule == "oracle":

@@ -23,41 +23,52 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..caches.sparse import FP16_MAX, SparseKV
+from ..caches.sparse import SparseKV
 from ..caches.turbo import TurboStore
 from . import quant
 
 
-def page_scores(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries against (B, H, P, 2D) fp16 page boxes ``[c | r]`` -> (B, H, P) scores summed over
-    the group: ``Σ_g q_g·c + |q_g|·r`` as one product, in the boxes' fp16 (a ranking: converting the boxes to fp32
-    first cost 2-3× the product at 8 × 32k; fp16 keeps 11 bits of each score, ties broken by position)."""
-    qq = torch.cat((q, q.abs()), dim=-1).sum(dim=2)[..., None]  # Σ_g first: (B, H, 2D, 1)
-    qq = qq.clamp(-FP16_MAX, FP16_MAX).to(boxes.dtype)
-    return torch.matmul(boxes, qq)[..., 0].float()  # boxes as stored (a slice of their buffer), then fp32 scores
+def head_bounds(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries against (B, H, P, 2D) page boxes ``[c | r]`` -> (B, H, G, P) fp32: each query
+    head's bound ``q·c + |q|·r`` (the largest ``q·k`` a key inside the box can give), computed in fp32 (the boxes
+    converted as they are read: fp16 products lose the ranking under Qwen-like key offsets)."""
+    qq = torch.cat((q, q.abs()), dim=-1)  # (B, H, G, 2D)
+    return torch.matmul(qq, boxes.float().transpose(-1, -2))
 
 
-def select(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes -> (B, H, P) fp32 scores, one per page for the KV head's
+    group: each query head's bounds made an estimated attention over the pages (a log-softmax at the step's
+    ``scaling``), combined over the group as the log of their sum (``logsumexp``: the ranking of the summed
+    attentions, without the underflow that ties every page a head does not look at). A head that retrieves (its
+    attention on one page) keeps that page near the top however the other heads of its group spread theirs;
+    summing the raw bounds let the group's larger-normed heads outvote it (measured:
+    ``benchmarks/bench_sparse_select.py``, docs/sparse.md)."""
+    return torch.log_softmax(head_bounds(q, boxes) * scaling, dim=-1).logsumexp(dim=2)
+
+
+def select(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Region rows a step reads: (B, H, R) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
-    return rows_of(h, select_pages(h, q))
+    return rows_of(h, select_pages(h, q, scaling))
 
 
-def select_pages(h: SparseKV, q: torch.Tensor) -> torch.Tensor:
-    """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32)."""
-    st, spec = h.stats, h.stats.spec
+def select_pages(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32; ``scaling``:
+    the attention's, default ``D ** -0.5``). With ``select="prompt"`` the cache hands the choice to read
+    (``h.kept``, pages completed since appended) or a buffer of its own to write a new choice into."""
+    spec = h.stats.spec
     n_pages = h.pages
-    kept = st.kept
-    if spec.select == "prompt" and kept is not None and kept[1] <= n_pages:
-        idx, since = kept
-        new = torch.arange(since, n_pages, device=q.device).expand(*idx.shape[:2], n_pages - since)
-        idx = torch.cat((idx, new), dim=-1)
-    else:
-        scores = page_scores(q, st.boxes[:, :, :n_pages])
-        if spec.sinks_in_pages:
-            scores[..., 0] = float("inf")
-        idx = scores.topk(min(spec.pages, n_pages), dim=-1).indices.sort(dim=-1).values
-        if spec.select == "prompt":
-            st.kept = (idx, n_pages)
+    if h.kept is not None and not h.choose:
+        since = h.stats.kept_pages
+        new = torch.arange(since, n_pages, device=q.device).expand(*h.kept.shape[:2], n_pages - since)
+        return torch.cat((h.kept, new), dim=-1)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    scores = page_scores(q, h.stats.boxes[:, :, :n_pages], scaling)
+    if spec.sinks_in_pages:
+        scores[..., 0] = float("inf")
+    idx = scores.topk(min(spec.pages, n_pages), dim=-1).indices.sort(dim=-1).values
+    if h.kept is not None:
+        h.kept.copy_(idx)  # the cache's buffer (its shape and page count were set by the cache, on the host)
     return idx
 
 
@@ -76,35 +87,16 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     b, heads, _, d = query.shape
     hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
+    idx = select_pages(h, q, scaling)
     if attention_mask is None:
-        with _serial(query.device):
-            idx = select_pages(h, q)
-            picked = _picked(h, idx)
+        picked = _picked(h, idx)
         if h.fused is None:
             return _dense(picked, query, scaling)
         if picked is not None:  # None: a format whose op reads per-slot tables (the twin below)
-            return quant.decode(picked, query, None, scaling)
-    else:
-        idx = select_pages(h, q)
+            out = quant.decode(picked, query, None, scaling)
+            if out is not None:  # None: a store the fused op declines (the twin below, over the same rows)
+                return out
     return reference(h, query, attention_mask, scaling, rows_of(h, idx))
-
-
-class _serial:
-    """The selection and the page gathers (a dozen small ops) on one CPU thread: with two threads each op is a
-    parallel region whose wake-up of the other thread measured ~10 ms on the shared 2-core machine (a profile of
-    one int4 8 × 32k step: 10 regions, ~10 ms each), more than the work. The attention op after them runs on all
-    threads (one region). CUDA: nothing changes."""
-
-    def __init__(self, device: torch.device):
-        self.threads = torch.get_num_threads() if device.type == "cpu" else 1
-
-    def __enter__(self):
-        if self.threads > 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        if self.threads > 1:
-            torch.set_num_threads(self.threads)
 
 
 def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int], out=None) -> torch.Tensor:
@@ -253,7 +245,7 @@ def reference(h: SparseKV, query: torch.Tensor, attention_mask, scaling, rows: t
     scaling = d ** -0.5 if scaling is None else float(scaling)
     q = query.float().reshape(b, hk, heads // hk, d)
     if rows is None:
-        rows = select(h, q)
+        rows = select(h, q, scaling)
     pos = _temporal(h, rows, total)
     k, v = _gather_rows(keys, pos).float(), _gather_rows(values, pos).float()
     scores = torch.einsum("bhgd,bhtd->bhgt", q, k) * scaling

@@ -88,7 +88,7 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         if self.page_stats is not None:
             self.page_stats.write(start, key_states)
             if key_states.shape[2] != 1:
-                self.page_stats.kept = None  # select="prompt": chosen again at the next step
+                self.page_stats.kept_pages = None  # select="prompt": chosen again at the next step
             else:
                 h = self._sparse_step(start, key_states, value_states)
                 if h is not None:
@@ -111,14 +111,18 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
                 return None
             reads = functools.partial(self._reads, start, key_states, value_states)
             h = fused.append_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
-            n, tail = h.n, h.tokens - h.n - st.offset
-            pages = candidate_pages(n, tail, sp, st.complete)
-            return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool) if pages > sp.pages else None
+            n = h.n
+            pages = candidate_pages(n, h.tokens - n, sp, st.complete)  # the sinks count among the rows read outright
+            if pages <= sp.pages:
+                return None
+            kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device)
+            return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool, kept=kept, choose=kept is None or choose)
         pages = candidate_pages(end - 1, 1, sp, st.complete)
         if pages <= sp.pages:
             return None
+        kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device)
         return SparseKV(st, end - 1, pages, keys=self.k_store.read(0, end), values=self.v_store.read(0, end),
-                        scratch=self.scratch_pool)
+                        scratch=self.scratch_pool, kept=kept, choose=kept is None or choose)
 
     def _reads(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,5 +212,5 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
         self._sync_host()
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         self._note_length()
-        if self.page_stats is not None:
-            self.page_stats.rewind(self.cumulative_length)
+        if self.page_stats is not None:  # a crop inside a page: its sums rebuilt from the rows (k_store still has them)
+            self.page_stats.rewind(self.cumulative_length, lambda a, b: self.k_store.read(a, b))

@@ -79,8 +79,10 @@ def check_sparse_options(budget, page, score, select) -> None:
 
 
 def candidate_pages(n: int, tail: int, spec: SparseSpec, complete: int) -> int:
-    """Complete pages of a region of ``n`` rows followed by ``tail`` rows that are candidates: the newest
-    ``spec.window`` rows (the tail counted) are read outright, so are the rows of a page not yet complete."""
+    """Complete pages of a region of ``n`` rows that are candidates, ``tail``: every row a step reads outright
+    besides the region (the layer's sinks, its full-precision window, the step's token). The newest rows up to
+    ``spec.window`` read outright in all (the tail counted) and the rows of a page not yet complete are not
+    candidates, so a step reads at most ``spec.budget + spec.page − 1`` rows."""
     return max(0, min(complete, (n + tail - spec.window) // spec.page))
 
 
@@ -104,8 +106,11 @@ class PageStats:
         self.boxes: torch.Tensor | None = None  # (B, H, pages, 2D) fp16: [centre | radius] per page
         self.acc: torch.Tensor | None = None
         self.length = 0  # tokens of the paged region written (complete pages = length // page)
-        self.kept: tuple[torch.Tensor, int] | None = None  # select="prompt": (pages (B, H, k), pages then)
-        self.broken = False  # a rewind into a page: statistics incomplete until reset (the layer reads all)
+        # select="prompt": the pages chosen at the first step after a multi-token call (B, H, k) int64, a buffer the
+        # cache owns (attention writes the choice into it), and the page count then (host); None: choose again
+        self.kept: torch.Tensor | None = None
+        self.kept_pages: int | None = None
+        self.broken = False  # a rewind into a page with no reader: statistics incomplete until reset (reads all)
 
     @property
     def complete(self) -> int:
@@ -113,18 +118,41 @@ class PageStats:
 
     def reset(self) -> None:
         self.length = 0
-        self.kept = None
+        self.kept_pages = None
         self.broken = False
 
-    def rewind(self, tokens: int) -> None:
-        """Forget everything from token ``tokens`` on (a crop). Complete pages before it stay; a rewind into a page
-        loses that page's running sums (its keys are not kept in full precision), so the layer reads everything
-        (``broken``) until it is reset."""
+    def choice(self, pages: int, batch: int, heads: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+        """What a step of ``pages`` candidate pages does with ``select="prompt"``: ``(kept pages, False)`` to read
+        the choice made earlier (pages completed since are read whole), ``(buffer, True)`` to choose and write the
+        choice into the cache's buffer (recorded here, on the host, before attention runs), ``(None, False)`` for
+        ``select="step"``."""
+        if self.spec.select != "prompt":
+            return None, False
+        if self.kept_pages is not None and self.kept_pages <= pages:
+            return self.kept, False
+        k = min(self.spec.pages, pages)
+        if self.kept is None or self.kept.shape != (batch, heads, k) or self.kept.device != device:
+            self.kept = torch.zeros(batch, heads, k, dtype=torch.int64, device=device)
+        self.kept_pages = pages
+        return self.kept, True
+
+    def rewind(self, tokens: int, reader=None) -> None:
+        """Forget everything from token ``tokens`` on (a crop). Complete pages before it stay. A rewind into a page
+        rebuilds that page's running sums from its rows, ``reader(start, end)`` -> keys (B, H, end − start, D) of
+        the layer (full precision where the layer keeps them: the residual window, a dense cache; else its
+        dequantized rows); without a reader the layer reads everything (``broken``) until it is reset."""
         keep = max(0, tokens - self.offset)
-        if keep < self.length:
-            self.length = keep // self.spec.page * self.spec.page
-            self.broken = self.broken or keep != self.length
-        self.kept = None
+        self.kept_pages = None
+        if keep >= self.length:
+            return
+        first = keep // self.spec.page * self.spec.page
+        self.length = first
+        if keep == first:
+            return
+        if reader is None or self.broken or self.acc is None:
+            self.broken = True
+            return
+        self.write(self.offset + first, reader(self.offset + first, self.offset + keep))
 
     @property
     def centre(self) -> torch.Tensor:
@@ -153,7 +181,7 @@ class PageStats:
             return
         if lo < self.length:
             self.rewind(lo + self.offset)
-        if lo != self.length:  # a rewind into a page: its running sums are gone
+        if lo != self.length:  # a write that skips tokens, or a rewind into a page without a reader
             self.broken = True
         if self.broken:
             return
@@ -205,7 +233,7 @@ class PageStats:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
-        self.kept = None
+        self.kept_pages = None
 
     def nbytes(self) -> int:
         """Bytes of the complete pages' statistics (the running sums of the page being filled not counted: a
@@ -235,6 +263,8 @@ class SparseKV:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scratch: object | None = None  # the cache's ScratchPool: reused buffers for the gathered pages
+    kept: torch.Tensor | None = None  # select="prompt": the chosen pages (B, H, k), to read or to write
+    choose: bool = True  # choose the pages (and write them into ``kept`` when it is given)
 
     @property
     def tokens(self) -> int:

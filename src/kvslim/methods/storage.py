@@ -156,8 +156,9 @@ class StorageMethod(Method):
             allowed = {"chunk"}
         unknown = set(options) - allowed
         if unknown:
+            sparse = set() if self.windowed else set(sparse_options.SPARSE_OPTIONS)  # a ring takes none of them
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
-                             f"{sorted(allowed)}")
+                             f"{sorted(allowed | sparse)}")
         check_full_precision(options, self.defaults)
         merged = dict(self.defaults)
         if "window" in options and options["window"] is not None:

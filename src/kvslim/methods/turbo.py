@@ -74,7 +74,7 @@ class TurboMethod(StorageMethod):
         unknown = set(options) - TURBO_OPTIONS
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: "
-                             f"{sorted(TURBO_OPTIONS)}")
+                             f"{sorted(TURBO_OPTIONS | set(sparse_options.SPARSE_OPTIONS))}")
         options = dict(options)
         check_full_precision(options, self.defaults)
         rope = self._rope_mode(options)
