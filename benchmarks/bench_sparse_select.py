@@ -79,6 +79,7 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
             dense_layers: int) -> dict:
     """Per (rule, page, budget): attention mass kept and the needle pages' ranks (see the module docstring)."""
     out: dict = {}
+    memo: dict = {}
     for i, call in enumerate(calls):
         layer = call["layer"]
         if layer < dense_layers:
@@ -103,7 +104,9 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
             needle_pages = sorted({t // page for t in range(lo, hi) if t // page < n_pages})
             exact = logits[..., : n_pages * page].reshape(hk, g, n_pages, page).amax(-1)  # (Hk, G, P)
             for score in ("meanstd", "minmax"):
-                box = boxes(keys_h, page, score)[:, :n_pages]
+                if (layer, page, score) not in memo:
+                    memo[(layer, page, score)] = boxes(keys_h, page, score)[:, :n_pages]
+                box = memo[(layer, page, score)]
                 c, r = box[:, :, 0], box[:, :, 1]
                 s_head = (torch.einsum("hgd,hpd->hgp", q.view(hk, g, d), c)
                           + torch.einsum("hgd,hpd->hgp", q.view(hk, g, d).abs(), r))

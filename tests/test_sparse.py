@@ -103,8 +103,9 @@ def test_step_matches_float64_oracle(model, method, score):
     twin = attn.reference(h, q, None, scaling)
     torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-5)
     if method in ("int8", "int4", "int3", "int2"):  # the C++ ops read the chosen pages in place (no copy)
-        picked = attn._picked(h, attn.select_pages(h, q.float().reshape(b, hk, heads // hk, d)))
-        assert picked.pages is not None and picked.k is h.fused.k
+        from kvslim.kernels import quant_decode as qd
+
+        assert attn._in_place(h.fused, h.stats.spec.page) == (qd._backend("cpu") == "cpp")
     # the rows read: the budget's pages plus the rest of the region and the tail, never more than budget + page
     rows = attn.select(h, q.float().reshape(b, hk, heads // hk, d))
     read = rows.shape[-1] + h.stats.offset + (h.tokens - h.n - h.stats.offset)
@@ -183,7 +184,7 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
     kvslim.apply(model, method, sparse_budget=256)
     calls = []
     original = attn.select_pages
-    attn.select_pages = lambda h, *a: calls.append(h.pages) or original(h, *a)
+    attn.select_pages = lambda h, *a, **kw: calls.append(h.pages) or original(h, *a, **kw)
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)

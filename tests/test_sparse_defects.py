@@ -165,7 +165,7 @@ def test_sparse_generate_leaves_the_thread_count_alone(model, monkeypatch):
     kvslim.apply(model, "int4", sparse_budget=256)
     seen = []
     original = attn.select_pages
-    monkeypatch.setattr(attn, "select_pages", lambda h, *a: seen.append(1) or original(h, *a))
+    monkeypatch.setattr(attn, "select_pages", lambda h, *a, **kw: seen.append(1) or original(h, *a, **kw))
     try:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     finally:

@@ -25,26 +25,20 @@ import torch.nn.functional as F
 
 from ..caches.sparse import SparseKV
 from ..caches.turbo import TurboStore
+from ..kernels import sparse_select
 from . import quant
-
-
-def head_bounds(q: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries against (B, H, P, 2D) page boxes ``[c | r]`` -> (B, H, G, P) fp32: each query
-    head's bound ``q·c + |q|·r`` (the largest ``q·k`` a key inside the box can give), computed in fp32 (the boxes
-    converted as they are read: fp16 products lose the ranking under Qwen-like key offsets)."""
-    qq = torch.cat((q, q.abs()), dim=-1)  # (B, H, G, 2D)
-    return torch.matmul(qq, boxes.float().transpose(-1, -2))
 
 
 def page_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor:
     """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes -> (B, H, P) fp32 scores, one per page for the KV head's
-    group: each query head's bounds made an estimated attention over the pages (a log-softmax at the step's
-    ``scaling``), combined over the group as the log of their sum (``logsumexp``: the ranking of the summed
-    attentions, without the underflow that ties every page a head does not look at). A head that retrieves (its
-    attention on one page) keeps that page near the top however the other heads of its group spread theirs;
-    summing the raw bounds let the group's larger-normed heads outvote it (measured:
-    ``benchmarks/bench_sparse_select.py``, docs/sparse.md)."""
-    return torch.log_softmax(head_bounds(q, boxes) * scaling, dim=-1).logsumexp(dim=2)
+    group: each query head's bound ``q·c + |q|·r`` (fp32; fp16 products lose the ranking under Qwen-like key
+    offsets) made an estimated attention over the pages (a log-softmax at the step's ``scaling``), combined over
+    the group as the log of their sum (``logsumexp``: the ranking of the summed attentions, without the underflow
+    that ties every page a head does not look at). A head that retrieves (its attention on one page) keeps that
+    page near the top however the other heads of its group spread theirs; summing the raw bounds let the group's
+    larger-normed heads outvote it (measured: ``benchmarks/bench_sparse_select.py``, docs/sparse.md). The torch
+    form; ``kvslim::sparse_select`` computes the same in one call."""
+    return sparse_select.scores(q, boxes, scaling)
 
 
 def select(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -52,23 +46,21 @@ def select(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.
     return rows_of(h, select_pages(h, q, scaling))
 
 
-def select_pages(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-    """The pages a step reads: (B, H, k) int64 on the device, ascending (``q``: (B, H, G, D) fp32; ``scaling``:
-    the attention's, default ``D ** -0.5``). With ``select="prompt"`` the cache hands the choice to read
-    (``h.kept``, pages completed since appended) or a buffer of its own to write a new choice into."""
+def select_pages(h: SparseKV, q: torch.Tensor, scaling: float | None = None, rest: int = 0) -> torch.Tensor:
+    """The pages a step reads: (B, H, k + rest) int64 on the device, the chosen ``k`` ascending, then the ``rest``
+    pages after the candidates (``q``: (B, H, G, D) fp32; ``scaling``: the attention's, default ``D ** -0.5``).
+    One ``kvslim::sparse_select`` call on CPU (the torch twin elsewhere). With ``select="prompt"`` the cache hands
+    the choice to read (``h.kept``, pages completed since appended) or a buffer of its own to write a new one into."""
     spec = h.stats.spec
     n_pages = h.pages
     if h.kept is not None and not h.choose:
         since = h.stats.kept_pages
-        new = torch.arange(since, n_pages, device=q.device).expand(*h.kept.shape[:2], n_pages - since)
+        new = torch.arange(since, n_pages + rest, device=q.device).expand(*h.kept.shape[:2], n_pages + rest - since)
         return torch.cat((h.kept, new), dim=-1)
     scaling = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    scores = page_scores(q, h.stats.boxes[:, :, :n_pages], scaling)
-    if spec.sinks_in_pages:
-        scores[..., 0] = float("inf")
-    idx = scores.topk(min(spec.pages, n_pages), dim=-1).indices.sort(dim=-1).values
+    idx = sparse_select.sparse_select(q, h.stats.boxes, n_pages, spec.pages, scaling, spec.sinks_in_pages, rest)
     if h.kept is not None:
-        h.kept.copy_(idx)  # the cache's buffer (its shape and page count were set by the cache, on the host)
+        h.kept.copy_(idx[..., :h.kept.shape[-1]])  # the cache's buffer (its shape and page count set by the cache)
     return idx
 
 
@@ -87,6 +79,18 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     b, heads, _, d = query.shape
     hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
+    p = h.stats.spec.page
+    if attention_mask is None and h.fused is not None and _in_place(h.fused, p):
+        # int8/int4/int3/int2 on the C++ ops: one call chooses the pages and lists the region's rest after them,
+        # one call attends through the list (the codes read where they are)
+        lo = h.pages * p
+        listed = select_pages(h, q, scaling, rest=-(-(h.n - lo) // p))
+        k = listed.shape[-1] - -(-(h.n - lo) // p)
+        f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, pages=listed, page=p)
+        out = quant.decode(f, query, None, scaling)
+        if out is not None:
+            return out
+        return reference(h, query, None, scaling, rows_of(h, listed[..., :k]))
     idx = select_pages(h, q, scaling)
     if attention_mask is None:
         picked = _picked(h, idx)
@@ -169,11 +173,6 @@ def _picked(h: SparseKV, idx: torch.Tensor):
     if isinstance(f.k, TurboStore) and f.k.spec.rope_centred:
         return None
     rest = (h.pages * p, h.n)
-    if _in_place(f, p):  # int8/int4 on the C++ op: a page list, the codes read where they are (no copy)
-        extra = -(-(h.n - rest[0]) // p)
-        after = torch.arange(rest[0] // p, rest[0] // p + extra, device=idx.device).expand(*idx.shape[:2], extra)
-        n = idx.shape[-1] * p + h.n - rest[0]
-        return dataclasses.replace(f, n=n, lengths=None, pages=torch.cat((idx, after), dim=-1), page=p)
     k, v = _gathered(f.k, idx, p, rest, h.scratch, "sparse-k"), _gathered(f.v, idx, p, rest, h.scratch, "sparse-v")
     return dataclasses.replace(f, k=k, v=v, n=idx.shape[-1] * p + rest[1] - rest[0], lengths=None)
 

@@ -1,0 +1,63 @@
+"""A sparse decode step's page choice in one call: ``torch.ops.kvslim.sparse_select``.
+
+Per sequence and KV head: score the first ``n_pages`` page boxes against the group's G query heads in fp32 (each
+head's bound made a log-softmax over the pages, combined over the heads by ``logsumexp``:
+:func:`kvslim.attention.sparse.page_scores`), keep the ``k`` best (page 0 forced when ``force_first``), ascending,
+then append the pages ``[n_pages, n_pages + rest)`` (the region's rest, read whole). In torch that is a dozen small
+ops per layer per step (concatenation, products, two reductions, ``topk``, ``sort``, index arithmetic), each a
+parallel region costing more than its arithmetic on a CPU; the op is one region over B·H. :func:`reference` is
+the twin (the torch ops). Source: ``csrc/sparse_select.cpp``, built by :func:`kvslim.kernels.build.load_ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .build import load_ops
+
+FAMILY = "sparse_select"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.kvslim.sparse_select`` is built and loaded (one warning from the build if not)."""
+    return load_ops(FAMILY)
+
+
+def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes ``[c | r]`` -> (B, H, P) fp32: each head's bound
+    ``q·c + |q|·r`` (fp32, the boxes converted as read) scaled, log-softmax over the pages, logsumexp over the
+    group."""
+    bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), boxes.float().transpose(-1, -2))  # (B, H, G, P)
+    return torch.log_softmax(bound * scaling, dim=-1).logsumexp(dim=2)
+
+
+def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
+              rest: int) -> torch.Tensor:
+    """The op's twin: (B, H, min(k, n_pages) + rest) int64, the chosen pages ascending then the rest."""
+    s = scores(q, boxes[:, :, :n_pages], scaling)
+    if force_first and n_pages:
+        s[..., 0] = float("inf")
+    idx = s.topk(min(k, n_pages), dim=-1).indices.sort(dim=-1).values
+    if rest:
+        after = torch.arange(n_pages, n_pages + rest, device=q.device).expand(*idx.shape[:2], rest)
+        idx = torch.cat((idx, after), dim=-1)
+    return idx
+
+
+def applies(q: torch.Tensor, boxes: torch.Tensor) -> bool:
+    """CPU tensors (fp32 queries, fp16/fp32 boxes with unit last stride), not under tracing, op built."""
+    return (not torch.compiler.is_compiling() and q.device.type == "cpu" and boxes.device.type == "cpu"
+            and q.dtype == torch.float32 and boxes.dtype in (torch.float16, torch.float32) and boxes.stride(-1) == 1
+            and available())
+
+
+def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
+                  rest: int = 0) -> torch.Tensor:
+    """:func:`reference` through the C++ op where it applies (:func:`applies`), else through the twin."""
+    if applies(q, boxes):
+        return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
+                                              bool(force_first), int(rest))
+    return reference(q, boxes, n_pages, k, scaling, force_first, rest)
