@@ -50,12 +50,15 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "sparse int4 4096": ("int4", {"sparse_budget": 4096}),
     "sparse dense 2048": ("dense", {"sparse_budget": 2048}),
     "sparse int2 2048": ("int2", {"sparse_budget": 2048}),
+    "sparse int2 1024": ("int2", {"sparse_budget": 1024}),
+    "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048}),
+    "sparse turbo3 1024": ("turbo3", {"sparse_budget": 1024}),
 }
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
                "window 1024", "sparse dense 2048", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
-               "sparse int2 2048"]
+               "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024"]
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
@@ -248,6 +251,9 @@ def main() -> None:
                                                    "(a killed run resumes without prefilling it again)")
     p.add_argument("--stem", default=STEM, help="result file stem under benchmarks/results/")
     p.add_argument("--report", action="store_true", help="only rewrite .json/.md/.png from the .jsonl")
+    p.add_argument("--keep-kv", action="store_true", help="keep the prefills in --kv-dir after their cells")
+    p.add_argument("--question-by-token", action="store_true",
+                   help="feed the question one token per call (each a decode step: sparse where the cache is)")
     p.add_argument("--prefill-only", action="store_true",
                    help="only prefill each haystack into --kv-dir and keep the files (no cells): the sparse selection "
                         "study (benchmarks/bench_sparse_select.py) and later runs read them back")
@@ -280,6 +286,7 @@ def main() -> None:
             "commit": git_commit(), "threads": args.threads, "torch": torch.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "question": "token by token" if args.question_by_token else "one call",
             "command": "python " + " ".join(sys.argv)}
     if args.prefill_only:
         if args.kv_dir is None:
@@ -290,7 +297,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
         tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial,
-        kv_dir=args.kv_dir)
+        kv_dir=args.kv_dir, keep_kv=args.keep_kv, by_token=args.question_by_token)
     print(markdown(report(stem)))
 
 

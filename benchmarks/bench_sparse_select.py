@@ -31,7 +31,10 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RECENT = 128  # rows a dense layer reads outright (kvslim.caches.sparse.RECENT)
-RETRIEVAL = 0.10  # a query head is retrieving when the full read puts this much attention on the sentence's rows
+RETRIEVAL = 0.10
+#: page summaries scored: the box bound on mean ± std and on min/max boxes, a Gaussian estimate z·‖q ⊙ σ‖ beside
+#: the centre's q·c (z = 1, 2, 3), the centre alone
+SCORES = ("meanstd", "minmax", "l2z1", "l2z2", "l2z3", "l2z0")  # a query head is retrieving when the full read puts this much attention on the sentence's rows
 
 
 def record_queries(model, tok, cache, question) -> tuple[list[dict], str]:
@@ -103,14 +106,21 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
             tail_mass = att[..., n_pages * page:].sum(-1)
             needle_pages = sorted({t // page for t in range(lo, hi) if t // page < n_pages})
             exact = logits[..., : n_pages * page].reshape(hk, g, n_pages, page).amax(-1)  # (Hk, G, P)
-            for score in ("meanstd", "minmax"):
-                if (layer, page, score) not in memo:
-                    memo[(layer, page, score)] = boxes(keys_h, page, score)[:, :n_pages]
-                box = memo[(layer, page, score)]
+            for score in SCORES:
+                stats = "minmax" if score == "minmax" else "meanstd"
+                if (layer, page, stats) not in memo:
+                    memo[(layer, page, stats)] = boxes(keys_h, page, stats)[:, :n_pages]
+                box = memo[(layer, page, stats)]
                 c, r = box[:, :, 0], box[:, :, 1]
-                s_head = (torch.einsum("hgd,hpd->hgp", q.view(hk, g, d), c)
-                          + torch.einsum("hgd,hpd->hgp", q.view(hk, g, d).abs(), r))
+                qg = q.view(hk, g, d)
+                s_head = torch.einsum("hgd,hpd->hgp", qg, c)
+                if score in ("meanstd", "minmax"):  # the box bound: Σ_d |q_d| r_d
+                    s_head = s_head + torch.einsum("hgd,hpd->hgp", qg.abs(), r)
+                elif score.startswith("l2z"):  # a Gaussian estimate of the page's best q·k: z·sqrt(Σ q_d² r_d²)
+                    s_head = s_head + float(score[3:]) * torch.einsum("hgd,hpd->hgp", qg * qg, r * r).sqrt()
                 for rule in rules:
+                    if score not in ("meanstd", "minmax") and rule not in ("sum", "softmax"):
+                        continue
                     if rule == "union":
                         s = union_pages(s_head)
                     elif rule == "sum":
@@ -125,7 +135,7 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
                         s = per_page.sum(1)
                     else:
                         raise ValueError(rule)
-                    if rule in ("exact", "oracle") and score == "minmax":
+                    if rule in ("exact", "oracle") and score != "meanstd":
                         continue  # independent of the statistics
                     s = s.clone()
                     s[:, 0] = float("inf")  # page 0 holds the sinks

@@ -94,10 +94,12 @@ def correct(text: str, inst: Instance) -> bool:
 
 
 @torch.inference_mode()
-def answer(model, tokenizer, cache, question: hs.Question, max_new: int | None = None) -> tuple[str, int]:
-    """Greedy answer to ``question`` through ``cache`` (filled with the haystack): the question in one call, then one
-    token per call until :func:`settled` decides, the turn ends (EOS) or ``max_new`` tokens.
-    Returns (answer text, tokens generated)."""
+def answer(model, tokenizer, cache, question: hs.Question, max_new: int | None = None,
+           by_token: bool = False) -> tuple[str, int]:
+    """Greedy answer to ``question`` through ``cache`` (filled with the haystack): the question in one call (or,
+    ``by_token``, one token per call: every question token's attention is then a decode step, sparse where the
+    cache decodes sparsely), then one token per call until :func:`settled` decides, the turn ends (EOS) or
+    ``max_new`` tokens. Returns (answer text, tokens generated)."""
     inst = question.instance
     if max_new is None:  # twice the items and their separators, and 16 more: room for a list or a sentence
         max_new = 2 * len(tokenizer(", ".join(inst.expected), add_special_tokens=False).input_ids) + 16
@@ -105,7 +107,11 @@ def answer(model, tokenizer, cache, question: hs.Question, max_new: int | None =
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
     if im_end is not None:
         stops.add(im_end)
-    logits = model(question.ids, use_cache=True, **{CACHE_KW: cache}, logits_to_keep=1).logits[0, -1]
+    if by_token:
+        for i in range(question.ids.shape[1]):
+            logits = model(question.ids[:, i:i + 1], use_cache=True, **{CACHE_KW: cache}, logits_to_keep=1).logits[0, -1]
+    else:
+        logits = model(question.ids, use_cache=True, **{CACHE_KW: cache}, logits_to_keep=1).logits[0, -1]
     out: list[int] = []
     text = ""
     for _ in range(max_new):
@@ -150,7 +156,7 @@ def _key(r: dict) -> tuple:
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
         tasks=TASKS, units: list[str], out: Path | None = None, meta: dict | None = None,
         progress: bool = True, max_new: int | None = None, first_trial: int = 0,
-        kv_dir: Path | None = None) -> list[dict]:
+        kv_dir: Path | None = None, keep_kv: bool = False, by_token: bool = False) -> list[dict]:
     """Every ``(length, trial)`` haystack, every cache of ``caches`` (label -> builds an empty cache) and every task:
     one JSONL line each, appended to ``out`` after each cache's questions; lines already in ``out`` are skipped
     (a haystack whose lines are all there is not even built). Returns all records (old and new).
@@ -158,7 +164,8 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
     (a second process can take later trials into its own file).
 
     ``meta`` (e.g. model, filler, commit) is copied into every new record. ``kv_dir``: each haystack's prefill is
-    saved there until all its cells are written, so a run killed mid-haystack does not prefill it again."""
+    saved there until all its cells are written, so a run killed mid-haystack does not prefill it again (and kept
+    after them with ``keep_kv``). ``by_token``: the question is fed one token per call (:func:`answer`)."""
     tasks = check_tasks(tasks)
     records = read_jsonl(out) if out is not None else []
     if out is not None and Path(out).is_file() and not Path(out).read_bytes().endswith(b"\n"):
@@ -183,7 +190,7 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
                 t1 = time.perf_counter()
                 cache = fill(make(), kv)
                 nbytes = cache_nbytes(cache)
-                text, new = answer(model, tokenizer, cache, q, max_new)
+                text, new = answer(model, tokenizer, cache, q, max_new, by_token)
                 lines.append({**(meta or {}), "length": length, "trial": trial, "seed": seed, "method": label,
                               "task": q.task, "depth": q.instance.depth, "depth_measured": q.depth_measured,
                               "positions": list(q.positions), "expected": list(q.instance.expected),
@@ -197,7 +204,7 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
             bar.set_postfix_str(f"{length} #{trial} {label}: {sum(x['correct'] for x in lines)}/{len(lines)}")
             bar.update(1)
         del kv
-        if saved is not None:
+        if saved is not None and not keep_kv:
             saved.unlink(missing_ok=True)
     bar.close()
     return records
