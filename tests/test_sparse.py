@@ -183,8 +183,9 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
                          output_scores=True, return_dict_in_generate=True)
     kvslim.apply(model, method, sparse_budget=256)
     calls = []
-    original = attn.select_pages
+    original, masked = attn.select_pages, attn._masked
     attn.select_pages = lambda h, *a, **kw: calls.append(h.pages) or original(h, *a, **kw)
+    attn._masked = lambda h, *a: calls.append(h.pages) or masked(h, *a)
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
@@ -192,7 +193,7 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
         padded = model.generate(pids, attention_mask=pmask, max_new_tokens=2, do_sample=False,
                                 output_scores=True, return_dict_in_generate=True)
     finally:
-        attn.select_pages = original
+        attn.select_pages, attn._masked = original, masked
         kvslim.restore(model)
     assert len(calls) == 2 * 1 + 1 * 1  # 2 decode steps, then 1 (padded), on the one layer past sparse_dense_layers=2
     for a, b in zip(ref.scores, out.scores):

@@ -173,3 +173,58 @@ def test_sparse_generate_leaves_the_thread_count_alone(model, monkeypatch):
         real(before)
     assert seen, "no sparse step ran"
     assert calls == []
+
+
+def _masked_oracle(h, written, keys, values, q, scaling, visible):
+    """float64: statistics from the keys as ``written``; pages with no visible row never chosen; the first visible page
+    forced where the layer's sinks are padding (or it keeps them in page 0); attention over the chosen rows with
+    the mask. ``visible``: (B, T) bool."""
+    spec, off, p, npg = h.stats.spec, h.stats.offset, h.stats.spec.page, h.pages
+    b, hk, t, d = keys.shape
+    region = written[:, :, off:off + npg * p].double().reshape(b, hk, npg, p, d)
+    c, r = region.mean(3), region.std(3, unbiased=False)
+    qg = q.double().reshape(b, hk, -1, d)
+    bound = torch.einsum("bhgd,bhpd->bhgp", qg, c) + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), r)
+    score = torch.log_softmax(bound * scaling, -1).logsumexp(2)
+    seen = visible[:, off:off + npg * p].reshape(b, npg, p).any(-1)
+    out = torch.empty(b, hk, qg.shape[2], d, dtype=torch.float64)
+    for i in range(b):
+        s = score[i].clone()
+        s[:, ~seen[i]] = float("-inf")
+        if spec.sinks_in_pages or not visible[i, 0]:
+            s[:, int(seen[i].float().argmax())] = float("inf")
+        top = s.topk(min(spec.pages, npg), -1).indices
+        for j in range(hk):
+            keep = torch.zeros(t, dtype=torch.bool)
+            keep[:off] = True
+            for pg in top[j].tolist():
+                keep[off + pg * p:off + (pg + 1) * p] = True
+            keep[off + npg * p:] = True
+            keep &= visible[i]
+            w = torch.softmax(qg[i, j] @ keys[i, j, keep].double().T * scaling, -1)
+            out[i, j] = w @ values[i, j, keep].double()
+    return out.reshape(b, 1, -1, d)
+
+
+@pytest.mark.parametrize("method", ["dense", "int8", "int4", "int2"])
+def test_padded_batch_step_matches_oracle_without_reading_everything(model, method):
+    """A left-padded batch's sparse step: padding pages never chosen, the padded row's first real page stands in
+    for its sinks, the chosen rows alone are read (the layer's full dequantized read is never made) and the step
+    matches a float64 oracle with the mask (it used to read everything through the twin, slower than no sparse)."""
+    layer = _layer(model, method, sparse_budget=256, sparse_dense_layers=0)
+    written, h = _fill(layer, 2, 2, 16, prompt=700)
+    if h.fused is not None:
+        full_k, full_v = h.fused.materialize()
+
+        def refuse():
+            raise AssertionError("the masked step read the whole layer")
+
+        h.fused = type(h.fused)(**{**h.fused.__dict__, "materialize": refuse})
+    else:
+        full_k, full_v = h.keys, h.values
+    visible = torch.ones(2, 701, dtype=torch.bool)
+    visible[1, :150] = False  # row 1 is left-padded by 150 tokens
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    out = attn.decode(h, q, visible[:, None, None, :], 0.25)
+    ref = _masked_oracle(h, written, full_k, full_v, q, 0.25, visible)
+    torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-5)

@@ -91,16 +91,75 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
         if out is not None:
             return out
         return reference(h, query, None, scaling, rows_of(h, listed[..., :k]))
+    if attention_mask is not None:
+        return _masked(h, query, q, attention_mask, scaling)
     idx = select_pages(h, q, scaling)
-    if attention_mask is None:
-        picked = _picked(h, idx)
-        if h.fused is None:
-            return _dense(picked, query, scaling)
-        if picked is not None:  # None: a format whose op reads per-slot tables (the twin below)
-            out = quant.decode(picked, query, None, scaling)
-            if out is not None:  # None: a store the fused op declines (the twin below, over the same rows)
-                return out
-    return reference(h, query, attention_mask, scaling, rows_of(h, idx))
+    picked = _picked(h, idx)
+    if h.fused is None:
+        return _dense(picked, query, scaling)
+    if picked is not None:  # None: a format whose op reads per-slot tables (the twin below)
+        out = quant.decode(picked, query, None, scaling)
+        if out is not None:  # None: a store the fused op declines (the twin below, over the same rows)
+            return out
+    return reference(h, query, None, scaling, rows_of(h, idx))
+
+
+def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, scaling) -> torch.Tensor:
+    """A step with an attention mask (a padded batch): pages wholly masked are never chosen, each row's first
+    visible page is forced (its sinks: a left-padded row's real first tokens), and the chosen rows alone are read
+    (a coded layer dequantizes only them) and attended with the mask gathered to them."""
+    total = h.tokens
+    mask = quant.additive_mask(attention_mask, total)
+    if mask is False:
+        raise ValueError("sparse decode: an attention mask of this shape is not supported (one query token, "
+                         f"(B, 1, 1, {total}) expected), got {tuple(attention_mask.shape)}")
+    spec, off, p = h.stats.spec, h.stats.offset, h.stats.spec.page
+    b = q.shape[0]
+    visible = torch.isfinite(mask).expand(b, total)[:, off:off + h.pages * p].reshape(b, h.pages, p)
+    page_seen = visible.any(-1)  # (B, P): a page with a visible row
+    first_page = page_seen.float().argmax(-1)  # (B,): the first page holding a visible row
+    scaling_f = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
+    scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
+    # the sinks: page 0 where the layer keeps them in its pages, else its own full-precision sinks; a row whose
+    # first tokens are padding gets its first visible page instead
+    force = torch.full((b,), spec.sinks_in_pages, dtype=torch.bool, device=q.device)
+    if off:
+        force |= ~torch.isfinite(mask).expand(b, total)[:, 0]
+    hit = first_page.view(b, 1, 1).expand(b, scores.shape[1], 1)
+    now = scores.gather(2, hit)
+    scores.scatter_(2, hit, torch.where(force.view(b, 1, 1), torch.full_like(now, float("inf")), now))
+    idx = scores.topk(min(spec.pages, h.pages), dim=-1).indices.sort(dim=-1).values
+    rows = rows_of(h, idx)
+    reads = _chosen_reads(h, idx)
+    return reference(h, query, attention_mask, scaling, rows, reads)
+
+
+def _chosen_reads(h: SparseKV, idx: torch.Tensor):
+    """(keys, values) (B, H, R, D) of the rows a step reads, in temporal order (sinks, chosen pages, the region's
+    rest, the tail), dequantizing only those rows; ``None`` where only the layer's full reads can say (turbo
+    codes, rings)."""
+    from ..caches.storage import QuantizedStore
+
+    f = h.fused
+    if f is None:
+        return None
+    if not (isinstance(f.k, QuantizedStore) and isinstance(f.v, QuantizedStore)) or f.ring is not None \
+            or f.columns is not None or f.static or f.k_tail is None:
+        return None
+    p = h.stats.spec.page
+    rest = (h.pages * p, h.n)
+    n = idx.shape[-1] * p + h.n - rest[0]
+    gk, gv = _gathered(f.k, idx, p, rest, None, ""), _gathered(f.v, idx, p, rest, None, "")
+    rk, rv = gk.read(0, n).float(), gv.read(0, n).float()
+    kt, vt = f.k_tail.float(), f.v_tail.float()
+    if f.k_tail_rotated:
+        kt = kt @ f.k.rotation.T.float()
+    if f.v_tail_rotated:
+        vt = vt @ f.v.rotation.T.float()
+    lead = f.lead
+    return (torch.cat((kt[:, :, :lead], rk, kt[:, :, lead:]), dim=2),
+            torch.cat((vt[:, :, :lead], rv, vt[:, :, lead:]), dim=2))
 
 
 def take_pages(t: torch.Tensor, idx: torch.Tensor, page: int, rest: tuple[int, int], out=None) -> torch.Tensor:
@@ -234,19 +293,25 @@ def _dense(kv, query: torch.Tensor, scaling) -> torch.Tensor:
     return out.reshape(b, heads, 1, v.shape[-1]).transpose(1, 2).contiguous()
 
 
-def reference(h: SparseKV, query: torch.Tensor, attention_mask, scaling, rows: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def reference(h: SparseKV, query: torch.Tensor, attention_mask, scaling, rows: torch.Tensor | None = None,
+              reads: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The twin: the layer's full reads (dequantized; ``FusedKV.materialize``), the chosen rows gathered, fp32
-    softmax attention. ``rows``: the region rows to read (default: :func:`select`'s choice)."""
-    keys, values = h.fused.materialize() if h.fused is not None else (h.keys, h.values)
+    softmax attention. ``rows``: the region rows to read (default: :func:`select`'s choice); ``reads``: the keys
+    and values of exactly those rows in temporal order, when the caller has them (nothing else dequantized)."""
     b, heads, _, d = query.shape
-    hk, total = keys.shape[1], keys.shape[2]
     scaling = d ** -0.5 if scaling is None else float(scaling)
-    q = query.float().reshape(b, hk, heads // hk, d)
     if rows is None:
-        rows = select(h, q, scaling)
+        hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
+        rows = select(h, query.float().reshape(b, hk, heads // hk, d), scaling)
+    total = h.tokens
     pos = _temporal(h, rows, total)
-    k, v = _gather_rows(keys, pos).float(), _gather_rows(values, pos).float()
+    if reads is None:
+        keys, values = h.fused.materialize() if h.fused is not None else (h.keys, h.values)
+        k, v = _gather_rows(keys, pos).float(), _gather_rows(values, pos).float()
+    else:
+        k, v = reads
+    hk = k.shape[1]
+    q = query.float().reshape(b, hk, heads // hk, d)
     scores = torch.einsum("bhgd,bhtd->bhgt", q, k) * scaling
     mask = _mask_rows(attention_mask, pos, total)
     if mask is not None:
