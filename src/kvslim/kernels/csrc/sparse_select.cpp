@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,47 +26,86 @@
 
 namespace {
 
-template <class T>
-inline float to_f(T x) {
-  return static_cast<float>(x);
+// Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it (the library is
+// compiled without -march flags: the path is chosen at run time), else one by one.
+__attribute__((target("avx2,fma,f16c"))) void bounds_avx2(const float* q, const float* qa, const void* box,
+                                                          bool half, int64_t G, int64_t D, int64_t n_pages,
+                                                          int64_t stride, float scaling, float* s, float* row) {
+  for (int64_t p = 0; p < n_pages; ++p) {
+    if (half) {
+      const uint16_t* bp = static_cast<const uint16_t*>(box) + p * stride;
+      for (int64_t i = 0; i < 2 * D; i += 8)
+        _mm256_storeu_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + i))));
+    } else {
+      const float* bp = static_cast<const float*>(box) + p * stride;
+      for (int64_t i = 0; i < 2 * D; i += 8) _mm256_storeu_ps(row + i, _mm256_loadu_ps(bp + i));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), _mm256_loadu_ps(row + i), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qa + g * D + i), _mm256_loadu_ps(row + D + i), acc);
+      }
+      __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+      lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+      s[g * n_pages + p] = _mm_cvtss_f32(lo) * scaling;
+    }
+  }
 }
 
-template <class T>
-void select_task(const float* q, const T* box, int64_t G, int64_t D, int64_t n_pages, int64_t box_page_stride,
-                 float scaling, int64_t k, bool force_first, int64_t rest, int64_t* out) {
+void bounds_scalar(const float* q, const float* qa, const void* box, bool half, int64_t G, int64_t D,
+                   int64_t n_pages, int64_t stride, float scaling, float* s, float* row) {
+  for (int64_t p = 0; p < n_pages; ++p) {
+    for (int64_t i = 0; i < 2 * D; ++i)
+      row[i] = half ? static_cast<float>(static_cast<const c10::Half*>(box)[p * stride + i])
+                    : static_cast<const float*>(box)[p * stride + i];
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < D; ++i) acc += q[g * D + i] * row[i] + qa[g * D + i] * row[D + i];
+      s[g * n_pages + p] = acc * scaling;
+    }
+  }
+}
+
+bool has_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+void select_task(const float* q, const void* box, bool half, int64_t G, int64_t D, int64_t n_pages,
+                 int64_t box_page_stride, float scaling, int64_t k, bool force_first, int64_t rest, int64_t* out) {
   std::vector<float> s(static_cast<size_t>(G * n_pages));
   std::vector<float> row(static_cast<size_t>(2 * D));
   std::vector<float> qa(static_cast<size_t>(G * D));
   for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(q[i]);
-  for (int64_t p = 0; p < n_pages; ++p) {
-    const T* bp = box + p * box_page_stride;
-    for (int64_t i = 0; i < 2 * D; ++i) row[i] = to_f(bp[i]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      const float* ag = qa.data() + g * D;
-      float acc = 0.f;
-      for (int64_t i = 0; i < D; ++i) acc += qg[i] * row[i] + ag[i] * row[D + i];
-      s[g * n_pages + p] = acc * scaling;
+  if (D % 8 == 0 && has_avx2())
+    bounds_avx2(q, qa.data(), box, half, G, D, n_pages, box_page_stride, scaling, s.data(), row.data());
+  else
+    bounds_scalar(q, qa.data(), box, half, G, D, n_pages, box_page_stride, scaling, s.data(), row.data());
+  std::vector<float> score(static_cast<size_t>(n_pages));
+  if (G == 1) {  // one head: its log-softmax is its bound less a constant, the same ranking
+    std::copy(s.begin(), s.end(), score.begin());
+  } else {
+    std::vector<float> m(static_cast<size_t>(n_pages), -std::numeric_limits<float>::infinity());
+    for (int64_t g = 0; g < G; ++g) {  // log-softmax of each head over the pages, then logsumexp over the heads
+      float* sg = s.data() + g * n_pages;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < n_pages; ++p) mx = std::max(mx, sg[p]);
+      double sum = 0.0;
+      for (int64_t p = 0; p < n_pages; ++p) sum += std::exp(sg[p] - mx);
+      const float lse = mx + static_cast<float>(std::log(sum));
+      for (int64_t p = 0; p < n_pages; ++p) {
+        sg[p] -= lse;
+        m[p] = std::max(m[p], sg[p]);
+      }
     }
-  }
-  std::vector<float> score(static_cast<size_t>(n_pages), -std::numeric_limits<float>::infinity());
-  std::vector<float> m(static_cast<size_t>(n_pages), -std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < G; ++g) {  // log-softmax of each head over the pages, then logsumexp over the heads
-    float* sg = s.data() + g * n_pages;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n_pages; ++p) mx = std::max(mx, sg[p]);
-    double sum = 0.0;
-    for (int64_t p = 0; p < n_pages; ++p) sum += std::exp(static_cast<double>(sg[p] - mx));
-    const float lse = mx + static_cast<float>(std::log(sum));
     for (int64_t p = 0; p < n_pages; ++p) {
-      sg[p] -= lse;
-      m[p] = std::max(m[p], sg[p]);
+      float sum = 0.f;
+      for (int64_t g = 0; g < G; ++g) sum += std::exp(s[g * n_pages + p] - m[p]);
+      score[p] = m[p] + std::log(sum);
     }
-  }
-  for (int64_t p = 0; p < n_pages; ++p) {
-    double sum = 0.0;
-    for (int64_t g = 0; g < G; ++g) sum += std::exp(static_cast<double>(s[g * n_pages + p] - m[p]));
-    score[p] = m[p] + static_cast<float>(std::log(sum));
   }
   if (force_first && n_pages > 0) score[0] = std::numeric_limits<float>::infinity();
   std::vector<int64_t> idx(static_cast<size_t>(n_pages));
@@ -104,12 +145,9 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
       const int64_t b = t / H, h = t % H;
       const float* qt = qp + t * G * D;
       int64_t* ot = op + t * (kk + rest);
-      if (half)
-        select_task(qt, static_cast<const c10::Half*>(bp) + b * s0 + h * s1, G, D, n_pages, s2, sc, kk,
-                    force_first, rest, ot);
-      else
-        select_task(qt, static_cast<const float*>(bp) + b * s0 + h * s1, G, D, n_pages, s2, sc, kk, force_first,
-                    rest, ot);
+      const void* bt = half ? static_cast<const void*>(static_cast<const c10::Half*>(bp) + b * s0 + h * s1)
+                            : static_cast<const void*>(static_cast<const float*>(bp) + b * s0 + h * s1);
+      select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, force_first, rest, ot);
     }
   });
   return out;
