@@ -85,3 +85,44 @@ def test_cache_prompt_refuses_bad_arguments_writing_nothing(tmp_path, capsys):
                  "--option", "int4.nope=1"]) == 2
     assert "nope" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_defects_refused_in_one_line_before_the_work(tmp_path, capsys):
+    """An empty text, an unwritable folder, an empty prompt and more answer tokens than the model's positions: one
+    line, exit 2, nothing written (an empty text died with ZeroDivisionError after writing a 0-token file, an
+    unwritable folder with PermissionError after the prefill, an empty prompt with a torch traceback, and
+    --max-new-tokens past the positions ran)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "x.kvslim"
+    assert main(["cache-prompt", "--model", "tiny-mha", "--text", str(empty), "--out", str(out)]) == 2
+    assert "holds no tokens" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        import os
+
+        if not os.access(locked, os.W_OK):  # root writes anywhere: nothing to check there
+            assert main(["cache-prompt", "--model", "tiny-mha", "--text", "botchan", "--tokens", "10",
+                         "--out", str(locked / "x.kvslim")]) == 2
+            assert "cannot be written" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+    assert main(["generate", "--model", "tiny-mha", "--prompt", ""]) == 2
+    assert "--prompt: empty" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt", "Who?", "--max-new-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings (1024)" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_plain_question_follows_the_document_as_a_new_paragraph(doc):
+    """Without --chat the question is a new paragraph after the document (it was glued to its last token)."""
+    from kvslim.cli.eval import load_model
+    from kvslim.cli.generate import question_ids
+    from kvslim.prompt_cache import read_meta
+
+    _, tok = load_model("tiny-mha")
+    q = question_ids(tok, "Who is he?", False, read_meta(doc))
+    assert tok.decode(q[0]).startswith("\n\n") and tok.decode(q[0]).endswith("Who is he?")

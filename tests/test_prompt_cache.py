@@ -349,6 +349,9 @@ def test_question_beyond_the_models_positions_or_the_caches_max_length(tmp_path)
     check_room(loaded, model, 10)
     with pytest.raises(ValueError, match=r"100 tokens; 11 more .* max_position_embeddings \(110\): at most 10"):
         check_room(loaded, model, 11)
+    for bad in (-5, 2.5, True, "3"):  # accepted silently before
+        with pytest.raises(ValueError, match="new_tokens must be an int >= 0"):
+            check_room(loaded, model, bad)
     model = tiny_model("llama")
     kvslim.apply(model, "dense")
     path = kvslim.save_cache(_prefill(model, ids, max_length=120), tmp_path / "s.kvslim", model, ids)

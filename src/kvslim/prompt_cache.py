@@ -328,7 +328,10 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
 
 def check_room(prompt: PromptCache, model, new_tokens: int) -> None:
     """``ValueError`` when ``new_tokens`` more tokens (question and answer) after the cached prefix exceed the
-    model's ``max_position_embeddings`` or the cache's ``max_length``, naming the limit and what fits."""
+    model's ``max_position_embeddings`` or the cache's ``max_length``, naming the limit and what fits; ``ValueError``
+    naming ``new_tokens`` unless it is an int ≥ 0."""
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 0:
+        raise ValueError(f"new_tokens must be an int >= 0 (the question's and the answer's tokens), got {new_tokens!r}")
     held = prompt.token_ids.shape[1]
     limits = [("the model's max_position_embeddings", getattr(model.config, "max_position_embeddings", None)),
               ("the cache's max_length", _max_length(prompt.cache))]

@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
     if out.is_dir() or not out.parent.is_dir():
         raise ValueError(f"--out: {str(out)!r} must be a file name in an existing folder")
+    import os
+
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out: {str(out)!r} cannot be written (no write permission); choose another folder")
     from .method_options import parse_method_options
 
     options = parse_method_options(args.option, [args.method], among="--method").get(args.method, {})
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     ids = prompt_ids(tok, text, args.chat)
     if args.tokens is not None:
         ids = ids[:, :args.tokens]
+    if ids.shape[1] == 0:
+        raise ValueError(f"--text: {args.text!r} holds no tokens; give a text to cache")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and ids.shape[1] >= limit:
         raise ValueError(f"--text: {ids.shape[1]} tokens, the model's max_position_embeddings is {limit}: leave room "

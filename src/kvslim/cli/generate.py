@@ -39,8 +39,11 @@ def question_ids(tok, prompt: str, chat: bool, meta: dict | None):
             return tok(prompt, return_tensors="pt", verbose=False).input_ids
         head, tail = chat_parts(tok)
         return tok(head + prompt + tail, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
-    tail = (meta["extra"].get("tail") or "") if chat else ""
-    return tok(prompt + tail, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
+    if chat:
+        text = prompt + (meta["extra"].get("tail") or "")
+    else:  # a new paragraph after the document (its last token was not followed by a separator)
+        text = "\n\n" + prompt
+    return tok(text, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("--prompt: empty; give the question (or the prompt) to answer")
     if args.prompt_cache and args.method:
         raise ValueError("--method: the prompt cache's method is used with --prompt-cache (give one or the other)")
     meta = None
@@ -75,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         check_room(loaded, model, q.shape[1] + args.max_new_tokens)
         ids, cache = torch.cat([loaded.token_ids, q], dim=1), loaded.cache
     else:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and q.shape[1] + args.max_new_tokens > limit:
+            raise ValueError(f"--max-new-tokens: {q.shape[1]} prompt tokens + {args.max_new_tokens} exceed the model's "
+                             f"max_position_embeddings ({limit}): at most {max(0, limit - q.shape[1])} fit")
         api.apply(model, args.method or "int4")
         ids, cache = q, api.make_cache(model)
     t1 = time.perf_counter()
