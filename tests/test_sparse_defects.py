@@ -145,6 +145,14 @@ def test_rows_read_stay_within_budget_plus_a_page(model, method):
         assert h is not None
         k = min(h.stats.spec.pages, h.pages)
         total = prompt + 1  # the layer's tokens after the step
+        if method in ("int4", "int2"):  # the candidate count from the layout alone: 4 sinks, a 124-token window
+            sink, res, flush = 4, 124, layer.k_store.spec.flush  # flushed whole groups of `flush` tokens
+            coded = flush * -(-max(0, total - sink - res) // flush)
+            assert h.n == coded and h.stats.offset == sink
+            outright = total - coded  # sinks, window, the step's token: at most budget's 128 rows
+            assert h.pages == min(coded // page, (coded + outright - (sink + res)) // page)
+        elif method == "dense":
+            assert h.pages == (prompt + 1 - 128) // page and h.n == prompt
         outside = total - h.stats.offset - h.n  # rows after the paged region (window, step's token)
         read = h.stats.offset + k * page + (h.n - h.pages * page) + outside
         assert read <= budget + page - 1, (prompt, read)
