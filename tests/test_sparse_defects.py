@@ -132,15 +132,16 @@ def test_crop_inside_a_page_keeps_sparse_steps(model, method):
     torch.testing.assert_close(h.stats.boxes[:, :, :n], hf.stats.boxes[:, :, :n], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["dense", "int8", "int4", "int2", "turbo3"])
-def test_rows_read_stay_within_budget_plus_a_page(model, method):
+@pytest.mark.parametrize("method, page", [(m, 32) for m in ("dense", "int8", "int4", "turbo3")]
+                         + [(m, 64) for m in ("dense", "int8", "int4", "int2", "turbo3")])
+def test_rows_read_stay_within_budget_plus_a_page(model, method, page):
     """Every step reads at most ``budget + page − 1`` rows, counted from the lengths alone (sinks, coded rows,
     full-precision window, the step's token), for prompts across a page and past residual flushes (the sinks were
     counted twice: up to ``budget + page − 1 + sinks``)."""
-    budget, page = 320, 64
+    budget = 320
     worst = 0
     for prompt in range(700, 700 + 2 * page + 1, 7):
-        layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0)
+        layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0, sparse_page=page)
         _, h = _fill(layer, 1, 2, 16, prompt=prompt)
         assert h is not None
         k = min(h.stats.spec.pages, h.pages)
@@ -236,3 +237,21 @@ def test_padded_batch_step_matches_oracle_without_reading_everything(model, meth
     out = attn.decode(h, q, visible[:, None, None, :], 0.25)
     ref = _masked_oracle(h, written, full_k, full_v, q, 0.25, visible)
     torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method, page", [("dense", 32), ("int8", 32), ("int4", 32), ("turbo3", 32), ("turbo2", 32),
+                                          ("int3", 64), ("int2", 64)])
+def test_default_page_is_32_or_the_key_groups(method, page):
+    """The default page (head dim 64): 32 tokens (retrieval at 32k needed them, docs/sparse.md), 64 where the KIVI
+    key groups are 64 tokens (int3/int2); an explicit page is kept."""
+    from transformers import LlamaConfig
+
+    from kvslim.adapters.shape import shape_from_config
+
+    shape = shape_from_config(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                          num_hidden_layers=3, vocab_size=128, intermediate_size=128))
+    plan = METHODS[method].plan(shape, torch.float32, sparse_budget=2048, sparse_dense_layers=0)
+    assert {lp.sparse.page for lp in plan.layers} == {page}
+    assert f"in pages of {page} " in str(plan)
+    plan = METHODS[method].plan(shape, torch.float32, sparse_budget=2048, sparse_dense_layers=0, sparse_page=128)
+    assert {lp.sparse.page for lp in plan.layers} == {128}

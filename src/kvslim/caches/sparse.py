@@ -40,7 +40,7 @@ class SparseSpec:
     else :data:`RECENT`)."""
 
     budget: int
-    page: int = 64
+    page: int = 32
     score: str = "meanstd"
     select: str = "step"
     window: int = RECENT

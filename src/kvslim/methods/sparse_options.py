@@ -1,7 +1,7 @@
 """The sparse-decode options every append-only storage method takes (issue 43, ``caches/sparse.py``).
 
 ``sparse_budget`` (tokens a single-token step reads; ``None``: off), ``sparse_page`` (tokens per page, a power of
-two ≥ 16; default 64), ``sparse_score`` (``"meanstd"``, default, or Quest's ``"minmax"``), ``sparse_dense_layers``
+two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (``"meanstd"``, default, or Quest's ``"minmax"``), ``sparse_dense_layers``
 (layers read in full: an int N = the first N, default 2, or a list of indices) and ``sparse_select`` (``"step"``,
 default, or ``"prompt"``: chosen at the first step after a multi-token call, kept for the answer). Spelled the same
 in ``kvslim.apply(model, "int4", sparse_budget=2048)`` and ``--option int4.sparse_budget=2048``.
@@ -16,8 +16,11 @@ from ..caches.sparse import RECENT, SparseSpec, check_sparse_options
 from ..plan import Plan
 
 SPARSE_OPTIONS = ("sparse_budget", "sparse_page", "sparse_score", "sparse_dense_layers", "sparse_select")
-DEFAULTS = dict(sparse_budget=None, sparse_page=64, sparse_score="meanstd", sparse_dense_layers=2,
+DEFAULTS = dict(sparse_budget=None, sparse_page=None, sparse_score="meanstd", sparse_dense_layers=2,
                 sparse_select="step")
+#: the default page: 32 tokens (a 64-token page's mean and spread diluted a pass key's sentence below dozens of
+#: pages at 32k; docs/sparse.md), or a layer's KIVI key group where it is longer
+PAGE = 32
 
 
 def split(options: dict) -> tuple[dict, dict]:
@@ -32,7 +35,8 @@ def split(options: dict) -> tuple[dict, dict]:
             raise ValueError(f"{extra[0]}={given[extra[0]]!r} needs sparse_budget (the tokens a decode step reads), "
                              "e.g. sparse_budget=2048")
         return sp, rest
-    check_sparse_options(sp["sparse_budget"], sp["sparse_page"], sp["sparse_score"], sp["sparse_select"])
+    check_sparse_options(sp["sparse_budget"], PAGE if sp["sparse_page"] is None else sp["sparse_page"],
+                         sp["sparse_score"], sp["sparse_select"])
     dl = sp["sparse_dense_layers"]
     if isinstance(dl, list):
         dl = sp["sparse_dense_layers"] = tuple(dl)
@@ -63,8 +67,10 @@ def dense_layers(sp: dict, num_layers: int) -> set[int]:
 def layer_spec(sp: dict, store_spec) -> SparseSpec:
     """The :class:`SparseSpec` of a layer stored with ``store_spec`` (its sinks + full-precision window are the
     rows always read; a layer without them reads page 0 and the last :data:`RECENT` tokens outright)."""
-    page = sp["sparse_page"]
     cg = store_spec.channel_group
+    page = sp["sparse_page"]
+    if page is None:  # the default: PAGE, or the key groups where they are longer
+        page = max(PAGE, cg or 0)
     if cg and page % cg:
         raise ValueError(f"sparse_page={page} must be a multiple of the key groups' {cg} tokens "
                          f"(key_channel_group): e.g. sparse_page={max(cg, 64)}")
@@ -80,7 +86,7 @@ def apply(plan: Plan, sp: dict, num_kv_heads: int, head_dim: int) -> Plan:
     if sp["sparse_budget"] is None:
         return plan
     dense = dense_layers(sp, len(plan.layers))
-    layers, sliding = [], 0
+    layers, sliding, pages = [], 0, set()
     for lp in plan.layers:
         if lp.window is not None or lp.attention == "sliding" or lp.ring_codes is not None:
             sliding += 1
@@ -92,12 +98,14 @@ def apply(plan: Plan, sp: dict, num_kv_heads: int, head_dim: int) -> Plan:
         spec = lp.factory.keywords["spec"]
         ss = layer_spec(sp, spec)
         note = f"sparse {ss.budget}/{ss.page} {ss.score}" + ("" if ss.select == "step" else " prompt")
+        pages.add(ss.page)
         offset = spec.sink if spec.sink and spec.residual else 0
         layers.append(replace(lp, note=f"{lp.note}; {note}" if lp.note else note, sparse=ss, sparse_offset=offset,
                               sparse_page_bytes=num_kv_heads * 2 * head_dim * 2,
                               factory=append_factory(spec, lp.factory.keywords["chunk"], sparse=ss)))
     notes = [f"sparse decode: single-token steps read ≤ {sp['sparse_budget']} tokens (+ a page being filled) per "
-             f"layer and KV head, in pages of {sp['sparse_page']} scored by {sp['sparse_score']}; layers "
+             f"layer and KV head, in pages of {'/'.join(map(str, sorted(pages))) or PAGE} scored by "
+             f"{sp['sparse_score']}; layers "
              f"{sorted(dense)} read everything (docs/sparse.md)"]
     if sliding:
         notes.append(f"{sliding} sliding-window layer(s) read their own bounded window (no sparse decode there)")
