@@ -59,6 +59,8 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
                "window 1024", "sparse dense 2048", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
                "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024"]
+#: the label suffix of the rows whose question is fed one token per call (--question-by-token)
+BY_TOKEN = " (question by token)"
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
@@ -253,7 +255,8 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="only rewrite .json/.md/.png from the .jsonl")
     p.add_argument("--keep-kv", action="store_true", help="keep the prefills in --kv-dir after their cells")
     p.add_argument("--question-by-token", action="store_true",
-                   help="feed the question one token per call (each a decode step: sparse where the cache is)")
+                   help=f"feed the question one token per call (each a decode step: sparse where the cache is); "
+                        f"rows labelled '<row>{BY_TOKEN}'")
     p.add_argument("--prefill-only", action="store_true",
                    help="only prefill each haystack into --kv-dir and keep the files (no cells): the sparse selection "
                         "study (benchmarks/bench_sparse_select.py) and later runs read them back")
@@ -295,7 +298,10 @@ def main() -> None:
                      Path(args.kv_dir))
         return
     RESULTS.mkdir(exist_ok=True)
-    run(model, tok, cache_makers(model, labels), lengths=lengths, trials=args.trials, seed=args.seed,
+    caches = cache_makers(model, labels)
+    if args.question_by_token:  # its own rows beside the one-call ones (same haystacks, another protocol)
+        caches = {f"{label}{BY_TOKEN}": make for label, make in caches.items()}
+    run(model, tok, caches, lengths=lengths, trials=args.trials, seed=args.seed,
         tasks=args.tasks.split(","), units=units, out=stem.with_suffix(".jsonl"), meta=meta, first_trial=args.first_trial,
         kv_dir=args.kv_dir, keep_kv=args.keep_kv, by_token=args.question_by_token)
     print(markdown(report(stem)))
