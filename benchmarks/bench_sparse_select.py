@@ -175,6 +175,28 @@ def summary(cells: dict) -> dict:
     return out
 
 
+def write_record(path: Path, studies: list[str], answers: list[str]) -> None:
+    """One JSON record: every study question's summaries (per statistics|rule|page|budget) and the end-to-end
+    answers of the tuning runs, with the commit."""
+    import subprocess
+
+    commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    questions = [json.loads(line) for f in studies for line in Path(f).read_text().splitlines() if line.strip()]
+    runs = {}
+    for item in answers:
+        label, _, f = item.partition("=")
+        runs[label] = [{k: r[k] for k in ("seed", "length", "trial", "method", "task", "correct", "answer",
+                                          "expected", "depth_measured", "commit", "question") if k in r}
+                       for r in map(json.loads, Path(f).read_text().splitlines()) if r]
+    rec = {"commit": commit, "model": "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)",
+           "protocol": "tuning haystacks (seeds 1 and 2, kept apart from bench_longctx's seed 0): the study scores "
+                       "each rule offline against the full read's attention at every step (module docstring); the "
+                       "answers are end-to-end greedy answers through sparse caches, question fed token by token",
+           "questions": questions, "answers": runs}
+    path.write_text(json.dumps(rec, indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-dir", required=True)
@@ -188,7 +210,15 @@ def main() -> None:
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stem", default="bench_sparse_select")
+    p.add_argument("--record", nargs="+", default=None, metavar="JSONL",
+                   help="only write the record benchmarks/results/<stem>.json from these study JSONL files and the "
+                        "--answers files (bench_longctx JSONL of the tuning haystacks: end-to-end answers per rule)")
+    p.add_argument("--answers", nargs="*", default=[], metavar="LABEL=JSONL",
+                   help="with --record: end-to-end answers, each file under a label (e.g. old-rule=old.jsonl)")
     args = p.parse_args()
+    if args.record:
+        write_record(RESULTS / f"{args.stem}.json", args.record, args.answers)
+        return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import kvslim.models
