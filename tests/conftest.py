@@ -83,6 +83,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def no_grad():
+    """The test runs under ``torch.no_grad()`` (as ``generate`` does: sparse decode steps only run without autograd)."""
+    with torch.no_grad():
+        yield
+
+
 #: options of the calibration tests' int4 runs (small window: a 96-token text has coded keys)
 CALIB_OPTS = dict(residual=32, sink=2, key_channel_group=16)
 

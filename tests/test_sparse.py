@@ -13,14 +13,8 @@ from kvslim.caches.sparse import PageStats, SparseSpec, sparse_of
 from kvslim.caches.storage import ScratchPool
 from kvslim.methods import METHODS
 
-pytestmark = pytest.mark.usefixtures("no_grad")
+pytestmark = pytest.mark.usefixtures("no_grad")  # conftest's
 METHOD_NAMES = ["dense", "int8", "int4", "int3", "int2", "turbo4", "turbo3", "turbo2"]
-
-
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from test_sparse import _layer as _sparse_layer
+from test_sparse import _step
 
 import kvslim
 from kvslim.attention import sparse as attn
 from kvslim.caches.sparse import PageStats, SparseSpec, sparse_of
 from kvslim.methods import METHODS
 
-pytestmark = pytest.mark.usefixtures("no_grad")
-
-
-@pytest.fixture
-def no_grad():
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("no_grad")  # conftest's
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +23,13 @@ def model():
 
 
 def _layer(model, method: str, **options):
-    plan = METHODS[method].plan_model(model, **options)
-    layer = plan.layers[2].factory(None)
-    layer.sparse_attention = True
-    layer.fused_decode = True
-    return layer
+    return _sparse_layer(model, method, **options)[0]
 
 
 def _fill(layer, b: int, h: int, d: int, prompt: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(b, h, prompt + 1, d, generator=g)
-    keys += 3 * torch.randn(b, h, prompt // 16 + 1, d, generator=g).repeat_interleave(16, 2)[:, :, :prompt + 1]
-    values = torch.randn(b, h, prompt + 1, d, generator=g)
-    layer.update(keys[:, :, :prompt], values[:, :, :prompt])
-    k, _ = layer.update(keys[:, :, prompt:], values[:, :, prompt:])
-    return keys, sparse_of(k)
+    """``prompt`` random keys (pages offset apart) and one step: (keys written, the step's sparse handle)."""
+    keys, _, h = _step(layer, b, h, d, prompt, seed)
+    return keys, h
 
 
 @pytest.mark.parametrize("method, options", [
