@@ -358,3 +358,32 @@ def test_question_beyond_the_models_positions_or_the_caches_max_length(tmp_path)
     with pytest.raises(ValueError, match=r"the cache's max_length \(120\): at most 20"):
         check_room(kvslim.load_cache(path, model), model, 21)
     assert _sha(tmp_path / "p.kvslim") == digest
+
+
+def test_prompt_cache_generate_checks_the_prefix_and_a_used_cache(tmp_path):
+    """``PromptCache.generate``: the same tokens as ``model.generate`` over the loaded cache; ids that do not start
+    with the file's tokens, of another batch, or adding nothing are refused by name; a cache a previous call
+    extended is refused (it gave wrong tokens silently)."""
+    model = tiny_model("llama")
+    kvslim.apply(model, "int4")
+    ids, q = _ids()
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "p.kvslim", model, ids)
+    ref = _generate(model, torch.cat((ids, q), 1), kvslim.load_cache(path, model).cache)
+    loaded = kvslim.load_cache(path, model)
+    with torch.no_grad():
+        out = loaded.generate(model, torch.cat((ids, q), 1), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(out.sequences, ref.sequences)
+    with pytest.raises(ValueError, match="previous generate extended it"):
+        loaded.generate(model, torch.cat((ids, q), 1), max_new_tokens=2)
+    fresh = kvslim.load_cache(path, model)
+    other = ids.clone()
+    other[0, 7] = (other[0, 7] + 1) % 128
+    with pytest.raises(ValueError, match="differ from the prompt cache's tokens at position 7"):
+        fresh.generate(model, torch.cat((other, q), 1), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids must be \(1, more than"):
+        fresh.generate(model, ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids must be \(1, more than"):
+        fresh.generate(model, torch.cat((ids, q), 1).repeat(2, 1), max_new_tokens=2)
+    assert fresh.cache.get_seq_length() == ids.shape[1]  # refused calls ran nothing
+    kvslim.restore(model)

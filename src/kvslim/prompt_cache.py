@@ -40,6 +40,24 @@ class PromptCache(NamedTuple):
     token_ids: torch.Tensor
     meta: dict
 
+    def generate(self, model, input_ids: torch.Tensor, **kwargs):
+        """``model.generate(input_ids, **kwargs)`` continuing this cache. ``input_ids`` (B, T') must start with the
+        file's ``token_ids`` and add at least one token (re-tokenizing document and question together can merge
+        tokens across the boundary: an answer about another prefix); the cache must still hold exactly the file's
+        tokens (a cache a previous call extended is refused: load the file again); ``max_new_tokens`` more must fit
+        (:func:`check_room`). ``ValueError`` naming the argument, nothing run."""
+        from .adapters.compat import CACHE_KW
+
+        check_prefix(self, input_ids)
+        held = self.token_ids.shape[1]
+        now = int(self.cache.get_seq_length())
+        if now != held:
+            raise ValueError(f"this prompt cache holds {now} tokens, not its file's {held}: a previous generate "
+                             "extended it; load the file again (kvslim.load_cache) for each new question")
+        new = kwargs.get("max_new_tokens")
+        check_room(self, model, input_ids.shape[1] - held + (new if isinstance(new, int) else 0))
+        return model.generate(input_ids, **{CACHE_KW: self.cache}, **kwargs)
+
 
 def model_identity(model, name: str | None = None) -> dict:
     """Name, config hash, layer count, per-layer ``k_proj`` norms and the input embedding's norm of ``model``."""
@@ -324,6 +342,25 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
         c.plan = plan
     ids = tensors["token_ids"].to(device)
     return PromptCache(cache, ids, meta)
+
+
+def check_prefix(prompt: PromptCache, input_ids) -> None:
+    """``ValueError`` unless ``input_ids`` is a (B, T') int tensor of the file's batch whose first T tokens are the
+    file's ``token_ids`` and T' > T."""
+    held = prompt.token_ids
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be a (batch, tokens) integer tensor, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if input_ids.shape[0] != held.shape[0] or input_ids.shape[1] <= held.shape[1]:
+        raise ValueError(f"input_ids must be ({held.shape[0]}, more than {held.shape[1]}): the prompt cache's "
+                         f"{held.shape[1]} tokens and the new ones, got {tuple(input_ids.shape)}")
+    same = input_ids[:, :held.shape[1]].to(held.device) == held
+    if not bool(same.all()):
+        first = int((~same).any(0).int().argmax())
+        raise ValueError(f"input_ids differ from the prompt cache's tokens at position {first} of "
+                         f"{held.shape[1]}: start input_ids with PromptCache.token_ids (tokenize the question on its "
+                         "own and append it; tokenizing document and question together can merge tokens across "
+                         "the boundary)")
 
 
 def check_room(prompt: PromptCache, model, new_tokens: int) -> None:

@@ -88,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
         ids, cache = q, api.make_cache(model)
     t1 = time.perf_counter()
     eos = tok.eos_token_id
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
+               pad_token_id=eos if eos is not None else 0)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos if eos is not None else 0, **{CACHE_KW: cache})
+        out = loaded.generate(model, ids, **gen) if meta is not None else model.generate(ids, **{CACHE_KW: cache},
+                                                                                          **gen)
     t2 = time.perf_counter()
     answer = out[0, ids.shape[1]:]
     print(tok.decode(answer, skip_special_tokens=True).strip())
