@@ -44,7 +44,7 @@ def _hf(module, q, k, v, mask):
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 @pytest.mark.parametrize("batch,groups,s,t", [(1, 7, 17, 1041), (2, 2, 5, 300), (1, 4, 2, 33)])
-def test_packed_rows_equal_hf_repeat_kv_bitwise(batch, groups, s, t, mask_kind):
+def test_packed_rows_equal_hf_repeat_kv_to_the_last_bits(batch, groups, s, t, mask_kind):
     torch.manual_seed(0)
     module = types.SimpleNamespace(num_key_value_groups=groups, is_causal=True)
     q = torch.randn(batch, 2 * groups, s, 16)
@@ -54,7 +54,10 @@ def test_packed_rows_equal_hf_repeat_kv_bitwise(batch, groups, s, t, mask_kind):
     mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     assert adapter.packable_prefix(module, q, k, mask, 0.0, {})
     got = adapter.packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=0.125)[0]
-    assert torch.equal(got, _hf(module, q, k, v, mask))
+    want = _hf(module, q, k, v, mask)
+    # bitwise on most shapes; torch's CPU kernel may round the last bit differently for G·S rows than for S (seen at
+    # (1, 4, 2, 33) on an AVX-512 machine: 1.2e-7), so at most a few units in the last place of the output's scale
+    assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
 def test_packed_rows_leave_what_they_do_not_cover_to_hf():
