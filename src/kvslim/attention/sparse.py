@@ -1,16 +1,19 @@
-"""Sparse decode attention (issue 43): score a layer's pages against the step's query, attend over the chosen rows.
+"""Sparse decode attention: score a layer's pages against the step's query, attend over the chosen rows.
 
 A single-token step of a layer with :class:`~kvslim.caches.sparse.SparseSpec` whose paged region holds more pages
 than the budget allows hands attention a :class:`~kvslim.caches.sparse.SparseKV` (marker tensors, like the fused
 quantized path). Per sequence and KV head (one choice for the G query heads of the group):
 
-    score_p = Σ_g (q_g · c_p + |q_g| · r_p)                  (the box bound of the page's keys, fp32)
-    pages   = top-(k) of score (page 0 forced when it holds the sinks), sorted
+    s_gp    = scaling · (q_g · c_p + |q_g| · r_p)             (each head's bound on the page's best q·k, fp32)
+    score_p = logsumexp_g (s_gp − logsumexp_p' s_gp')         (the group's summed estimated attentions, in logs)
+    pages   = top-(k) of score (page 0 forced when it holds the sinks), ascending
     rows    = the pages' rows, then the rest of the region (the newest part of a page, the window rows inside it)
 
-and attends over exactly those rows plus the layer's tail (sinks and full-precision window, the step's token) with
-the math a full read uses (dense: SDPA with packed GQA queries; coded layers: the fused decode op over the gathered
-codes, no dequantized copy; anything else: :func:`reference`). All on the device: no host synchronisation.
+(one ``kvslim::sparse_select`` call on CPU) and attends over exactly those rows plus the layer's tail (sinks and
+full-precision window, the step's token) with the math a full read uses (int8/int4/int3/int2: the C++ op through
+the page list; dense: SDPA with packed GQA queries over gathered rows; other coded layers: the fused op over
+gathered codes; a masked step: only the chosen rows dequantized, fp32 attention with the mask; anything else:
+:func:`reference`). All on the device: no host synchronisation, no process-wide state changed.
 
 :func:`reference` is the twin: the layer's own full reads (dequantized), the same rows gathered, fp32 softmax.
 """

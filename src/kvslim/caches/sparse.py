@@ -1,16 +1,16 @@
-"""Query-aware sparse decode (issue 43, Quest-class): per-page key statistics kept beside an append-only cache.
+"""Query-aware sparse decode (Quest-class): per-page key statistics kept beside an append-only cache.
 
 What it stores: for every complete page of ``page`` tokens of a layer's paged region, per sequence and KV head, a
 box ``[c − r, c + r]`` around the page's post-RoPE keys (``c``, ``r``: (D,) each, fp16, rounded outward so that
 the box still contains what it was computed from), computed once when the page's last token is written, from the
 keys as given to ``update`` (full precision, before any quantization). Memory: 2·D fp16 values per page per KV head
-(``4·D/page`` bytes per token and head: 6.25 % of an fp16 K+V row at page 64 over a 128-dim head... see
-docs/sparse.md). Lossy only in what a step reads (exact when the context fits the budget).
+(``4·D/page`` bytes per token and head: at the default page 32, 9.8 % of an int4 cache's bytes, 1.6 % of an fp32
+one; docs/sparse.md). Lossy only in what a step reads (exact when the context fits the budget).
 
-A decode step scores page p for the G query heads q_g of a KV head with the box bound
-``Σ_g Σ_d max(q_gd·(c−r)_d, q_gd·(c+r)_d) = Σ_g (q_g·c + |q_g|·r)`` (Quest, ICML 2024, with ``score="minmax"``:
-c ± r = the elementwise min/max; ``"meanstd"``: c = the mean, r = the standard deviation) and reads the best
-pages. The selection and the rows a step attends are built in :mod:`kvslim.attention.sparse`.
+A decode step scores page p for each query head q_g of a KV head's group with the box bound
+``Σ_d max(q_gd·(c−r)_d, q_gd·(c+r)_d) = q_g·c + |q_g|·r`` (Quest, ICML 2024, with ``score="minmax"``: c ± r = the
+elementwise min/max; ``"meanstd"``: c = the mean, r = the standard deviation), combines the heads' estimated
+attentions and reads the best pages: :mod:`kvslim.attention.sparse`.
 """
 
 from __future__ import annotations
