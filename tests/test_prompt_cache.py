@@ -332,6 +332,8 @@ def test_bad_save_arguments(tmp_path):
         kvslim.save_cache(DynamicCache(), tmp_path / "x.kvslim", model, ids)
     with pytest.raises(ValueError, match="token_ids holds 99 tokens, the cache 100"):
         kvslim.save_cache(cache, tmp_path / "x.kvslim", model, ids[:, 1:])
+    with pytest.raises(ValueError, match="token_ids holds 2 sequences, the cache 1"):  # was written: no model loads it
+        kvslim.save_cache(cache, tmp_path / "x.kvslim", model, ids.repeat(2, 1))
     with pytest.raises(ValueError, match="no folder"):
         kvslim.save_cache(cache, tmp_path / "nope" / "x.kvslim", model, ids)
     with pytest.raises(ValueError, match="is a folder"):
@@ -412,3 +414,24 @@ def test_loaded_cache_continues_bitwise_with_coded_rows_and_single_steps_first(t
 
     assert all(torch.equal(a, b) for a, b in zip(steps(cache), steps(loaded)))
     kvslim.restore(model)
+
+
+def test_file_mode_follows_the_umask(tmp_path):
+    """A prompt cache file gets the mode any new file gets (0644 under umask 022), also when it replaces one (it was
+    0600 whatever the umask: replacing a shared file locked others out)."""
+    import os
+    import stat
+
+    model, ids, _, cache, path = _saved(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+    os.chmod(path, 0o644)
+    kvslim.save_cache(cache, path, model, ids)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _umask() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,6 +152,30 @@ def check_finite(cache) -> None:
                                  "Run the model in float32 (or bfloat16) so that the prefill does not overflow")
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` changes process-wide state): Linux's
+    ``/proc/self/status``, else the common 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def _batch(cache) -> int | None:
+    """Sequences the cache holds (from its first filled layer's stores), ``None`` when no layer says."""
+    for layer in _layers(cache):
+        stores = layer._stores() if hasattr(layer, "_stores") and getattr(layer, "is_initialized", False) else []
+        for store in stores:
+            tensors = store.tensors()
+            if tensors:
+                return int(tensors[0].shape[0])
+    return None
+
+
 def _max_length(cache) -> int | None:
     lengths = [layer.max_length for layer in _layers(cache) if getattr(layer, "max_length", None)]
     return min(lengths) if lengths else None
@@ -181,6 +205,10 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
     if token_ids.shape[1] != held:
         raise ValueError(f"token_ids holds {token_ids.shape[1]} tokens, the cache {held}: pass the ids of the "
                          "prefill that filled it")
+    batch = _batch(cache)
+    if batch is not None and token_ids.shape[0] != batch:
+        raise ValueError(f"token_ids holds {token_ids.shape[0]} sequences, the cache {batch}: pass the ids of the "
+                         "prefill that filled it")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"path: {str(path)!r} is a folder; give a file name (e.g. doc.kvslim)")
@@ -202,10 +230,10 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
             "nbytes": int(getattr(cache, "nbytes", 0)), "layers": [lp.technique for lp in getattr(plan, "layers", ())],
             "text": text, "extra": dict(extra or {}), "kvslim": __version__, "transformers": transformers.__version__, "cache": tree,
             "digest": _digest(tensors)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, allow_nan=False)})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates it 0600: the mode any new file gets instead
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
