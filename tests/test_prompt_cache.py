@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -227,22 +228,27 @@ def test_file_for_another_dtype_or_method_is_refused(tmp_path):
         kvslim.load_cache(path, model)
 
 
-def _rewrite(path, edit):
-    """Rewrite the file with its metadata passed through ``edit`` (a hand-made file of another layout/version)."""
+def _rewrite(path, edit, digest: bool = True):
+    """Rewrite the file with its metadata passed through ``edit``: a file another writer made (another layout or
+    version, its digest valid), or with ``digest=False`` an edit of the header alone."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from kvslim.prompt_cache import _digest
 
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
         meta = json.loads(f.metadata()["kvslim"])
     edit(meta)
+    if digest:
+        meta["digest"] = _digest(tensors, meta)
     save_file(tensors, str(path), metadata={"kvslim": json.dumps(meta)})
 
 
 def test_unknown_format_version_is_refused(tmp_path):
     *_, path = _saved(tmp_path)
     _rewrite(path, lambda m: m.update(format="kvslim.prompt_cache/99"))
-    with pytest.raises(ValueError, match=r"format 'kvslim.prompt_cache/99'.*reads 'kvslim.prompt_cache/1'"):
+    with pytest.raises(ValueError, match=r"format 'kvslim.prompt_cache/99'.*reads 'kvslim.prompt_cache/2'"):
         kvslim.load_cache(path, tiny_model("llama"))
 
 
@@ -279,7 +285,7 @@ def test_truncated_and_corrupted_files_are_refused(tmp_path):
     flipped[-300] ^= 0x55  # a byte of tensor data
     bad = tmp_path / "bad.kvslim"
     bad.write_bytes(bytes(flipped))
-    with pytest.raises(ValueError, match="digest differs"):
+    with pytest.raises(ValueError, match="digest of its header and tensors differs"):
         kvslim.load_cache(bad, tiny_model("llama"))
     header = bytearray(blob)
     header[20] = ord("}")  # the JSON header
@@ -435,3 +441,24 @@ def _umask() -> int:
         if line.startswith("Umask:"):
             return int(line.split()[1], 8)
     return 0o022
+
+
+@pytest.mark.parametrize("edit", ["flushed", "method"])
+def test_an_edited_header_is_refused_before_anything_is_built(tmp_path, edit):
+    """The digest covers the header: a one-digit edit of the state tree (it loaded, then failed mid-generate) or
+    the method (int4 -> int8 applied int8 over an int4 cache) is refused as damaged, the model left unapplied."""
+    *_, path = _saved(tmp_path)
+
+    def change(meta):
+        if edit == "method":
+            meta["method"] = "int8"
+            return
+        text = json.dumps(meta["cache"])
+        m = re.search(r'"flushed": (\d+)', text)
+        meta["cache"] = json.loads(text[:m.start(1)] + str(int(m.group(1)) + 1) + text[m.end(1):])
+
+    _rewrite(path, change, digest=False)
+    fresh = tiny_model("llama")
+    with pytest.raises(ValueError, match="digest of its header and tensors differs"):
+        kvslim.load_cache(path, fresh)
+    assert kvslim.get_plan(fresh) is None

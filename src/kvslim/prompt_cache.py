@@ -5,7 +5,7 @@ cache's tensors as tensors, only the token slots that hold data (``caches/state.
 ``kvslim`` one JSON object: the format, the method and its options (tensor options such as calibrated
 ``key_scales`` are tensors too), the model's identity (as the per-layer calibration files': name, config hash,
 ``k_proj`` norms, plus the norm of 1,024 rows of the input embedding), the token ids the cache holds, the cache's
-state tree, a BLAKE2b digest of every tensor's bytes, and the kvslim / transformers that wrote it.
+state tree, a BLAKE2b digest of the header and every tensor's bytes, and the kvslim / transformers that wrote it.
 
 ``load_cache(path, model)`` refuses, naming what differs and what would work, a file for another model (config or
 weights), method or dtype, a cache layout this kvslim / transformers does not build, an unknown format version, a
@@ -27,7 +27,7 @@ import torch
 from .caches.state import Decoder, Encoder, StateError
 from .per_layer_file import NORM_RTOL, config_hash, k_norms
 
-FORMAT = "kvslim.prompt_cache/1"
+FORMAT = "kvslim.prompt_cache/2"  # /2: the digest covers the header too (/1: the tensors only)
 FORMAT_PREFIX = "kvslim.prompt_cache/"
 META_KEY = "kvslim"
 REMAKE = "re-create it for this model with kvslim cache-prompt (or kvslim.save_cache)"
@@ -105,8 +105,11 @@ def check_identity(saved: dict, model, where: str) -> None:
                              f"the model it was written for, or {REMAKE}")
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """BLAKE2b of the metadata (every field but ``digest``: the state tree, method, options, identity) and of every
+    tensor's name, dtype, shape and bytes."""
     h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, allow_nan=False).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode())
@@ -228,8 +231,10 @@ def save_cache(cache, path, model, token_ids: torch.Tensor, *, name: str | None 
     meta = {"format": FORMAT, "method": plan.method, "options": options, "identity": model_identity(model, name),
             "tokens": held, "batch": int(token_ids.shape[0]), "max_length": _max_length(cache),
             "nbytes": int(getattr(cache, "nbytes", 0)), "layers": [lp.technique for lp in getattr(plan, "layers", ())],
-            "text": text, "extra": dict(extra or {}), "kvslim": __version__, "transformers": transformers.__version__, "cache": tree,
-            "digest": _digest(tensors)}
+            "text": text, "extra": dict(extra or {}), "kvslim": __version__, "transformers": transformers.__version__,
+            "cache": tree}
+    meta = json.loads(json.dumps(meta, allow_nan=False))  # as a reader will see it (keys as strings, lists)
+    meta["digest"] = _digest(tensors, meta)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(meta, allow_nan=False)})
@@ -335,7 +340,7 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
     pass ``token_ids`` followed by the new tokens as ``input_ids`` and the cache as ``past_key_values``.
 
     ``model`` gets the file's method (``kvslim.apply``) when it runs none, once every check passed (a refused load
-    changes nothing). ``verify``: check the tensors' digest
+    changes nothing). ``verify``: check the header's and the tensors' digest
     (reads every byte once). The file is only read: a loaded cache owns copies of what it changes.
     """
     from safetensors import safe_open
@@ -351,8 +356,9 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
     try:
         with safe_open(str(path), "pt") as f:
             tensors = {k: _aligned(f.get_tensor(k)) for k in f.keys()}
-        if verify and _digest(tensors) != meta.get("digest"):
-            raise ValueError("the tensors' digest differs from the one written (the file was changed or damaged)")
+        if verify and _digest(tensors, meta) != meta.get("digest"):
+            raise ValueError("the digest of its header and tensors differs from the one written (the file was "
+                             "changed or damaged)")
         options = Decoder(tensors, device).decode(meta["options"], "options")
     except (ValueError, StateError, KeyError, RuntimeError, OSError) as e:
         raise ValueError(f"{where}: a damaged prompt cache ({type(e).__name__}: {e}); {REMAKE}") from None
