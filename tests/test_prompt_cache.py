@@ -462,3 +462,14 @@ def test_an_edited_header_is_refused_before_anything_is_built(tmp_path, edit):
     with pytest.raises(ValueError, match="digest of its header and tensors differs"):
         kvslim.load_cache(path, fresh)
     assert kvslim.get_plan(fresh) is None
+
+
+def test_sizes_in_the_file_are_bounded_by_the_model(tmp_path):
+    """A file (its digest valid: another writer's) whose max_length or token count is past the model's positions is
+    refused before a cache of that size is built (it was allocated as asked)."""
+    *_, path = _saved(tmp_path)
+    _rewrite(path, lambda m: m.update(max_length=10 ** 12))
+    fresh = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"max_length=1000000000000 in the file is beyond the model's"):
+        kvslim.load_cache(path, fresh)
+    assert kvslim.get_plan(fresh) is None

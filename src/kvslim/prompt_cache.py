@@ -362,6 +362,12 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
         options = Decoder(tensors, device).decode(meta["options"], "options")
     except (ValueError, StateError, KeyError, RuntimeError, OSError) as e:
         raise ValueError(f"{where}: a damaged prompt cache ({type(e).__name__}: {e}); {REMAKE}") from None
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for name in ("max_length", "tokens"):  # sizes a cache is built with: never past what the model can place
+        value = meta.get(name)
+        if value is not None and (not isinstance(value, int) or value < 0 or (limit and value > limit)):
+            raise ValueError(f"{where}: {name}={value!r} in the file is beyond the model's max_position_embeddings "
+                             f"({limit}); {REMAKE}")
     applied = get_plan(model) is not None
     plan = _plan_for(meta, model, where, options)
     dec = Decoder(tensors, device)
