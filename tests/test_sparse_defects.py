@@ -243,3 +243,26 @@ def test_default_page_is_32_or_the_key_groups(method, page):
     assert f"in pages of {page} " in str(plan)
     plan = METHODS[method].plan(shape, torch.float32, sparse_budget=2048, sparse_dense_layers=0, sparse_page=128)
     assert {lp.sparse.page for lp in plan.layers} == {128}
+
+
+def test_prompt_selection_on_a_padded_batch_keeps_its_choice(model):
+    """``select="prompt"`` with a padded batch: the masked first step writes its choice into the cache's buffer and
+    the next step reads exactly those pages (the masked path chose without writing it: later steps read a buffer of
+    zeros, page 0 repeated)."""
+    layer = _layer(model, "int4", sparse_budget=256, sparse_dense_layers=0, sparse_select="prompt")
+    _, h = _fill(layer, 2, 2, 16, prompt=700)
+    visible = torch.ones(2, 701, dtype=torch.bool)
+    visible[1, :150] = False
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(4))
+    assert h.choose and h.kept is not None
+    attn.decode(h, q, visible[:, None, None, :], 0.25)
+    kept = layer.page_stats.kept.clone()
+    assert bool((kept[..., 1:] > kept[..., :-1]).all())  # a real choice: ascending, no page twice
+    g = torch.Generator().manual_seed(5)
+    h2 = sparse_of(layer.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g))[0])
+    assert not h2.choose
+    mask2 = torch.cat((visible, torch.ones(2, 1, dtype=torch.bool)), 1)[:, None, None, :]
+    out = attn.decode(h2, q, mask2, 0.25)
+    idx = attn.select_pages(h2, q.reshape(2, 2, 2, 16))
+    assert torch.equal(idx[..., :kept.shape[-1]], kept)
+    torch.testing.assert_close(out, attn.reference(h2, q, mask2, 0.25, attn.rows_of(h2, idx)), atol=2e-5, rtol=1e-5)

@@ -86,14 +86,15 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     if attention_mask is None and h.fused is not None and _in_place(h.fused, p):
         # int8/int4/int3/int2 on the C++ ops: one call chooses the pages and lists the region's rest after them,
         # one call attends through the list (the codes read where they are)
-        lo = h.pages * p
-        listed = select_pages(h, q, scaling, rest=-(-(h.n - lo) // p))
-        k = listed.shape[-1] - -(-(h.n - lo) // p)
+        lo, extra = h.pages * p, -(-(h.n - h.pages * p) // p)
+        listed = select_pages(h, q, scaling, rest=extra)
+        k = listed.shape[-1] - extra
         f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, pages=listed, page=p)
         out = quant.decode(f, query, None, scaling)
         if out is not None:
             return out
-        return reference(h, query, None, scaling, rows_of(h, listed[..., :k]))
+        idx = listed[..., :k]
+        return reference(h, query, None, scaling, rows_of(h, idx), _chosen_reads(h, idx))
     if attention_mask is not None:
         return _masked(h, query, q, attention_mask, scaling)
     idx = select_pages(h, q, scaling)
@@ -104,7 +105,7 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
         out = quant.decode(picked, query, None, scaling)
         if out is not None:  # None: a store the fused op declines (the twin below, over the same rows)
             return out
-    return reference(h, query, None, scaling, rows_of(h, idx))
+    return reference(h, query, None, scaling, rows_of(h, idx), _chosen_reads(h, idx))
 
 
 def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, scaling) -> torch.Tensor:
@@ -121,6 +122,9 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
     visible = torch.isfinite(mask).expand(b, total)[:, off:off + h.pages * p].reshape(b, h.pages, p)
     page_seen = visible.any(-1)  # (B, P): a page with a visible row
     first_page = page_seen.float().argmax(-1)  # (B,): the first page holding a visible row
+    if h.kept is not None and not h.choose:  # select="prompt": the choice made at the first step (no padding page)
+        idx = select_pages(h, q, scaling)
+        return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
     scaling_f = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
     scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
     scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
@@ -133,9 +137,9 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
     now = scores.gather(2, hit)
     scores.scatter_(2, hit, torch.where(force.view(b, 1, 1), torch.full_like(now, float("inf")), now))
     idx = scores.topk(min(spec.pages, h.pages), dim=-1).indices.sort(dim=-1).values
-    rows = rows_of(h, idx)
-    reads = _chosen_reads(h, idx)
-    return reference(h, query, attention_mask, scaling, rows, reads)
+    if h.kept is not None:  # select="prompt": the cache's buffer, read by the steps after this one
+        h.kept.copy_(idx)
+    return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
 
 
 def _chosen_reads(h: SparseKV, idx: torch.Tensor):
