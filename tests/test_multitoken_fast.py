@@ -74,7 +74,13 @@ def test_packed_rows_leave_what_they_do_not_cover_to_hf():
 @pytest.mark.parametrize("method", ["dense", "int4", "int2", "turbo3"])
 def test_a_question_over_a_prefix_gives_the_unpacked_logits_bitwise(monkeypatch, method):
     """A 6-token call over a 40-token prefix (and a decode step after it): the same logits with the packed rows
-    as with HF's ``repeat_kv`` path (the packing turned off)."""
+    as with HF's ``repeat_kv`` path (the packing turned off). Coded caches: with their multi-token calls routed to
+    the dequantized read (the route that still serves long calls over short histories; the fused route is
+    ``tests/test_fused_call.py``'s)."""
+    from kvslim.caches import base
+
+    monkeypatch.setattr(base, "FUSED_CALL_TOKENS", 1)
+    monkeypatch.setattr(base, "FUSED_CALL_HISTORY", 10 ** 9)
     model = tiny_model("llama", kv_heads=2)
     kvslim.apply(model, method)
     ids = torch.randint(1, 128, (1, 47))

@@ -1,5 +1,11 @@
-"""Decode attention over a quantized cache layer's codes (one query token): int8/int4 through
-``kvslim.quant_decode``, asymmetric 2/3-bit codes (``int2``) through ``kvslim.quant_decode_lowbit``.
+"""Decode attention over a quantized cache layer's codes: int8/int4 through ``kvslim.quant_decode``, asymmetric
+2/3-bit codes (``int2``) through ``kvslim.quant_decode_lowbit``, turbo codes through ``kvslim.turbo_decode``.
+
+A decode step (one query token) reads the whole handle through the op. A multi-token call over a history (a
+question asked of a prompt file, a chat turn, an assisted-decoding verify step; ``caches/fused.history_handle``)
+packs its G·S query rows per KV head into one op call over the history and merges the call's own S×S causal block,
+attended exactly in fp32, by log-sum-exp (:func:`decode_call`): the history is read once, as stored, never
+dequantized into a full-precision copy.
 
 The layer hands a :class:`kvslim.caches.fused.FusedKV` (the coded history plus the full-precision tail) instead
 of dequantized keys and values. Everything a store does to values before coding is undone on the query and the
@@ -17,14 +23,19 @@ output, never on the history:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..caches.fused import FusedKV
 from ..caches.turbo import TurboStore
-from ..kernels.quant_decode import quant_decode
+from ..kernels.quant_decode import merge, quant_decode
 from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
 from ..kernels.quant_decode_lowbit import quant_decode_lowbit
 from ..kernels.turbo_decode import turbo_decode
+
+#: query rows per call of the low-bit and turbo Triton kernels in a multi-token call (their tiles hold every row)
+GPU_ROWS = 32
 
 
 def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None | bool:
@@ -46,9 +57,12 @@ def additive_mask(attention_mask: torch.Tensor | None, tokens: int) -> torch.Ten
 
 def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
            scaling: float | None) -> torch.Tensor | None:
-    """Attention output (B, 1, H, D) in the query's dtype for a decode step's query (B, H, 1, D), or ``None`` when
-    this path does not take the inputs (the caller then attends over ``h.materialize()``). Any device: the ops'
-    dispatch (:mod:`kvslim.kernels.backend`) picks the C++ op, the Triton kernels or the twin."""
+    """Attention output (B, S, H, D) in the query's dtype for a decode step's query (B, H, 1, D), or for a
+    multi-token call's (B, H, S, D) over a handle with ``own`` (:func:`decode_call`); ``None`` when this path does
+    not take the inputs (the caller then attends over ``h.materialize()``). Any device: the ops' dispatch
+    (:mod:`kvslim.kernels.backend`) picks the C++ op, the Triton kernels or the twin."""
+    if h.own is not None:
+        return decode_call(h, query, attention_mask, scaling)
     b, heads, s, d = query.shape
     hk = h.k.data.shape[1]
     mask = additive_mask(attention_mask, h.tokens)
@@ -56,10 +70,75 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
         return None
     scaling = d ** -0.5 if scaling is None else float(scaling)
     q = query.float().reshape(b, hk, heads // hk, d)  # head j·G + g -> (KV head j, g)
+    got = history(h, q, mask, scaling)
+    return None if got is None else got[0].view(b, 1, heads, d).to(query.dtype)
+
+
+def decode_call(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                scaling: float | None) -> torch.Tensor | None:
+    """A call of S new tokens over a stored history (``h.own``: their keys and values exactly): the G·S query
+    rows of each KV head go through the op once over the history (:func:`history`: its output and log-sum-exp),
+    the S×S block of the call's own tokens is attended in fp32 under HF's mask, and the two are merged exactly
+    (``kernels.quant_decode.merge``). Takes HF's 4-D mask (B|1, 1, S, history + S) whose rows agree on the
+    history's columns (a causal mask, left padding); anything else -> ``None``."""
+    b, heads, s, d = query.shape
+    hk = h.k.data.shape[1]
+    k_own, v_own = h.own
+    if heads % hk or k_own.shape[2] != s:
+        return None
+    hist = replace(h, own=None)
+    masks = call_masks(attention_mask, hist.tokens, s)
+    if masks is None:
+        return None
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    g = heads // hk
+    q = query.float().reshape(b, hk, g * s, d)  # row g·S + i: query head j·G + g, token i (HF's repeat_kv order)
+    step = g * s if q.device.type == "cpu" or not (isinstance(h.k, TurboStore) or h.k.spec.bits in LOW_BITS) \
+        else GPU_ROWS  # the low-bit and turbo Triton kernels pad every row of a KV head into one tile
+    parts = [history(hist, q[:, :, i:i + step], masks[0], scaling) for i in range(0, g * s, step)]
+    if any(p is None for p in parts):
+        return None
+    got = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2))
+    qs = q.view(b, hk, g, s, d)
+    scores = torch.einsum("bhgsd,bhtd->bhgst", qs, k_own.float()) * scaling  # (B, Hk, G, S, S)
+    scores = scores + masks[1][:, None, None]
+    lse = torch.logsumexp(scores, dim=-1)
+    own = torch.einsum("bhgst,bhtd->bhgsd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v_own.float())
+    out, _ = merge([got, (own.reshape(b, hk, g * s, -1), lse.reshape(b, hk, g * s))])
+    return out.view(b, heads, s, -1).transpose(1, 2).to(query.dtype)
+
+
+def call_masks(attention_mask: torch.Tensor | None, past: int, s: int
+               ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """HF's mask of a multi-token call (bool "attend" or additive; (B|1, 1, S, past + S)) -> (the history's
+    additive fp32 (B|1, past) or ``None`` when nothing there is masked, the own block's additive fp32
+    (B|1, S, S)); ``None`` when the rows disagree on the history (a mask this path does not take) or no mask
+    was given (HF gives one whenever a call follows a history)."""
+    m = attention_mask
+    if m is None or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != s or m.shape[3] != past + s:
+        return None
+    m = m[:, 0]
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
+    else:
+        m = m.float()
+    hist = m[:, :, :past]
+    if not bool((hist == hist[:, :1]).all()):  # one host read: the history's columns must not depend on the row
+        return None
+    first = hist[:, 0]
+    return (None if not bool((first != 0).any()) else first), m[:, :, past:]
+
+
+def history(h: FusedKV, q: torch.Tensor, mask: torch.Tensor | None, scaling: float
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out (B, Hk, R, D) fp32 in the model's basis, lse (B, Hk, R))`` of fp32 query rows ``q`` (B, Hk, R, D)
+    over the handle's coded history and tail under an additive mask (B|1, tokens), through the op of its codes;
+    ``None`` for codes no op takes."""
+    b, hk, rows, d = q.shape
     kt, vt = h.k_tail, h.v_tail
     kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
     if isinstance(h.k, TurboStore) or isinstance(h.v, TurboStore):
-        return None if h.pages is not None else _turbo(h, q, kt, vt, mask, scaling, query.dtype)
+        return None if h.pages is not None else _turbo(h, q, kt, vt, mask, scaling)
     channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
     if channel is not None:
         q = q * channel
@@ -74,22 +153,20 @@ def decode(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
             return None
         if vrot is not None and vt is not None and not h.v_tail_rotated:
             vt = vt @ vrot
-        out, _ = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                                     vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
-                                     h.kernel_mask(mask), scaling, pages=h.pages, page=h.page)
-        out = out.reshape(b * heads, d)
+        out, lse = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                                       vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
+                                       h.kernel_mask(mask), scaling, pages=h.pages, page=h.page)
         if vrot is not None:
-            out = out @ vrot.T  # one 2-D product (a batched one would copy R per head)
-        return out.view(b, 1, heads, d).to(query.dtype)
+            out = (out.reshape(-1, d) @ vrot.T).view(out.shape)  # one 2-D product (a batched one copies R per head)
+        return out, lse
     # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
-    out, _ = quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
-                          spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
-                          v_unrot=h.v.unrotation, pages=h.pages, page=h.page)
-    return out.view(b, 1, heads, d).to(query.dtype)
+    return quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
+                        spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
+                        v_unrot=h.v.unrotation, pages=h.pages, page=h.page)
 
 
-def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tensor | None, mask, scaling: float,
-           dtype: torch.dtype) -> torch.Tensor | None:
+def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tensor | None, mask, scaling: float
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Turbo codes (``caches/turbo.py``): the query and the tail go into the stores' coded bases (smoothing, the
     outlier permutation, each part's rotation), ``kvslim.turbo_decode`` attends (RoPE-centred keys: with the
     per-row score bias ``q·RoPE_t(μ)``), the output is rotated back."""
@@ -97,28 +174,34 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
     if not (isinstance(k, TurboStore) and isinstance(v, TurboStore)) or v.perm is not None or v.channel is not None:
         return None
     b, hk, g, d = q.shape
+    # plainly centred keys score q·(k − μ): the softmax is the same, the log-sum-exp short by q·μ (a merge needs it)
+    shift = None if k.mean is None or k.spec.rope_centred else torch.einsum("bhgd,bhd->bhg", q, k.mean[:, :, 0])
     q, ab = k.move_query(q)  # scores: (q ⊙ c)·k̃ in the coded basis; RoPE-centred keys: + ab·[cos|sin]_t per row
     bias = (None, None) if ab is None else (ab, k.bias_rows(h.n, ab.shape[-1]))
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
-    out, _ = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt, vt,
-                          h.kernel_mask(mask), scaling, *bias, lengths=h.lengths)
-    out = out.reshape(b * hk * g, d) @ v.rotations[0].T
-    return out.view(b, 1, hk * g, d).to(dtype)
+    out, lse = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt,
+                            vt, h.kernel_mask(mask), scaling, *bias, lengths=h.lengths)
+    if shift is not None:
+        lse = lse + scaling * shift
+    return (out.reshape(b * hk * g, d) @ v.rotations[0].T).view(b, hk, g, d), lse
 
 
 def reference(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
               scaling: float | None) -> torch.Tensor:
-    """The twin of :func:`decode`: the layer's unfused keys/values (B, Hk, T, D), then fp32 softmax attention."""
+    """The twin of :func:`decode`: the layer's unfused keys/values (B, Hk, T, D), then fp32 softmax attention
+    under HF's mask (a decode step's (B|1, 1, 1, T) or (B|1, T); a multi-token call's (B|1, 1, S, T))."""
     keys, values = h.materialize()
-    b, heads, _, d = query.shape
+    b, heads, s, d = query.shape
     hk = keys.shape[1]
     scaling = d ** -0.5 if scaling is None else float(scaling)
-    q = query.float().reshape(b, hk, heads // hk, d)
-    scores = torch.einsum("bhgd,bhtd->bhgt", q, keys.float()) * scaling
-    mask = additive_mask(attention_mask, keys.shape[2])
-    if mask is not None:
-        scores = scores + mask[:, None, None, :]
-    out = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(scores, dim=-1), values.float())
-    return out.reshape(b, 1, heads, d).to(query.dtype)
+    q = query.float().reshape(b, hk, heads // hk, s, d)
+    scores = torch.einsum("bhgsd,bhtd->bhgst", q, keys.float()) * scaling
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None, None, :]  # (B|1, 1, S|1, T)
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
+        scores = scores + m.float()[:, :, None]
+    out = torch.einsum("bhgst,bhtd->bhgsd", torch.softmax(scores, dim=-1), values.float())
+    return out.reshape(b, heads, s, -1).transpose(1, 2).to(query.dtype)

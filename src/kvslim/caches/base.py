@@ -62,6 +62,15 @@ class BatchOpsMixin:
         return None
 
 
+#: a call of up to this many new tokens attends its history through the fused ops (:meth:`KVStoreLayer._fused_call`)
+#: whatever the history's length; a longer call does when the history holds at least :data:`FUSED_CALL_HISTORY`
+#: times its tokens, else it dequantizes the history once and runs SDPA. Measured on mha-100m int4, 2 threads
+#: (``benchmarks/bench_question_pass.py``): 512 new tokens over 1,024 run faster through SDPA, over 4,096 faster
+#: fused; 64 over 1,024 faster fused.
+FUSED_CALL_TOKENS = 64
+FUSED_CALL_HISTORY = 4
+
+
 class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
     """A cache layer keeping keys and values in two :class:`TensorStore` objects.
 
@@ -161,6 +170,16 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         """Whether this update is a decode step that returns markers (fused decode on, one token, int8/int4)."""
         return (self.fused_decode and key_states.shape[2] == 1 and not torch.is_grad_enabled()
                 and fusable(self.k_store) and fusable(self.v_store))
+
+    def _fused_call(self, key_states: torch.Tensor, start: int) -> bool:
+        """Whether this update is a multi-token call over a history (a question after a prompt file, a chat turn,
+        a verify step, a prefill chunk) whose history attention reads as codes (``caches/fused.history_handle``):
+        fused decode on, more than one new token (a long call only over a long history: :data:`FUSED_CALL_TOKENS`),
+        eager, no autograd."""
+        s = key_states.shape[2]
+        short = s <= FUSED_CALL_TOKENS or start >= FUSED_CALL_HISTORY * s
+        return (self.fused_decode and s > 1 and short and start > 0 and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and fusable(self.k_store) and fusable(self.v_store))
 
     def get_seq_length(self) -> int:
         return self.cumulative_length

@@ -97,6 +97,11 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             reads = functools.partial(self._reads, start, key_states, value_states)
             return fused.markers(fused.append_handle(self.k_store, self.v_store, start, key_states, value_states,
                                                      reads), key_states)
+        if self._fused_call(key_states, start):  # the history read as codes, the call's own block exactly
+            reads = functools.partial(self._reads, start, key_states, value_states)
+            h = fused.history_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
+            if h is not None:
+                return fused.markers(h, key_states)
         return self._reads(start, key_states, value_states)
 
     def _sparse_step(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> SparseKV | None:

@@ -67,19 +67,25 @@ class FusedKV:
     #: ``pages[b, h, t // page]·page + t % page`` ((B, H, k) int64); the int8/int4 op reads them in place
     pages: torch.Tensor | None = None
     page: int = 0
+    #: a multi-token call (:func:`history_handle`): the call's own keys and values (B, H, S, D) exactly as given,
+    #: after everything above (the history); attention merges their causal block with the op's output
+    own: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
-        """Visible tokens (HF's key length): the coded history (a ring: less the skipped slot) plus the tail."""
+        """Visible tokens (HF's key length): the coded history (a ring: less the skipped slot) plus the tail (plus
+        a multi-token call's own tokens)."""
         if self.visible is not None:
             return self.visible
         tail = 0 if self.k_tail is None else self.k_tail.shape[2]
-        return self.n - int(self.ring is not None) + tail  # int: torch 2.11 refuses a SymInt minus a bool
+        own = 0 if self.own is None else self.own[0].shape[2]
+        return self.n - int(self.ring is not None) + tail + own  # int: torch 2.11 refuses a SymInt minus a bool
 
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
-        device = self.k_tail.device  # every index below is built there: no host read, no device mix
+        # every index below is built on the codes' device: no host read, no device mix
+        device = (self.k_tail if self.k_tail is not None else self.k.data).device
         if self.static:  # mask over the n slots, then the tail (the step's own token: attended)
             if mask is None:
                 return None
@@ -139,6 +145,36 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
         return FusedKV(k_store.inner, v_store.inner, f, kt, vt, materialize, v_tail_rotated=rotated,
                        k_tail_rotated=k_rotated)
     return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
+
+
+def history_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now: torch.Tensor,
+                   v_now: torch.Tensor, materialize) -> FusedKV | None:
+    """A multi-token call of an append-only layer after writing ``k_now``/``v_now`` (B, H, S, D) at ``start``: the
+    history, tokens ``[0, start)`` as the unfused path reads them after the write (codes ``[0, n)``, then the
+    full-precision rows of sinks and window), and the call's own tokens exactly (``own``). ``n`` can stop inside
+    a key group when the call's write flushed some of its own tokens into codes (the ops read partial groups).
+    ``None``: the key and value stores disagree on what is coded (the caller reads everything)."""
+    own = (k_now, v_now)
+    if isinstance(k_store, SinkStore):  # tail = [sinks | window rows of the history]
+        if not isinstance(v_store, SinkStore) or k_store.inner.flushed != v_store.inner.flushed:
+            return None
+        lead = min(start, k_store.sink)
+        past = start - lead  # history tokens behind the sinks (positions in the residual store)
+        n = min(k_store.inner.flushed, past)
+        r = lead + past - n
+        vt, rotated = _value_tail(v_store, r)
+        kt, k_rotated = _key_tail(k_store, r)
+        return FusedKV(k_store.coded, v_store.coded, n, kt, vt, materialize, lead=lead, v_tail_rotated=rotated,
+                       k_tail_rotated=k_rotated, own=own)
+    if isinstance(k_store, ResidualStore):
+        if not isinstance(v_store, ResidualStore) or k_store.flushed != v_store.flushed:
+            return None
+        n = min(k_store.flushed, start)
+        vt, rotated = _value_tail(v_store, start - n)
+        kt, k_rotated = _key_tail(k_store, start - n)
+        return FusedKV(k_store.inner, v_store.inner, n, kt, vt, materialize, v_tail_rotated=rotated,
+                       k_tail_rotated=k_rotated, own=own)
+    return FusedKV(k_store, v_store, start, None, None, materialize, own=own)
 
 
 def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
