@@ -150,3 +150,30 @@ def test_a_bf16_model_builds_no_full_precision_history(no_grad, monkeypatch):
     monkeypatch.setattr(base, "FUSED_CALL_HISTORY", 10 ** 9)
     slow, _ = _logits(model, "int4", ids, (0, 300, 317))
     assert (fast[1].float() - slow[1].float()).abs().max() <= 0.1  # bf16 rounding of the unfused path's reads
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_verifies_through_the_ops_and_keeps_greedy_tokens(how, monkeypatch):
+    """Prompt-lookup and assistant-model decoding over an int4 cache: every verify step (a multi-token call over
+    the history) runs ``decode_call``, the crops after it rewind the codes, and the tokens equal plain greedy's
+    over the same cache method."""
+    model = tiny_model("llama", kv_heads=2)
+    base_ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    ids = torch.cat([base_ids] * 8, 1)  # repeats: prompt lookup finds candidates
+    kvslim.apply(model, "int4")
+    try:
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        calls = []
+        real = quant.decode_call
+        monkeypatch.setattr(quant, "decode_call", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+        if how == "prompt_lookup":
+            out = model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
+        else:
+            assistant = tiny_model("llama", kv_heads=2, seed=1)
+            kvslim.apply(assistant, "int4")
+            out = model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant)
+            kvslim.restore(assistant)
+    finally:
+        kvslim.restore(model)
+    assert torch.equal(out, plain)
+    assert [s for s in calls if s > 1], "no verify step went through the fused ops"
