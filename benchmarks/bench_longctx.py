@@ -45,6 +45,7 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "window 1024": ("window", {"window": 1024}),
     # sparse decode (issue 43, docs/sparse.md): the answer's single-token steps read the chosen pages only; the
     # question (a multi-token call) reads everything. Cells are keyed by these labels: resumable like the others.
+    "sparse int4 auto": ("int4", {"sparse_budget": "auto"}),  # max(2,048, an eighth of the context)
     "sparse int4 2048": ("int4", {"sparse_budget": 2048}),
     "sparse int4 1024": ("int4", {"sparse_budget": 1024}),
     "sparse int4 4096": ("int4", {"sparse_budget": 4096}),
@@ -57,7 +58,7 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
-               "window 1024", "sparse dense 2048", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
+               "window 1024", "sparse dense 2048", "sparse int4 auto", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
                "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024"]
 #: the label suffix of the rows whose question is fed one token per call (--question-by-token)
 BY_TOKEN = " (question by token)"

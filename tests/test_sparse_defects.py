@@ -266,3 +266,45 @@ def test_prompt_selection_on_a_padded_batch_keeps_its_choice(model):
     idx = attn.select_pages(h2, q.reshape(2, 2, 2, 16))
     assert torch.equal(idx[..., :kept.shape[-1]], kept)
     torch.testing.assert_close(out, attn.reference(h2, q, mask2, 0.25, attn.rows_of(h2, idx)), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dense", "int4"])
+def test_a_budget_that_grows_with_the_context(model, method):
+    """``fraction`` (``sparse_budget="auto"``: max(2,048, an eighth)): a step over T tokens chooses the pages of
+    ``max(budget, fraction·T)`` rows, and reads at most that plus a page less one row; below the floor's context it
+    reads what the floor does."""
+    import dataclasses
+
+    budget, page = 320, 32
+    seen = set()
+    for prompt in (700, 1500, 2600, 4000):
+        layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0, sparse_page=page)
+        spec = dataclasses.replace(layer.sparse, fraction=0.25)
+        layer.sparse = layer.page_stats.spec = spec
+        _, h = _fill(layer, 1, 2, 16, prompt=prompt)
+        total = prompt + 1
+        allowed = max(budget, int(0.25 * total))
+        assert h.k == spec.step_pages(total) == max(spec.pages, (allowed - spec.window) // page)
+        outside = total - h.stats.offset - h.n
+        read = h.stats.offset + min(h.k, h.pages) * page + (h.n - h.pages * page) + outside
+        assert allowed - page < read <= allowed + page - 1, (prompt, read, allowed)
+        rows = attn.select(h, torch.randn(1, 2, 2, 16))
+        assert rows.shape[-1] + h.stats.offset + outside == read
+        seen.add(h.k)
+    assert len(seen) == 4  # it grew at every length
+
+
+def test_auto_budget_option(model):
+    from kvslim.caches.sparse import AUTO_FLOOR, AUTO_FRACTION
+
+    kvslim.apply(model, "int4", sparse_budget="auto", sparse_dense_layers=0)
+    try:
+        plan = kvslim.get_plan(model)
+        specs = {lp.sparse for lp in plan.layers}
+        assert specs and all(s.budget == AUTO_FLOOR and s.fraction == AUTO_FRACTION for s in specs)
+        assert any("max(2048, 0.125 of the context)" in n for n in plan.notes)
+        assert next(iter(specs)).step_pages(32768) * 32 + 128 == 4096
+    finally:
+        kvslim.restore(model)
+    with pytest.raises(ValueError, match="'auto'"):
+        kvslim.apply(model, "int4", sparse_budget="automatic")

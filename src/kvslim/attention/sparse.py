@@ -61,7 +61,7 @@ def select_pages(h: SparseKV, q: torch.Tensor, scaling: float | None = None, res
         new = torch.arange(since, n_pages + rest, device=q.device).expand(*h.kept.shape[:2], n_pages + rest - since)
         return torch.cat((h.kept, new), dim=-1)
     scaling = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    idx = sparse_select.sparse_select(q, h.stats.boxes, n_pages, spec.pages, scaling, spec.sinks_in_pages, rest)
+    idx = sparse_select.sparse_select(q, h.stats.boxes, n_pages, h.k, scaling, spec.sinks_in_pages, rest)
     if h.kept is not None:
         h.kept.copy_(idx[..., :h.kept.shape[-1]])  # the cache's buffer (its shape and page count set by the cache)
     return idx
@@ -136,7 +136,7 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
     hit = first_page.view(b, 1, 1).expand(b, scores.shape[1], 1)
     now = scores.gather(2, hit)
     scores.scatter_(2, hit, torch.where(force.view(b, 1, 1), torch.full_like(now, float("inf")), now))
-    idx = scores.topk(min(spec.pages, h.pages), dim=-1).indices.sort(dim=-1).values
+    idx = scores.topk(min(h.k, h.pages), dim=-1).indices.sort(dim=-1).values
     if h.kept is not None:  # select="prompt": the cache's buffer, read by the steps after this one
         h.kept.copy_(idx)
     return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))

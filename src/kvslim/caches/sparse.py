@@ -28,6 +28,10 @@ SELECTS = ("step", "prompt")
 RECENT = 128
 MIN_PAGE = 16
 FP16_MAX = 65504.0
+#: ``sparse_budget="auto"``: a step reads max(AUTO_FLOOR, AUTO_FRACTION × the context) tokens. At 32k a fixed 2,048
+#: lost pass keys its full read found (docs/sparse.md); 4,096 (an eighth) kept every one measured
+AUTO_FLOOR = 2048
+AUTO_FRACTION = 0.125
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class SparseSpec:
     or ``"prompt"`` (chosen at the first step after a multi-token call, kept for the answer; pages completed since
     are read whole). ``sinks_in_pages``: the layer keeps no full-precision sinks, so page 0 is always read (it holds
     the attention sinks); ``window``: rows always read after the pages (the layer's sinks + full-precision window,
-    else :data:`RECENT`)."""
+    else :data:`RECENT`). ``fraction`` > 0: the budget grows with the context, a step of T tokens reads
+    ``max(budget, fraction·T)`` rows (``sparse_budget="auto"``)."""
 
     budget: int
     page: int = 32
@@ -45,6 +50,7 @@ class SparseSpec:
     select: str = "step"
     window: int = RECENT
     sinks_in_pages: bool = True
+    fraction: float = 0.0
 
     def __post_init__(self) -> None:
         check_sparse_options(self.budget, self.page, self.score, self.select)
@@ -57,8 +63,15 @@ class SparseSpec:
 
     @property
     def pages(self) -> int:
-        """Pages a step reads (page 0 included when it holds the sinks)."""
+        """Pages a step reads at the floor budget (page 0 included when it holds the sinks)."""
         return (self.budget - self.window) // self.page
+
+    def step_pages(self, tokens: int) -> int:
+        """Pages a step over ``tokens`` visible tokens reads: :attr:`pages`, or with ``fraction`` the pages of
+        ``fraction·tokens`` rows where that is more."""
+        if not self.fraction:
+            return self.pages
+        return max(self.pages, (int(self.fraction * tokens) - self.window) // self.page)
 
     def stats_bytes_per_token(self, dim: int) -> float:
         """Bytes of statistics per token and KV head (2·D fp16 values per page)."""
@@ -67,8 +80,9 @@ class SparseSpec:
 
 def check_sparse_options(budget, page, score, select) -> None:
     """``ValueError`` naming the option for a value sparse decode cannot take (the checks that need no layer)."""
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        raise ValueError(f"sparse_budget must be a positive int (tokens read per decode step), got {budget!r}")
+    if budget != "auto" and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+        raise ValueError(f"sparse_budget must be a positive int (tokens read per decode step) or 'auto' (max("
+                         f"{AUTO_FLOOR}, {AUTO_FRACTION:g} of the context)), got {budget!r}")
     if not isinstance(page, int) or isinstance(page, bool) or page < MIN_PAGE or page & (page - 1):
         raise ValueError(f"sparse_page must be a power of two of at least {MIN_PAGE} (tokens per page), got "
                          f"{page!r}; e.g. 64")
@@ -121,7 +135,8 @@ class PageStats:
         self.kept_pages = None
         self.broken = False
 
-    def choice(self, pages: int, batch: int, heads: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    def choice(self, pages: int, batch: int, heads: int, device: torch.device, k: int
+               ) -> tuple[torch.Tensor | None, bool]:
         """What a step of ``pages`` candidate pages does with ``select="prompt"``: ``(kept pages, False)`` to read
         the choice made earlier (pages completed since are read whole), ``(buffer, True)`` to choose and write the
         choice into the cache's buffer (recorded here, on the host, before attention runs), ``(None, False)`` for
@@ -130,7 +145,7 @@ class PageStats:
             return None, False
         if self.kept_pages is not None and self.kept_pages <= pages:
             return self.kept, False
-        k = min(self.spec.pages, pages)
+        k = min(k, pages)
         if self.kept is None or self.kept.shape != (batch, heads, k) or self.kept.device != device:
             self.kept = torch.zeros(batch, heads, k, dtype=torch.int64, device=device)
         self.kept_pages = pages
@@ -265,6 +280,12 @@ class SparseKV:
     scratch: object | None = None  # the cache's ScratchPool: reused buffers for the gathered pages
     kept: torch.Tensor | None = None  # select="prompt": the chosen pages (B, H, k), to read or to write
     choose: bool = True  # choose the pages (and write them into ``kept`` when it is given)
+    read: int = 0  # pages to choose at this step (SparseSpec.step_pages); 0: the spec's floor
+
+    @property
+    def k(self) -> int:
+        """Pages chosen at this step."""
+        return self.read or self.stats.spec.pages
 
     @property
     def tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The sparse-decode options every append-only storage method takes (issue 43, ``caches/sparse.py``).
 
-``sparse_budget`` (tokens a single-token step reads; ``None``: off), ``sparse_page`` (tokens per page, a power of
+``sparse_budget`` (tokens a single-token step reads; ``"auto"``: max(2,048, an eighth of the context), the
+recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
 two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (``"meanstd"``, default, or Quest's ``"minmax"``), ``sparse_dense_layers``
 (layers read in full: an int N = the first N, default 2, or a list of indices) and ``sparse_select`` (``"step"``,
 default, or ``"prompt"``: chosen at the first step after a multi-token call, kept for the answer). Spelled the same
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..caches.factories import append_factory
-from ..caches.sparse import RECENT, SparseSpec, check_sparse_options
+from ..caches.sparse import AUTO_FLOOR, AUTO_FRACTION, RECENT, SparseSpec, check_sparse_options
 from ..plan import Plan
 
 SPARSE_OPTIONS = ("sparse_budget", "sparse_page", "sparse_score", "sparse_dense_layers", "sparse_select")
@@ -75,7 +76,9 @@ def layer_spec(sp: dict, store_spec) -> SparseSpec:
         raise ValueError(f"sparse_page={page} must be a multiple of the key groups' {cg} tokens "
                          f"(key_channel_group): e.g. sparse_page={max(cg, 64)}")
     own = bool(store_spec.residual)
-    return SparseSpec(sp["sparse_budget"], page, sp["sparse_score"], sp["sparse_select"],
+    auto = sp["sparse_budget"] == "auto"
+    return SparseSpec(AUTO_FLOOR if auto else sp["sparse_budget"], page, sp["sparse_score"], sp["sparse_select"],
+                      fraction=AUTO_FRACTION if auto else 0.0,
                       window=store_spec.sink + store_spec.residual if own else RECENT,
                       sinks_in_pages=not (own and store_spec.sink))
 
@@ -97,13 +100,16 @@ def apply(plan: Plan, sp: dict, num_kv_heads: int, head_dim: int) -> Plan:
             continue
         spec = lp.factory.keywords["spec"]
         ss = layer_spec(sp, spec)
-        note = f"sparse {ss.budget}/{ss.page} {ss.score}" + ("" if ss.select == "step" else " prompt")
+        note = (f"sparse {'auto' if ss.fraction else ss.budget}/{ss.page} {ss.score}"
+                + ("" if ss.select == "step" else " prompt"))
         pages.add(ss.page)
         offset = spec.sink if spec.sink and spec.residual else 0
         layers.append(replace(lp, note=f"{lp.note}; {note}" if lp.note else note, sparse=ss, sparse_offset=offset,
                               sparse_page_bytes=num_kv_heads * 2 * head_dim * 2,
                               factory=append_factory(spec, lp.factory.keywords["chunk"], sparse=ss)))
-    notes = [f"sparse decode: single-token steps read ≤ {sp['sparse_budget']} tokens (+ a page being filled) per "
+    budget = (f"max({AUTO_FLOOR}, {AUTO_FRACTION:g} of the context)" if sp["sparse_budget"] == "auto"
+              else sp["sparse_budget"])
+    notes = [f"sparse decode: single-token steps read ≤ {budget} tokens (+ a page being filled) per "
              f"layer and KV head, in pages of {'/'.join(map(str, sorted(pages))) or PAGE} scored by "
              f"{sp['sparse_score']}; layers "
              f"{sorted(dense)} read everything (docs/sparse.md)"]
