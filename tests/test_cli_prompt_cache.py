@@ -34,7 +34,7 @@ def test_cache_prompt_prints_tokens_bytes_seconds(doc, capsys):
     assert " s, save " in line
     assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?", "--chat",
                  "--max-new-tokens", "3"]) == 0  # the template's tail, kept in the file, follows the question
-    assert "150 cached +" in capsys.readouterr().err
+    assert "reused 150 of the file's 150 tokens" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--prompt", "Who?"]) == 2
     assert "made with --chat" in capsys.readouterr().err
 
@@ -47,7 +47,7 @@ def test_generate_from_the_file_twice_gives_one_answer_and_keeps_the_file(doc, c
                      "--max-new-tokens", "5"]) == 0
         cap = capsys.readouterr()
         answers.append(cap.out)
-        assert "200 cached +" in cap.err and "5 answer tokens" in cap.err
+        assert "reused 200 of the file's 200 tokens" in cap.err and "5 answer tokens" in cap.err
     assert answers[0] == answers[1] and _sha(doc) == before
 
 
@@ -126,3 +126,27 @@ def test_plain_question_follows_the_document_as_a_new_paragraph(doc):
     _, tok = load_model("tiny-mha")
     q = question_ids(tok, "Who is he?", False, read_meta(doc))
     assert tok.decode(q[0]).startswith("\n\n") and tok.decode(q[0]).endswith("Who is he?")
+
+
+def test_generate_reuses_the_files_prefix_of_an_edited_document(tmp_path, capsys):
+    """``--text``: the document as cached, then edited near its end: the file's tokens are reused up to the edit,
+    the count reported; the unedited document reuses them all. ``--text`` without ``--prompt-cache`` is refused."""
+    from kvslim.evaluate import load_text
+
+    text = load_text("botchan")[:1500]
+    original, edited = tmp_path / "doc.txt", tmp_path / "edited.txt"
+    original.write_text(text, encoding="utf-8")
+    edited.write_text(text[:1200] + " An edit the file never saw." + text[1200:], encoding="utf-8")
+    out = tmp_path / "doc.kvslim"
+    assert main(["cache-prompt", "--model", "tiny-mha", "--text", str(original), "--out", str(out)]) == 0
+    held = int(capsys.readouterr().out.split(": ")[1].split(" tokens")[0].replace(",", ""))
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--text", str(original),
+                 "--prompt", "Who?", "--max-new-tokens", "3"]) == 0
+    assert f"reused {held:,} of the file's {held:,} tokens" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-mha", "--prompt-cache", str(out), "--text", str(edited),
+                 "--prompt", "Who?", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    reused = int(err.split("reused ")[1].split(" of")[0].replace(",", ""))
+    assert 0.6 * held < reused < held, err
+    assert main(["generate", "--model", "tiny-mha", "--text", str(original), "--prompt", "Who?"]) == 2
+    assert "--text" in capsys.readouterr().err

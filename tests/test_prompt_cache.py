@@ -388,10 +388,12 @@ def test_prompt_cache_generate_checks_the_prefix_and_a_used_cache(tmp_path):
     other = ids.clone()
     other[0, 7] = (other[0, 7] + 1) % 128
     with pytest.raises(ValueError, match="differ from the prompt cache's tokens at position 7"):
-        fresh.generate(model, torch.cat((other, q), 1), max_new_tokens=2)
+        fresh.generate(model, torch.cat((other, q), 1), max_new_tokens=2, reuse_prefix=False)
     with pytest.raises(ValueError, match=r"input_ids must be \(1, more than"):
-        fresh.generate(model, ids, max_new_tokens=2)
+        fresh.generate(model, ids, max_new_tokens=2, reuse_prefix=False)
     with pytest.raises(ValueError, match=r"input_ids must be \(1, more than"):
+        fresh.generate(model, torch.cat((ids, q), 1).repeat(2, 1), max_new_tokens=2, reuse_prefix=False)
+    with pytest.raises(ValueError, match=r"input_ids must be \(1, at least 1 token\)"):
         fresh.generate(model, torch.cat((ids, q), 1).repeat(2, 1), max_new_tokens=2)
     assert fresh.cache.get_seq_length() == ids.shape[1]  # refused calls ran nothing
     kvslim.restore(model)
@@ -473,3 +475,51 @@ def test_sizes_in_the_file_are_bounded_by_the_model(tmp_path):
     with pytest.raises(ValueError, match=r"max_length=1000000000000 in the file is beyond the model's"):
         kvslim.load_cache(path, fresh)
     assert kvslim.get_plan(fresh) is None
+
+
+@pytest.mark.parametrize("method", ["dense", "int4"])
+def test_prefix_reuse_trims_to_the_shared_tokens(tmp_path, method):
+    """An edited document (tokens from position 60 on differ) and a question: ``PromptCache.generate`` trims the
+    file's 100 tokens to the 60 shared ones and prefills the rest. Dense: the tokens of a fresh cache filled with
+    the same 60 tokens first, logits within fp32 tolerance (the file's rows came from a 100-token call). A boundary
+    token that re-tokenized differently (the file's last) reuses all but it; ids equal to the file's reuse all but
+    the one fed."""
+    from tolerances import assert_close
+
+    model = tiny_model("llama")
+    kvslim.apply(model, method)
+    ids, q = _ids()
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "p.kvslim", model, ids)
+    edited = torch.cat((ids[:, :60], torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(9)), q), 1)
+    edited[0, 60] = (ids[0, 60] + 1) % 128  # differs right at 60
+    loaded = kvslim.load_cache(path, model)
+    assert loaded.common_prefix(edited) == 60
+    got = loaded.generate(model, edited, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    assert loaded.cache.get_seq_length() == edited.shape[1] + NEW - 1
+    if method == "dense":
+        want = _generate(model, edited, _prefill(model, edited[:, :60]))
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.logits, want.logits):
+            assert_close(a, b, torch.float32, "reused prefix vs a fresh one")
+    merged = torch.cat((ids[:, :-1], (ids[:, -1:] + 1) % 128, q), 1)
+    assert kvslim.load_cache(path, model).common_prefix(merged) == PROMPT - 1
+    assert kvslim.load_cache(path, model).common_prefix(ids) == PROMPT - 1
+    assert kvslim.load_cache(path, model).common_prefix(torch.cat((ids, q), 1)) == PROMPT
+    kvslim.restore(model)
+
+
+def test_a_ring_cache_is_not_trimmed(tmp_path):
+    """Ring-buffer layers cannot rewind past their window: a trim is refused by name and nothing changes."""
+    model = tiny_model("llama")
+    kvslim.apply(model, "window", window=16)
+    ids, q = _ids()
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "w.kvslim", model, ids)
+    loaded = kvslim.load_cache(path, model)
+    edited = torch.cat((ids[:, :50], q), 1)
+    with pytest.raises(ValueError, match="cannot be trimmed to 50 of its 100 tokens"):
+        loaded.generate(model, edited, max_new_tokens=2)
+    assert loaded.cache.get_seq_length() == PROMPT
+    with pytest.raises(ValueError, match=r"tokens must be an int in \[0, 100\]"):
+        loaded.trim(101)
+    kvslim.restore(model)

@@ -37,4 +37,4 @@ def test_readme_prompt_cache_commands_run(tmp_path, capsys):
             args += ["--max-new-tokens", "3"]  # a tiny answer: the command is what is tested
         assert main(args) == 0, (cmd, capsys.readouterr().err)
     assert (tmp_path / "DOC.kvslim").stat().st_size > 0
-    assert "cached +" in capsys.readouterr().err
+    assert "reused " in capsys.readouterr().err  # the file's tokens reused, the count reported

@@ -40,23 +40,71 @@ class PromptCache(NamedTuple):
     token_ids: torch.Tensor
     meta: dict
 
-    def generate(self, model, input_ids: torch.Tensor, **kwargs):
-        """``model.generate(input_ids, **kwargs)`` continuing this cache. ``input_ids`` (B, T') must start with the
-        file's ``token_ids`` and add at least one token (re-tokenizing document and question together can merge
-        tokens across the boundary: an answer about another prefix); the cache must still hold exactly the file's
-        tokens (a cache a previous call extended is refused: load the file again); ``max_new_tokens`` more must fit
-        (:func:`check_room`). ``ValueError`` naming the argument, nothing run."""
+    def generate(self, model, input_ids: torch.Tensor, *, reuse_prefix: bool = True, **kwargs):
+        """``model.generate(input_ids, **kwargs)`` continuing this cache.
+
+        ``input_ids`` (B, T') of the file's batch: with ``reuse_prefix`` (the default) the cache is first trimmed to
+        the longest prefix it shares with ``input_ids`` (:meth:`common_prefix`; as llama.cpp's ``--prompt-cache``
+        and mlx-lm's ``trim_prompt_cache`` do), so an edited document, or a question tokenized together with the
+        document (tokens can merge across the boundary), continues from the last token that still agrees;
+        ``reuse_prefix=False`` refuses ids that do not start with the file's ``token_ids`` (:func:`check_prefix`).
+        The cache must still hold exactly the file's tokens (a cache a previous call extended is refused: load the
+        file again); ``max_new_tokens`` more must fit (:func:`check_room`). ``ValueError`` naming the argument,
+        nothing run or trimmed. A trimmed int4/int3/int2/turbo cache keeps the coded rows before the cut where a
+        fresh prefill of the shorter text would still hold its last ~128 rows in full precision."""
         from .adapters.compat import CACHE_KW
 
-        check_prefix(self, input_ids)
         held = self.token_ids.shape[1]
         now = int(self.cache.get_seq_length())
         if now != held:
             raise ValueError(f"this prompt cache holds {now} tokens, not its file's {held}: a previous generate "
                              "extended it; load the file again (kvslim.load_cache) for each new question")
+        if reuse_prefix:
+            keep = self.common_prefix(input_ids)
+        else:
+            check_prefix(self, input_ids)
+            keep = held
         new = kwargs.get("max_new_tokens")
-        check_room(self, model, input_ids.shape[1] - held + (new if isinstance(new, int) else 0))
+        check_room(self, model, max(0, input_ids.shape[1] - held + (new if isinstance(new, int) else 0)))
+        if keep < held:
+            self.trim(keep)
         return model.generate(input_ids, **{CACHE_KW: self.cache}, **kwargs)
+
+    def common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Tokens of this cache that ``input_ids`` (B, T') can reuse: the longest prefix every sequence shares with
+        the file's ``token_ids``, at most T' − 1 (``generate`` needs one token to feed). ``ValueError`` for ids
+        that are not a (B, T' ≥ 1) integer tensor of the file's batch."""
+        held = self.token_ids
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ValueError(f"input_ids must be a (batch, tokens) integer tensor, got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        if input_ids.shape[0] != held.shape[0] or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be ({held.shape[0]}, at least 1 token): the prompt cache holds "
+                             f"{held.shape[0]} sequence(s), got {tuple(input_ids.shape)}")
+        n = min(held.shape[1], input_ids.shape[1] - 1)
+        differ = (input_ids[:, :n].to(held.device) != held[:, :n]).any(0)
+        return int(differ.int().argmax()) if bool(differ.any()) else n
+
+    def trim(self, tokens: int) -> None:
+        """Keep the cache's first ``tokens`` tokens (a crop); ``ValueError`` naming why, nothing changed, for a
+        count outside [0, held] or a cache whose layers cannot rewind (sliding-window rings, a capturable residual
+        layout): those continue only from the file's end."""
+        from .caches.dense import AppendLayer
+
+        held = int(self.cache.get_seq_length())
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= held:
+            raise ValueError(f"tokens must be an int in [0, {held}] (the cache's tokens to keep), got {tokens!r}")
+        if tokens == held:
+            return
+        layers = _layers(self.cache)
+        stuck = [i for i, layer in enumerate(layers) if not isinstance(layer, AppendLayer)
+                 or layer._residual_static()]
+        if stuck or hasattr(self.cache, "cross_attention_cache"):
+            raise ValueError(f"this prompt cache cannot be trimmed to {tokens} of its {held} tokens: layer(s) "
+                             f"{stuck[:8]} are ring buffers or a capturable residual layout, which continue only from "
+                             "the file's end; start input_ids with PromptCache.token_ids (or pass reuse_prefix=False "
+                             "to be told where they differ)")
+        self.cache.crop(tokens - held)
 
 
 def model_identity(model, name: str | None = None) -> dict:

@@ -3,7 +3,9 @@
 ``kvslim generate --model M --prompt-cache DOC.kvslim --prompt "question" [--chat] [--max-new-tokens N]``: the
 file's tokens (``kvslim cache-prompt``) are the prefix, the question is appended (``--chat``: in the tokenizer's
 chat template, as the file was made) and answered greedily; the file is only read, so the same question gives the
-same answer every time. Without ``--prompt-cache``: ``--prompt`` alone through ``--method`` (default int4).
+same answer every time. ``--text DOC`` (the document as given to ``cache-prompt``, edited or not): the file's
+tokens are reused up to the first that differs from DOC's, the rest of DOC and the question prefilled, and the count
+reported. Without ``--prompt-cache``: ``--prompt`` alone through ``--method`` (default int4).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the question (after the prompt cache's text) or the prompt")
     p.add_argument("--prompt-cache", default=None, metavar="FILE", help="a file of kvslim cache-prompt: its tokens "
                    "are the prefix, its method and options the cache's")
+    p.add_argument("--text", default=None, metavar="FILE", help="with --prompt-cache: the document to ask about, "
+                   "as given to kvslim cache-prompt --text; the file's tokens are reused up to the first one that "
+                   "differs (an edited document) and the rest prefilled (default: the file's own tokens)")
     p.add_argument("--method", default=None, help="without --prompt-cache: the kvslim method (default int4)")
     p.add_argument("--chat", action="store_true", help="ask in the tokenizer's chat template (the prompt cache must "
                    "have been made with --chat)")
@@ -57,6 +62,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt: empty; give the question (or the prompt) to answer")
     if args.prompt_cache and args.method:
         raise ValueError("--method: the prompt cache's method is used with --prompt-cache (give one or the other)")
+    if args.text and not args.prompt_cache:
+        raise ValueError("--text: the document whose cached prefix to reuse goes with --prompt-cache FILE")
+    document = None
+    if args.text:
+        from .eval import read_text
+
+        document = read_text(args.text)  # a missing file is refused before the model loads
     meta = None
     if args.prompt_cache:
         from ..prompt_cache import read_meta
@@ -77,8 +89,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if meta is not None:
         loaded = load_cache(args.prompt_cache, model)
-        check_room(loaded, model, q.shape[1] + args.max_new_tokens)
-        ids, cache = torch.cat([loaded.token_ids, q], dim=1), loaded.cache
+        if document is None:
+            ids = torch.cat([loaded.token_ids, q], dim=1)
+        else:
+            from .cache_prompt import prompt_ids
+
+            ids = torch.cat([prompt_ids(tok, document, args.chat), q], dim=1)
+        check_room(loaded, model, max(0, ids.shape[1] - loaded.token_ids.shape[1] + args.max_new_tokens))
+        reused = loaded.common_prefix(ids)
+        cache = loaded.cache
     else:
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and q.shape[1] + args.max_new_tokens > limit:
@@ -96,7 +115,11 @@ def run(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     answer = out[0, ids.shape[1]:]
     print(tok.decode(answer, skip_special_tokens=True).strip())
-    held = 0 if meta is None else meta["tokens"]
-    print(f"kvslim generate: {held:,} cached + {q.shape[1]:,} new prompt tokens, {answer.shape[0]} answer tokens; "
-          f"load {t1 - t0:.2f} s, generate {t2 - t1:.1f} s", file=sys.stderr)
+    if meta is None:
+        what = f"{ids.shape[1]:,} prompt tokens"
+    else:
+        what = (f"reused {reused:,} of the file's {meta['tokens']:,} tokens, prefilled {ids.shape[1] - reused:,} "
+                f"(question {q.shape[1]:,})")
+    print(f"kvslim generate: {what}, {answer.shape[0]} answer tokens; load {t1 - t0:.2f} s, generate "
+          f"{t2 - t1:.1f} s", file=sys.stderr)
     return 0
