@@ -14,7 +14,11 @@ an object's state is ``__getstate__()`` (its ``__dict__`` unless the class says 
   ``tensors()`` hold data: only those are written, and loading re-allocates the recorded capacity around them
   (zeros, as ``caches/capture.py`` keeps a static layout's free slots), so the buffers have the saved shapes and
   the next write lands where it would have;
-* a class's ``file_skip`` names attributes that are not data (a cache's ``plan``): the loader sets them.
+* a class's ``file_skip`` names attributes that are not data (a cache's ``plan``): the loader sets them;
+* every object node records its class's ``STATE_VERSION`` (1 unless the class says otherwise; a node without one is
+  1): a class that keeps an attribute's name but changes what it means bumps it, and a file written at another
+  version is refused by name instead of loading silently (``tests/test_state_schema.py`` keeps each class's
+  attributes beside its version, so a change of attributes cannot land without a look at it).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ import torch
 
 PACKAGE = __package__  # "kvslim.caches"
 _SCALARS = (type(None), bool, int, float, str)
+
+
+def state_version(cls: type) -> int:
+    """The version of ``cls``'s state (its ``STATE_VERSION``, 1 by default)."""
+    return int(getattr(cls, "STATE_VERSION", 1))
 
 
 class StateError(ValueError):
@@ -103,7 +112,8 @@ class Encoder:
             raise StateError(f"{path}: {cls.__qualname__}.__getstate__ gives no dict")
         skip = getattr(cls, "file_skip", ())
         fields = {k: self.encode(v, f"{path}.{k}") for k, v in state.items() if k not in skip}
-        return {"$": "obj", "cls": f"{cls.__module__}:{cls.__qualname__}", "ref": ref, "v": fields}
+        return {"$": "obj", "cls": f"{cls.__module__}:{cls.__qualname__}", "ref": ref,
+                "ver": state_version(cls), "v": fields}
 
     def _tensor(self, t: torch.Tensor, path: str):
         if id(t) in self._tensor_nodes:
@@ -217,6 +227,10 @@ class Decoder:
             raise StateError(f"{path}: no class {qualname!r} in {module} (a file from another kvslim)") from None
         if not isinstance(cls, type):
             raise StateError(f"{path}: {node['cls']!r} is not a class")
+        written, mine = node.get("ver", 1), state_version(cls)
+        if written != mine:
+            raise StateError(f"{path}: {qualname} state version {written!r} in the file, this kvslim reads version "
+                             f"{mine} (a file from another kvslim)")
         obj = cls.__new__(cls)
         self._objects[node["ref"]] = obj
         state = {k: self.decode(x, f"{path}.{k}") for k, x in node["v"].items()}
