@@ -291,3 +291,38 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter runs the kernels as Python; this compiles them to a cubin for sm_90 (Triton's bundled ptxas,
     no GPU needed), so code that only the compiler rejects fails here too."""
     compile_for_sm90(AOT)
+
+
+@pytest.mark.parametrize("method", ["int4", "int2", "turbo3"])
+def test_a_multi_token_call_through_the_kernels_matches_the_twin(method, monkeypatch, one_thread):
+    """A 17-token call over a 300-token history (issue 49: the G·S query rows of each KV head through the kernel in
+    one launch, ≤ 32 rows per launch for the low-bit and turbo kernels), under KVSLIM_BACKEND=triton and =torch: the
+    call's logits agree within fp32 tolerance, and the kernel launched."""
+    from kvslim.adapters.compat import CACHE_KW
+    from kvslim.attention import quant
+
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")
+    monkeypatch.setenv("KVSLIM_QUANT_VALUES", "exact")
+    model = tiny_model("llama", kv_heads=1, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                       attn_implementation="sdpa").to(DEVICE)
+    ids = _dev(torch.randint(1, 128, (1, 317), generator=torch.Generator().manual_seed(0)))[0]
+    from kvslim.kernels import backend
+
+    calls, fallbacks = [], []
+    real = quant.decode_call
+    monkeypatch.setattr(quant, "decode_call", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(backend, "warn_fallback", lambda family, why: fallbacks.append((family, why)))
+    kvslim.apply(model, method)
+    try:
+        out = {}
+        for name in ("torch", "triton"):
+            monkeypatch.setenv("KVSLIM_BACKEND", name)
+            cache = kvslim.make_cache(model)
+            with torch.no_grad():
+                model(ids[:, :300], use_cache=True, **{CACHE_KW: cache})
+                out[name] = model(ids[:, 300:], use_cache=True, **{CACHE_KW: cache}).logits
+    finally:
+        kvslim.restore(model)
+    assert len(calls) == 2 * 2, "the call left the fused path"
+    assert not fallbacks, f"a Triton kernel declined the call: {fallbacks}"
+    assert_close(out["triton"], out["torch"], F32, f"{method}: a 17-token call")

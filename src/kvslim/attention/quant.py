@@ -29,6 +29,7 @@ import torch
 
 from ..caches.fused import FusedKV
 from ..caches.turbo import TurboStore
+from ..kernels import backend
 from ..kernels.quant_decode import merge, quant_decode
 from ..kernels.quant_decode_lowbit import BITS as LOW_BITS
 from ..kernels.quant_decode_lowbit import quant_decode_lowbit
@@ -93,8 +94,9 @@ def decode_call(h: FusedKV, query: torch.Tensor, attention_mask: torch.Tensor | 
     scaling = d ** -0.5 if scaling is None else float(scaling)
     g = heads // hk
     q = query.float().reshape(b, hk, g * s, d)  # row g·S + i: query head j·G + g, token i (HF's repeat_kv order)
-    step = g * s if q.device.type == "cpu" or not (isinstance(h.k, TurboStore) or h.k.spec.bits in LOW_BITS) \
-        else GPU_ROWS  # the low-bit and turbo Triton kernels pad every row of a KV head into one tile
+    triton = q.device.type != "cpu" or backend.forced() == "triton"
+    step = GPU_ROWS if triton and (isinstance(h.k, TurboStore) or h.k.spec.bits in LOW_BITS) else g * s
+    # (the low-bit and turbo Triton kernels pad every row of a KV head into one tile: at most GPU_ROWS per call)
     parts = [history(hist, q[:, :, i:i + step], masks[0], scaling) for i in range(0, g * s, step)]
     if any(p is None for p in parts):
         return None
