@@ -91,7 +91,7 @@ def report(stem: Path) -> dict:
     rows = summarize(records)
     first = records[0]
     rec = {"model": first.get("model"), "filler": first.get("filler"), "filler_sha256": first.get("filler_sha256"),
-           "seed": first.get("seed"), "commits": sorted({r.get("commit", "?") for r in records}),
+           "seed": ", ".join(str(x) for x in sorted({r.get("seed", 0) for r in records})), "commits": sorted({r.get("commit", "?") for r in records}),
            "protocol": "one one-call prefill per haystack fills every cache via its update(); question in one call, "
                        "answer greedy token by token through the cache; exact match of the expected items",
            "lengths": sorted({r["length"] for r in records}),
@@ -116,10 +116,11 @@ def haystacks(records: list[dict]) -> dict[str, int]:
 def agreement(records: list[dict]) -> dict[str, dict]:
     """Per method, paired with dense on the same questions (all lengths): questions both answered, same verdict,
     and the questions dense got right that the method got wrong (and the reverse)."""
-    dense = {(r["length"], r["trial"], r["task"]): bool(r["correct"]) for r in records if r["method"] == "dense"}
+    dense = {(r.get("seed", 0), r["length"], r["trial"], r["task"]): bool(r["correct"]) for r in records
+             if r["method"] == "dense"}
     out: dict[str, dict] = {}
     for r in records:
-        key = (r["length"], r["trial"], r["task"])
+        key = (r.get("seed", 0), r["length"], r["trial"], r["task"])
         if r["method"] == "dense" or key not in dense:
             continue
         a = out.setdefault(r["method"], {"n": 0, "same": 0, "lost": 0, "gained": 0})
@@ -134,7 +135,7 @@ def markdown(rec: dict) -> str:
     lengths, methods = rec["lengths"], rec["methods"]
     cell = {(r["method"], r["length"], r["task"]): r for r in rec["rows"]}
     tasks = sorted({r["task"] for r in rec["rows"]} - {"all"})
-    out = [f"{rec['model']}; filler {rec['filler']}; seed {rec['seed']}; commits {', '.join(rec['commits'])}. "
+    out = [f"{rec['model']}; filler {rec['filler']}; seeds {rec['seed']}; commits {', '.join(rec['commits'])}. "
            f"Accuracy over all tasks with its Wilson 95 % interval (correct/trials), bytes per token measured "
            f"from the filled cache (fp32 model).", "",
            "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | bytes/token (its longest context) |",

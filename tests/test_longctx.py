@@ -189,3 +189,14 @@ def test_saved_prefill_is_read_back_and_removed(tiny_mha, tmp_path, monkeypatch)
     again = run(model, tok, caches, out=tmp_path / "b.jsonl", kv_dir=kv_dir, **kw)
     assert [r["answer"] for r in again] == [r["answer"] for r in first] and again[0]["prefill_seconds"] == 1.5
     assert list(kv_dir.iterdir()) == []
+
+
+def test_resumed_cells_are_told_apart_by_seed():
+    """A run of another seed must not skip cells a first seed wrote (it skipped seed 3's trials 0 and 1 at 32k
+    because seed 0 had written the same length, trial, method and task); records from before the seed was kept
+    count as seed 0."""
+    from kvslim.longctx.protocol import _key
+
+    r0 = {"length": 32768, "trial": 0, "method": "dense", "task": "passkey", "seed": 0}
+    assert _key(r0) != _key({**r0, "seed": 3})
+    assert _key({k: v for k, v in r0.items() if k != "seed"}) == _key(r0)

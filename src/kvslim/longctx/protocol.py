@@ -150,7 +150,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
-    return r["length"], r["trial"], r["method"], r["task"]
+    """A record's cell: (seed, length, trial, method, task); records written before the seed was kept are seed 0."""
+    return r.get("seed", 0), r["length"], r["trial"], r["method"], r["task"]
 
 
 def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, trials: int, seed: int = 0,
@@ -173,19 +174,19 @@ def run(model, tokenizer, caches: dict[str, Callable[[], object]], *, lengths, t
             f.write("\n")
     done = {_key(r) for r in records}
     todo = [(n, t) for t in range(first_trial, trials) for n in lengths  # trial-major: a cut run has every length
-            if any((n, t, m, inst.task) not in done for m in caches for inst in instances(seed, n, t, tasks))]
+            if any((seed, n, t, m, inst.task) not in done for m in caches for inst in instances(seed, n, t, tasks))]
     bar = _bar(len(todo) * len(caches), progress)
     for length, trial in todo:
         insts = instances(seed, length, trial, tasks)
         hay = hs.build(tokenizer, insts, length, units, random.Random(f"kvslim-filler:{seed}:{length}:{trial}"))
         kv, prefill_s, saved = _prefill_saved(model, hay.ids, kv_dir, f"{seed}-{length}-{trial}")
         for label, make in caches.items():
-            if all((length, trial, label, q.task) in done for q in hay.questions):
+            if all((seed, length, trial, label, q.task) in done for q in hay.questions):
                 bar.update(1)
                 continue
             lines = []
             for q in hay.questions:
-                if (length, trial, label, q.task) in done:
+                if (seed, length, trial, label, q.task) in done:
                     continue
                 t1 = time.perf_counter()
                 cache = fill(make(), kv)
