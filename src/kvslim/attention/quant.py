@@ -140,7 +140,7 @@ def history(h: FusedKV, q: torch.Tensor, mask: torch.Tensor | None, scaling: flo
     kt, vt = h.k_tail, h.v_tail
     kt, vt = (None, None) if kt is None else (kt.float(), vt.float())
     if isinstance(h.k, TurboStore) or isinstance(h.v, TurboStore):
-        return None if h.pages is not None else _turbo(h, q, kt, vt, mask, scaling)
+        return _turbo(h, q, kt, vt, mask, scaling)
     channel, rot, vrot = h.k.channel, h.k.rotation, h.v.rotation
     if channel is not None:
         q = q * channel
@@ -179,12 +179,13 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
     # plainly centred keys score q·(k − μ): the softmax is the same, the log-sum-exp short by q·μ (a merge needs it)
     shift = None if k.mean is None or k.spec.rope_centred else torch.einsum("bhgd,bhd->bhg", q, k.mean[:, :, 0])
     q, ab = k.move_query(q)  # scores: (q ⊙ c)·k̃ in the coded basis; RoPE-centred keys: + ab·[cos|sin]_t per row
-    bias = (None, None) if ab is None else (ab, k.bias_rows(h.n, ab.shape[-1]))
+    rows = h.n if h.pages is None else k.data.shape[2]  # a page list reads bias rows by stored row
+    bias = (None, None) if ab is None else (ab, k.bias_rows(rows, ab.shape[-1]))
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, lse = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt,
-                            vt, h.kernel_mask(mask), scaling, *bias, lengths=h.lengths)
+                            vt, h.kernel_mask(mask), scaling, *bias, lengths=h.lengths, pages=h.pages, page=h.page)
     if shift is not None:
         lse = lse + scaling * shift
     return (out.reshape(b * hk * g, d) @ v.rotations[0].T).view(b, hk, g, d), lse

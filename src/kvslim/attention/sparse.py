@@ -245,12 +245,18 @@ def _picked(h: SparseKV, idx: torch.Tensor):
 
 def _in_place(f, page: int) -> bool:
     """Whether a C++ op reads this layer's codes through a page list: CPU with the op built, int8/int4 codes of one
-    width (``quant_decode``) or asymmetric 2/3-bit codes (``quant_decode_lowbit``), whole pages in the buffers."""
+    width (``quant_decode``), asymmetric 2/3-bit codes (``quant_decode_lowbit``) or turbo codes (``turbo_decode``,
+    RoPE-centred keys' bias rows by stored row), whole pages in the buffers."""
     from ..caches.storage import QuantizedStore
     from ..kernels import quant_decode as qd
     from ..kernels import quant_decode_lowbit as ql
+    from ..kernels import turbo_decode as td
 
     k, v = f.k, f.v
+    if isinstance(k, TurboStore) and isinstance(v, TurboStore):  # kvslim.turbo_decode reads pages in place too
+        return (k.data.device.type == "cpu" and k.data.shape[2] % page == 0 and v.data.shape[2] % page == 0
+                and k.dim % 8 == 0 and (k.spec.outliers or 0) % 8 == 0 and v.perm is None and v.channel is None
+                and td._cpp_available())
     if not (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and k.data.device.type == "cpu"
             and k.capacity % page == 0 and v.capacity % page == 0):
         return False

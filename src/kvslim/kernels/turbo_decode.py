@@ -47,7 +47,7 @@ def available() -> bool:
 
 
 def _fake(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
-          bias_ab=None, bias_rows=None, splits=0, lengths=None):
+          bias_ab=None, bias_rows=None, splits=0, lengths=None, pages=None, page=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 
@@ -106,8 +106,8 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
     """The op's pure-torch twin: decode the first ``n`` rows, append the tail, fp32 softmax attention.
 
     ``q`` (B, Hk, G, D); codes (B, Hk, ≥n, bytes) uint8; scales (B, Hk, ≥n, parts); tails (B, Hk, r, D) fp32;
-    ``mask`` additive (B|1, n + r); ``bias_ab`` (B, Hk, G, W) and ``bias_rows`` (≥n, W) fp32: ``ab·rows_t`` added to
-    the coded rows' ``q·k``; ``lengths`` (B,) int64: coded rows used per sequence (≤ n; slots past them are never
+    ``mask`` additive (B|1, n + r); ``bias_ab`` (B, Hk, G, W) and ``bias_rows`` (≥n, W) fp32 (or (B, Hk, ≥n, W):
+    a page list's rows gathered per sequence and head): ``ab·rows_t`` added to the coded rows' ``q·k``; ``lengths`` (B,) int64: coded rows used per sequence (≤ n; slots past them are never
     used, whatever they hold; the tail and its mask columns stay at n). Returns
     (out (B, Hk, G, D), lse (B, Hk, G)) fp32."""
     keys = decode_rows(k_codes[:, :, :n], k_scale[:, :, :n], k_out, k_bits)
@@ -116,7 +116,9 @@ def reference(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_c
         keys = torch.cat((keys, k_tail.float()), 2)
         values = torch.cat((values, v_tail.float()), 2)
     scores = torch.einsum("bhgd,bhtd->bhgt", q.float(), keys)
-    if bias_ab is not None:
+    if bias_ab is not None and bias_rows.dim() == 4:
+        scores[..., :n] += torch.einsum("bhgw,bhtw->bhgt", bias_ab.float(), bias_rows[:, :, :n].float())
+    elif bias_ab is not None:
         scores[..., :n] += bias_ab.float() @ bias_rows[:n].float().T
     scores = scores * scaling
     if mask is not None:
@@ -135,10 +137,14 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, n: int,
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-                 bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                 pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
     (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU).
+
+    ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row t
+    stored at ``pages[b, h, t // page]·page + t % page`` (its bias row too); the C++ op reads them in place, the
+    Triton kernel and the twin a gathered copy (with a bias: the twin, whose rows can differ per sequence and head).
 
     Raises:
         ValueError: ``lengths`` not an int64 (B,) tensor on ``q``'s device, or (eagerly) a value outside [0, n].
@@ -147,10 +153,19 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
               and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
+    if pages is not None and kind != "cpp":
+        from .quant_decode import paged_rows
+
+        k_codes, k_scale, v_codes, v_scale = (paged_rows(t, pages, page) for t in (k_codes, k_scale, v_codes, v_scale))
+        if bias_rows is not None:  # per sequence and head now: the twin takes that table
+            b, hk, _ = pages.shape
+            rows = (pages[..., None] * page + torch.arange(page, device=pages.device)).reshape(b, hk, -1)
+            bias_rows, kind = bias_rows[rows], "torch"
+        pages, page = None, 0
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
         return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
-                                             bias_ab, bias_rows, 0, lengths)
+                                             bias_ab, bias_rows, 0, lengths, pages, int(page))
     if kind == "triton":
         from .triton.turbo_decode import turbo_decode_triton
 

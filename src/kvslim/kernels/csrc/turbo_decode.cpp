@@ -4,7 +4,9 @@
 //   out[b, h, j] = Σ_t softmax_t(scaling · (q[b, h, j] · k_t + ab[b, h, j] · rows[t]) + mask[b, t]) · v_t  (B, Hk, G, D)
 //   lse[b, h, j] = log Σ_t exp(...)                                                                    (B, Hk, G)
 //
-// over the first lengths[b] coded tokens (≤ n; all n without lengths; no block past them is read), then the r
+// over the first lengths[b] coded tokens (≤ n; all n without lengths; no block past them is read; with a page list
+// `pages` (B, Hk, k) and `page`, sparse decode's: the n rows are logical, row t stored at pages[b, h, t / page]·page
+// + t % page, read in place, bias rows by stored row), then the r
 // rows of an optional fp32 tail (no bias there). Everything is in the stores' coded bases: the caller rotates
 // (and permutes) the query and the tail into them and rotates the output back once. A coded key row: channels
 // [0, k_out) at k_bits + 1 bits, the rest at k_bits, each part with its own scale (k_scale (B, Hk, T, parts));
@@ -47,8 +49,9 @@ struct TArgs : kvslim_decode::Common {
   Strided k, v, ks, vs;
   const float* bias_ab = nullptr;  // (B, Hk, G, W), unit last stride
   int64_t bias_bs = 0, bias_hs = 0, bias_gs = 0, bias_w = 0;
-  const float* bias_rows = nullptr;  // (≥ n, W), unit last stride
+  const float* bias_rows = nullptr;  // (≥ n, W), unit last stride (with a page list: ≥ the stored rows)
   int64_t bias_rs = 0;
+  kvslim_decode::PageList paged;  // sparse decode's page list (decode_common.h; none: row t is row t)
 };
 
 struct Scratch {
@@ -103,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
                                                 const c10::optional<at::Tensor>& mask_in, double scaling,
                                                 const c10::optional<at::Tensor>& bias_ab,
                                                 const c10::optional<at::Tensor>& bias_rows, int64_t splits,
-                                                const c10::optional<at::Tensor>& lengths) {
+                                                const c10::optional<at::Tensor>& lengths,
+                                                const c10::optional<at::Tensor>& pages, int64_t page) {
   TArgs a;
   TORCH_CHECK_VALUE(q_in.dim() == 4 && q_in.device().is_cpu(), kOp, ": q must be a (B, Hk, G, D) CPU tensor, got ",
                     q_in.sizes(), " on ", q_in.device());
@@ -122,10 +126,17 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
   const int64_t kparts = k_out ? 2 : 1;
   TORCH_CHECK_VALUE(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, kOp,
                     ": codes must be uint8");
-  kvslim_decode::check_4d(kOp, k_codes, "k_codes", a.B, a.Hk, n, kbytes);
-  kvslim_decode::check_4d(kOp, v_codes, "v_codes", a.B, a.Hk, n, vbytes);
-  kvslim_decode::check_4d(kOp, k_scale, "k_scale", a.B, a.Hk, n, kparts);
-  kvslim_decode::check_4d(kOp, v_scale, "v_scale", a.B, a.Hk, n, 1);
+  // a page list: the n rows are logical, every listed page a whole page of the rows every coded tensor holds
+  const int64_t stored = std::min({k_codes.dim() == 4 ? k_codes.size(2) : 0, v_codes.dim() == 4 ? v_codes.size(2) : 0,
+                                   k_scale.dim() == 4 ? k_scale.size(2) : 0, v_scale.dim() == 4 ? v_scale.size(2) : 0});
+  a.paged = kvslim_decode::bind_pages(kOp, pages, page, a.B, a.Hk, n, 0, stored);
+  const int64_t min_rows = a.paged.pages ? 0 : n;
+  TORCH_CHECK_VALUE(!a.paged.pages || !(lengths.has_value() && lengths->defined()), kOp,
+                    ": pages and lengths do not go together");
+  kvslim_decode::check_4d(kOp, k_codes, "k_codes", a.B, a.Hk, min_rows, kbytes);
+  kvslim_decode::check_4d(kOp, v_codes, "v_codes", a.B, a.Hk, min_rows, vbytes);
+  kvslim_decode::check_4d(kOp, k_scale, "k_scale", a.B, a.Hk, min_rows, kparts);
+  kvslim_decode::check_4d(kOp, v_scale, "v_scale", a.B, a.Hk, min_rows, 1);
   TORCH_CHECK_VALUE(k_scale.scalar_type() == v_scale.scalar_type(), kOp, ": k_scale and v_scale must share a dtype");
   a.sdt = kvslim_decode::param_code(kOp, k_scale.scalar_type());
   const at::Tensor levels = levels_in.to(at::kFloat).contiguous();
@@ -155,9 +166,10 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
                       kOp, ": bias_ab must be float32 (B=", a.B, ", Hk=", a.Hk, ", G=", a.G,
                       ", W a positive multiple of 8) on CPU, got ", f.scalar_type(), " ", f.sizes());
     const auto& t = *bias_rows;
-    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) >= n &&
+    const int64_t need = a.paged.pages ? stored / page * page : n;  // rows a read can reach
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) >= need &&
                           t.size(1) == f.size(3),
-                      kOp, ": bias_rows must be float32 (>=", n, " rows, W=", f.size(3), ") on CPU, got ",
+                      kOp, ": bias_rows must be float32 (>=", need, " rows, W=", f.size(3), ") on CPU, got ",
                       t.scalar_type(), " ", t.sizes());
     ab = f.stride(3) == 1 ? f : f.contiguous();
     rows = t.stride(1) == 1 ? t : t.contiguous();
@@ -192,8 +204,8 @@ std::string turbo_decode_set_isa(const std::string& isa) {
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("turbo_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, int k_out, "
         "int k_bits, int v_bits, Tensor levels, int n, Tensor? k_tail, Tensor? v_tail, Tensor? mask, "
-        "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0, Tensor? lengths=None) -> "
-        "(Tensor, Tensor)");
+        "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0, Tensor? lengths=None, "
+        "Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
   m.def("turbo_decode_isa() -> str", &turbo_decode_isa);
   m.def("turbo_decode_set_isa(str isa) -> str", &turbo_decode_set_isa);
 }

@@ -213,13 +213,18 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
       for (int64_t i = 0; i < a.bias_w; ++i) ab[j * a.bias_w + i] = src[j * a.bias_gs + i] * a.scaling;
   }
   const int64_t kp = OB ? 2 : 1;
-  for (int64_t t0 = task.begin; t0 < task.end; t0 += T) {
-    const int64_t m = std::min(T, task.end - t0);
-    load_rows(a.ks, a.sdt, b, h, t0, m, kp, sp.ks.data());
-    code_scores<OB, KB>(a, b, h, t0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
-    if (!block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) continue;
-    load_rows(a.vs, a.sdt, b, h, t0, m, 1, sp.vs.data());
-    code_values<VB>(a, b, h, t0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
+  // a page list (sparse decode, decode_common.h): a block never crosses a page; codes, scales and bias rows are read
+  // at the stored row r0, the mask at the logical t0
+  for (int64_t t0 = task.begin; t0 < task.end;) {
+    int64_t m = std::min(T, task.end - t0);
+    const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
+    load_rows(a.ks, a.sdt, b, h, r0, m, kp, sp.ks.data());
+    code_scores<OB, KB>(a, b, h, r0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
+    if (block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) {
+      load_rows(a.vs, a.sdt, b, h, r0, m, 1, sp.vs.data());
+      code_values<VB>(a, b, h, r0, m, sp.sc.data(), T, sp.vs.data(), sp.pw.data(), acc);
+    }
+    t0 += m;
   }
   if (s == S - 1) attend_tail(a, b, h, q, mask, T, sp.sc.data(), mo, lo, acc, row_scores, row_values);
 }
