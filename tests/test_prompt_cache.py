@@ -523,3 +523,27 @@ def test_a_ring_cache_is_not_trimmed(tmp_path):
     with pytest.raises(ValueError, match=r"tokens must be an int in \[0, 100\]"):
         loaded.trim(101)
     kvslim.restore(model)
+
+
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_continues_a_prompt_cache_once(tmp_path, how):
+    """transformers' assisted decoding fed its first verify step every id whatever the cache held: a prompt cache
+    got its tokens a second time (299 cached + 300 ids -> 606 after 8 new). ``PromptCache.generate`` feeds the ids
+    past the cache: the cache ends at the ids + new tokens − 1, with plain greedy's tokens over the same file."""
+    model = tiny_model("llama")
+    kvslim.apply(model, "int4")
+    ids, q = _ids()
+    ids = torch.cat([ids[:, :50]] * 2, 1)  # repeats: prompt lookup finds candidates
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "p.kvslim", model, ids)
+    full = torch.cat((ids, q), 1)
+    plain = kvslim.load_cache(path, model).generate(model, full, max_new_tokens=NEW, min_new_tokens=NEW,
+                                                    do_sample=False, pad_token_id=0)
+    loaded = kvslim.load_cache(path, model)
+    extra = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"assistant_model": tiny_model("llama",
+                                                                                                     seed=1)}
+    out = loaded.generate(model, full, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          **extra)
+    assert loaded.cache.get_seq_length() == full.shape[1] + NEW - 1
+    assert torch.equal(out, plain)
+    assert "prepare_inputs_for_generation" not in model.__dict__  # the class's own again
+    kvslim.restore(model)

@@ -15,6 +15,7 @@ temporary file in the target folder, renamed over ``path`` when complete.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +32,8 @@ FORMAT = "kvslim.prompt_cache/2"  # /2: the digest covers the header too (/1: th
 FORMAT_PREFIX = "kvslim.prompt_cache/"
 META_KEY = "kvslim"
 REMAKE = "re-create it for this model with kvslim cache-prompt (or kvslim.save_cache)"
+#: generate() options that run assisted decoding (its first verify step needs the ids past the cache only)
+ASSISTED = frozenset({"prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit"})
 
 
 class PromptCache(NamedTuple):
@@ -68,7 +71,31 @@ class PromptCache(NamedTuple):
         check_room(self, model, max(0, input_ids.shape[1] - held + (new if isinstance(new, int) else 0)))
         if keep < held:
             self.trim(keep)
-        return model.generate(input_ids, **{CACHE_KW: self.cache}, **kwargs)
+        if not ASSISTED.intersection(kwargs):
+            return model.generate(input_ids, **{CACHE_KW: self.cache}, **kwargs)
+        # transformers' assisted decoding feeds its first verify step every id, whatever the cache holds (5.24:
+        # ``next_sequence_length=None`` on the first iteration), so a prefilled cache got the prompt a second time
+        # (measured: 299 cached + 300 ids -> 606 tokens after 8 new ones). Fed only the ids past the cache instead.
+        original = model.prepare_inputs_for_generation
+        cache = self.cache
+
+        @functools.wraps(original)  # generate() checks its kwargs against this signature
+        def prepare(ids, *args, next_sequence_length=None, is_first_iteration=False, **kw):
+            held_now = int(cache.get_seq_length())
+            if is_first_iteration and next_sequence_length is None and 0 < held_now < ids.shape[1]:
+                next_sequence_length = ids.shape[1] - held_now
+            return original(ids, *args, next_sequence_length=next_sequence_length,
+                            is_first_iteration=is_first_iteration, **kw)
+
+        own = model.__dict__.get("prepare_inputs_for_generation")
+        model.prepare_inputs_for_generation = prepare
+        try:
+            return model.generate(input_ids, **{CACHE_KW: self.cache}, **kwargs)
+        finally:
+            if own is None:
+                del model.prepare_inputs_for_generation  # the class's own again
+            else:
+                model.prepare_inputs_for_generation = own
 
     def common_prefix(self, input_ids: torch.Tensor) -> int:
         """Tokens of this cache that ``input_ids`` (B, T') can reuse: the longest prefix every sequence shares with
