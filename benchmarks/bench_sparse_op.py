@@ -49,7 +49,7 @@ def layer_for(method: str, budget: int, page: int):
     return layer
 
 
-def point(method: str, context: int, batch: int, budget: int, page: int, rounds: int, reps: int) -> dict:
+def point(method: str, context: int, batch: int, budget, page, rounds: int, reps: int, padded: bool = False) -> dict:
     layer = layer_for(method, budget, page)
     g = torch.Generator().manual_seed(0)
     h, d = CFG["num_key_value_heads"], CFG["hidden_size"] // CFG["num_attention_heads"]
@@ -66,10 +66,19 @@ def point(method: str, context: int, batch: int, budget: int, page: int, rounds:
     module = types.SimpleNamespace(num_key_value_groups=1)
     q = torch.randn(batch, CFG["num_attention_heads"], 1, d, generator=g)
 
+    def mask_for(k):  # a left-padded batch: row i's first i/(2B) of the context is padding (HF's bool decode mask)
+        if not padded:
+            return None
+        mask = torch.ones(batch, 1, 1, k.shape[2], dtype=torch.bool)
+        for i in range(batch):
+            mask[i, ..., :context * i // (2 * batch)] = False
+        return mask
+
     def run(k, v):
+        mask = mask_for(k)
         t = time.perf_counter()
         for _ in range(reps):
-            packed_gqa_sdpa_forward(module, q, k, v, None, scaling=d ** -0.5)
+            packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
         return (time.perf_counter() - t) / reps * 1e3
 
     run(k_full, v_full), run(k_sp, v_sp)  # warm-up
@@ -78,7 +87,8 @@ def point(method: str, context: int, batch: int, budget: int, page: int, rounds:
         full.append(run(k_full, v_full))
         sparse.append(run(k_sp, v_sp))
     f, s = statistics.median(full), statistics.median(sparse)
-    rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": page,
+    rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": layer.sparse.page,
+           "padded": padded,
            "full_ms": round(f, 3), "sparse_ms": round(s, 3), "speedup": round(f / s, 2),
            "full_ms_rounds": [round(x, 3) for x in full], "sparse_ms_rounds": [round(x, 3) for x in sparse],
            "stats_bytes": layer.page_stats.nbytes(), "cache_bytes": layer.nbytes}
@@ -91,8 +101,9 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["int4", "dense"])
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--page", type=int, default=64)
+    p.add_argument("--budget", default="2048", help="tokens, or auto (max(2,048, an eighth of the context))")
+    p.add_argument("--page", type=int, default=None, help="tokens per page (default: the library's)")
+    p.add_argument("--padded", action="store_true", help="a left-padded batch (row i: its first i/(2B) padding)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -107,7 +118,8 @@ def main() -> None:
                 for context in a.contexts:
                     if f"{method}:{context}:{batch}" in a.skip:
                         continue
-                    records.append(point(method, context, batch, a.budget, a.page, a.rounds, a.reps))
+                    budget = a.budget if a.budget == "auto" else int(a.budget)
+                    records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, a.padded))
     out = {"commit": _commit(), "torch": torch.__version__, "kvslim": kvslim.__version__,
            "machine": platform.machine(), "threads": a.threads, "load_average": os.getloadavg(),
            "shape": "mha-100m layer (12 KV heads x 64, fp32)", "records": records}

@@ -173,7 +173,8 @@ def test_sparse_generate_leaves_the_thread_count_alone(model, monkeypatch):
 
 
 def _masked_oracle(h, written, keys, values, q, scaling, visible):
-    """float64: statistics from the keys as ``written``; pages with no visible row never chosen; the first visible page
+    """float64: statistics from the keys as ``written``; pages with no visible row never chosen (each head's estimated
+    attention taken over the visible pages only); the first visible page
     forced where the layer's sinks are padding (or it keeps them in page 0); attention over the chosen rows with
     the mask. ``visible``: (B, T) bool."""
     spec, off, p, npg = h.stats.spec, h.stats.offset, h.stats.spec.page, h.pages
@@ -182,8 +183,9 @@ def _masked_oracle(h, written, keys, values, q, scaling, visible):
     c, r = region.mean(3), region.std(3, unbiased=False)
     qg = q.double().reshape(b, hk, -1, d)
     bound = torch.einsum("bhgd,bhpd->bhgp", qg, c) + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), r)
-    score = torch.log_softmax(bound * scaling, -1).logsumexp(2)
     seen = visible[:, off:off + npg * p].reshape(b, npg, p).any(-1)
+    bound = bound.masked_fill(~seen[:, None, None, :], float("-inf"))  # each head's attention over visible pages
+    score = torch.log_softmax(bound * scaling, -1).logsumexp(2)
     out = torch.empty(b, hk, qg.shape[2], d, dtype=torch.float64)
     for i in range(b):
         s = score[i].clone()
@@ -203,7 +205,7 @@ def _masked_oracle(h, written, keys, values, q, scaling, visible):
     return out.reshape(b, 1, -1, d)
 
 
-@pytest.mark.parametrize("method", ["dense", "int8", "int4", "int2"])
+@pytest.mark.parametrize("method", ["dense", "int8", "int4", "int2", "turbo3"])
 def test_padded_batch_step_matches_oracle_without_reading_everything(model, method):
     """A left-padded batch's sparse step: padding pages never chosen, the padded row's first real page stands in
     for its sinks, the chosen rows alone are read (the layer's full dequantized read is never made) and the step

@@ -57,3 +57,31 @@ def test_op_refuses_bad_input():
         torch.ops.kvslim.sparse_select(q, boxes[..., :8], 10, 2, 0.3, True, 0)
     with pytest.raises(ValueError, match="q must be"):
         torch.ops.kvslim.sparse_select(q.double(), boxes, 10, 2, 0.3, True, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_padded_rows_choose_among_their_visible_pages(dtype):
+    """``first``/``force`` (a left-padded batch): sequence b chooses among pages [first[b], n_pages) only, each
+    head's estimated attention normalised over them, page first[b] forced where ``force[b]``; the op equals the twin
+    and a float64 oracle, and refuses a row left with fewer than k pages."""
+    if not ss.available():
+        pytest.skip("C++ op not built")
+    b, h, g, d, pages, k, rest = 4, 2, 3, 32, 120, 9, 2
+    gen = torch.Generator().manual_seed(7)
+    boxes = torch.randn(b, h, pages, 2 * d, generator=gen)
+    boxes[..., d:] = boxes[..., d:].abs()
+    boxes = boxes.to(dtype)
+    q = torch.randn(b, h, g, d, generator=gen)
+    first = torch.tensor([0, 5, 37, 111])
+    force = torch.tensor([False, True, True, False])
+    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, first, force)
+    assert torch.equal(got, ss.reference(q, boxes, pages, k, 0.2, False, rest, first, force))
+    for i in range(b):
+        lo = int(first[i])
+        want = _oracle(q[i:i + 1], boxes[i:i + 1, :, lo:], pages - lo, k, 0.2, bool(force[i])) + lo
+        assert torch.equal(got[i:i + 1, :, :k], want), i
+        assert bool((got[i, :, :k] >= lo).all())
+        if force[i]:
+            assert bool((got[i, :, 0] == lo).all())
+    with pytest.raises(ValueError, match="fewer than k"):
+        torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, torch.tensor([0, 0, 0, 115]), force)

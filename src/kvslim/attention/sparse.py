@@ -110,8 +110,10 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
 
 def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, scaling) -> torch.Tensor:
     """A step with an attention mask (a padded batch): pages wholly masked are never chosen, each row's first
-    visible page is forced (its sinks: a left-padded row's real first tokens), and the chosen rows alone are read
-    (a coded layer dequantizes only them) and attended with the mask gathered to them."""
+    visible page is forced (its sinks: a left-padded row's real first tokens), and the chosen rows alone are read.
+    Left padding (each row's visible pages a suffix) on the C++ ops: one ``sparse_select`` call over each row's
+    visible pages, then the op through the page list with the codes in place (:func:`_masked_in_place`); any other
+    mask: the selection in torch and the twin over the chosen rows (a coded layer dequantizes only them)."""
     total = h.tokens
     mask = quant.additive_mask(attention_mask, total)
     if mask is False:
@@ -126,20 +128,52 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
         idx = select_pages(h, q, scaling)
         return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
     scaling_f = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
-    scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
     # the sinks: page 0 where the layer keeps them in its pages, else its own full-precision sinks; a row whose
     # first tokens are padding gets its first visible page instead
     force = torch.full((b,), spec.sinks_in_pages, dtype=torch.bool, device=q.device)
     if off:
         force |= ~torch.isfinite(mask).expand(b, total)[:, 0]
+    k = min(h.k, h.pages)
+    pages = torch.arange(h.pages, device=q.device)
+    left = bool((page_seen == (pages[None] >= first_page[:, None])).all()) and bool((h.pages - first_page >= k).all())
+    if left:  # left padding: the op's (or its twin's) selection over each row's visible pages
+        extra = -(-(h.n - h.pages * p) // p)
+        listed = sparse_select.sparse_select(q, h.stats.boxes, h.pages, k, scaling_f, False, extra, first_page, force)
+        idx = listed[..., :k]
+        if h.kept is not None:  # select="prompt": the cache's buffer, read by the steps after this one
+            h.kept.copy_(idx)
+        if h.fused is not None and _in_place(h.fused, p):
+            out = _masked_in_place(h, query, mask, listed, k, first_page, scaling)
+            if out is not None:
+                return out
+        return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
+    scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
+    scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
     hit = first_page.view(b, 1, 1).expand(b, scores.shape[1], 1)
     now = scores.gather(2, hit)
     scores.scatter_(2, hit, torch.where(force.view(b, 1, 1), torch.full_like(now, float("inf")), now))
-    idx = scores.topk(min(h.k, h.pages), dim=-1).indices.sort(dim=-1).values
-    if h.kept is not None:  # select="prompt": the cache's buffer, read by the steps after this one
+    idx = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    if h.kept is not None:
         h.kept.copy_(idx)
     return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
+
+
+def _masked_in_place(h: SparseKV, query: torch.Tensor, mask: torch.Tensor, listed: torch.Tensor, k: int,
+                     first_page: torch.Tensor, scaling) -> torch.Tensor | None:
+    """A left-padded step through the C++ op's page list (``listed``: the ``k`` chosen pages ascending, then the
+    region's rest), the codes read in place. No head chose a padding page, and a padded row's first visible page
+    (the only one partly padding) is forced in every head and so comes first in every head's list: the mask over
+    the listed rows is one per sequence (the op's (B, rows) mask): that page's columns, zeros for the other chosen
+    pages, the region's rest and the tail as HF's mask has them. (An unpadded row's first listed page, whatever it
+    is, is all visible: its columns there are zeros too.)"""
+    p, off, n = h.stats.spec.page, h.stats.offset, h.n
+    b, total, lo = query.shape[0], h.tokens, h.pages * h.stats.spec.page
+    full = mask.expand(b, total)
+    cols = off + first_page[:, None] * p + torch.arange(p, device=mask.device)  # (B, page): the forced page
+    logical = torch.cat((full.gather(1, cols), full.new_zeros(b, (k - 1) * p), full[:, off + lo:off + n]), dim=1)
+    virtual = torch.cat((full[:, :off], logical, full[:, off + n:]), dim=1)  # as HF's mask over the listed rows
+    f = dataclasses.replace(h.fused, n=k * p + n - lo, lengths=None, pages=listed, page=p)
+    return quant.decode(f, query, virtual, scaling)
 
 
 def _chosen_reads(h: SparseKV, idx: torch.Tensor):

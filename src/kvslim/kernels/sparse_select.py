@@ -35,11 +35,22 @@ def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor
 
 
 def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
-              rest: int) -> torch.Tensor:
-    """The op's twin: (B, H, min(k, n_pages) + rest) int64, the chosen pages ascending then the rest."""
-    s = scores(q, boxes[:, :, :n_pages], scaling)
-    if force_first and n_pages:
-        s[..., 0] = float("inf")
+              rest: int, first: torch.Tensor | None = None, force: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's twin: (B, H, min(k, n_pages) + rest) int64, the chosen pages ascending then the rest. ``first``
+    (B,) int64 / ``force`` (B,) bool (a left-padded batch): only pages from ``first[b]`` on are candidates (the
+    softmax over pages taken over them), page ``first[b]`` forced where ``force[b]``."""
+    if first is None:
+        s = scores(q, boxes[:, :, :n_pages], scaling)
+        if force_first and n_pages:
+            s[..., 0] = float("inf")
+    else:
+        b = q.shape[0]
+        pad = torch.arange(n_pages, device=q.device)[None, :] < first[:, None]  # (B, P)
+        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), boxes[:, :, :n_pages].float().transpose(-1, -2))
+        bound = (bound * scaling).masked_fill(pad[:, None, None], float("-inf"))
+        s = torch.log_softmax(bound, dim=-1).logsumexp(dim=2)  # (B, H, P), padding pages -inf
+        hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
+        s.scatter_(2, hit, torch.where(force.view(b, 1, 1), float("inf"), s.gather(2, hit)))
     idx = s.topk(min(k, n_pages), dim=-1).indices.sort(dim=-1).values
     if rest:
         after = torch.arange(n_pages, n_pages + rest, device=q.device).expand(*idx.shape[:2], rest)
@@ -55,9 +66,9 @@ def applies(q: torch.Tensor, boxes: torch.Tensor) -> bool:
 
 
 def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
-                  rest: int = 0) -> torch.Tensor:
+                  rest: int = 0, first: torch.Tensor | None = None, force: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`reference` through the C++ op where it applies (:func:`applies`), else through the twin."""
     if applies(q, boxes):
         return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
-                                              bool(force_first), int(rest))
-    return reference(q, boxes, n_pages, k, scaling, force_first, rest)
+                                              bool(force_first), int(rest), first, force)
+    return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force)

@@ -7,6 +7,10 @@
 //   score = logsumexp_g (s_gp − logsumexp_p' s_gp')          the log of the group's summed estimated attentions
 //   pages = the k best scores (page 0 first when force_first), ascending, then pages [n_pages, n_pages + rest)
 //
+// With `first` (B,) int64 (a left-padded batch: sequence b's first page holding a visible token) only pages
+// [first[b], n_pages) are candidates (the softmax over pages taken over them; the padding pages' boxes not read),
+// and `force` (B,) bool forces page first[b] (its real first tokens, the attention sinks) where set.
+//
 // written into out[b, h, :k + rest] (int64). Ties go to the lower page (as the twin's stable ordering: the twin
 // is kvslim.attention.sparse.page_scores + topk, tested against this op). One parallel region over B·H; nothing
 // allocated per page but a G·P fp32 scratch per task.
@@ -75,7 +79,13 @@ bool has_avx2() {
 }
 
 void select_task(const float* q, const void* box, bool half, int64_t G, int64_t D, int64_t n_pages,
-                 int64_t box_page_stride, float scaling, int64_t k, bool force_first, int64_t rest, int64_t* out) {
+                 int64_t box_page_stride, float scaling, int64_t k, bool force_first, int64_t rest, int64_t* out,
+                 int64_t p0 = 0) {
+  // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written
+  box = half ? static_cast<const void*>(static_cast<const c10::Half*>(box) + p0 * box_page_stride)
+             : static_cast<const void*>(static_cast<const float*>(box) + p0 * box_page_stride);
+  const int64_t all_pages = n_pages;
+  n_pages -= p0;
   std::vector<float> s(static_cast<size_t>(G * n_pages));
   std::vector<float> row(static_cast<size_t>(2 * D));
   std::vector<float> qa(static_cast<size_t>(G * D));
@@ -114,12 +124,13 @@ void select_task(const float* q, const void* box, bool half, int64_t G, int64_t 
   auto better = [&](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
   std::nth_element(idx.begin(), idx.begin() + kk, idx.end(), better);  // (kk may equal n_pages: a no-op)
   std::sort(idx.begin(), idx.begin() + kk);
-  for (int64_t i = 0; i < kk; ++i) out[i] = idx[i];
-  for (int64_t i = 0; i < rest; ++i) out[kk + i] = n_pages + i;
+  for (int64_t i = 0; i < kk; ++i) out[i] = idx[i] + p0;
+  for (int64_t i = 0; i < rest; ++i) out[kk + i] = all_pages + i;
 }
 
 at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64_t n_pages, int64_t k,
-                             double scaling, bool force_first, int64_t rest) {
+                             double scaling, bool force_first, int64_t rest, const c10::optional<at::Tensor>& first,
+                             const c10::optional<at::Tensor>& force) {
   TORCH_CHECK_VALUE(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
                     "kvslim::sparse_select: q must be a contiguous (B, H, G, D) fp32 tensor, got ", q.sizes(), " ",
                     q.scalar_type());
@@ -133,6 +144,26 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
                     " outside the boxes' ", boxes.size(2), " pages");
   TORCH_CHECK_VALUE(k >= 1 && rest >= 0, "kvslim::sparse_select: k must be >= 1 and rest >= 0, got ", k, ", ", rest);
   const int64_t kk = std::min(k, n_pages);
+  const bool padded = first.has_value() && first->defined();
+  TORCH_CHECK_VALUE(padded == (force.has_value() && force->defined()),
+                    "kvslim::sparse_select: first and force come together");
+  at::Tensor first_c, force_c;
+  const int64_t* fp = nullptr;
+  const bool* fo = nullptr;
+  if (padded) {
+    TORCH_CHECK_VALUE(first->device().is_cpu() && first->scalar_type() == at::kLong && first->dim() == 1 &&
+                          first->size(0) == B && force->device().is_cpu() && force->scalar_type() == at::kBool &&
+                          force->dim() == 1 && force->size(0) == B,
+                      "kvslim::sparse_select: first must be int64 (B=", B, ",) and force bool (B,) on CPU, got ",
+                      first->sizes(), " ", first->scalar_type(), " and ", force->sizes(), " ", force->scalar_type());
+    first_c = first->contiguous();
+    force_c = force->contiguous();
+    fp = first_c.data_ptr<int64_t>();
+    fo = force_c.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK_VALUE(fp[b] >= 0 && n_pages - fp[b] >= kk, "kvslim::sparse_select: first[", b, "] = ", fp[b],
+                        " leaves fewer than k=", kk, " of the ", n_pages, " pages");
+  }
   at::Tensor out = at::empty({B, H, kk + rest}, q.options().dtype(at::kLong));
   const float* qp = q.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -147,7 +178,10 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
       int64_t* ot = op + t * (kk + rest);
       const void* bt = half ? static_cast<const void*>(static_cast<const c10::Half*>(bp) + b * s0 + h * s1)
                             : static_cast<const void*>(static_cast<const float*>(bp) + b * s0 + h * s1);
-      select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, force_first, rest, ot);
+      if (padded)
+        select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, fo[b], rest, ot, fp[b]);
+      else
+        select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, force_first, rest, ot);
     }
   });
   return out;
@@ -156,8 +190,8 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
-  m.def("sparse_select(Tensor q, Tensor boxes, int n_pages, int k, float scaling, bool force_first, int rest) "
-        "-> Tensor");
+  m.def("sparse_select(Tensor q, Tensor boxes, int n_pages, int k, float scaling, bool force_first, int rest, "
+        "Tensor? first=None, Tensor? force=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("sparse_select", &sparse_select_cpu); }
