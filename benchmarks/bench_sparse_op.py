@@ -103,7 +103,8 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--budget", default="2048", help="tokens, or auto (max(2,048, an eighth of the context))")
     p.add_argument("--page", type=int, default=None, help="tokens per page (default: the library's)")
-    p.add_argument("--padded", action="store_true", help="a left-padded batch (row i: its first i/(2B) padding)")
+    p.add_argument("--padded", choices=("no", "yes", "both"), default="no",
+                   help="a left-padded batch (row i: its first i/(2B) of the context padding), or both layouts")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -119,7 +120,10 @@ def main() -> None:
                     if f"{method}:{context}:{batch}" in a.skip:
                         continue
                     budget = a.budget if a.budget == "auto" else int(a.budget)
-                    records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, a.padded))
+                    for padded in {"no": (False,), "yes": (True,), "both": (False, True)}[a.padded]:
+                        if padded and batch == 1:
+                            continue  # one sequence has nothing to pad
+                        records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, padded))
     out = {"commit": _commit(), "torch": torch.__version__, "kvslim": kvslim.__version__,
            "machine": platform.machine(), "threads": a.threads, "load_average": os.getloadavg(),
            "shape": "mha-100m layer (12 KV heads x 64, fp32)", "records": records}
