@@ -101,7 +101,8 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["int4", "dense"])
     p.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--budget", default="2048", help="tokens, or auto (max(2,048, an eighth of the context))")
+    p.add_argument("--budget", default="2048", help="comma-separated: tokens, or auto (max(2,048, an eighth of the "
+                   "context))")
     p.add_argument("--page", type=int, default=None, help="tokens per page (default: the library's)")
     p.add_argument("--padded", choices=("no", "yes", "both"), default="no",
                    help="a left-padded batch (row i: its first i/(2B) of the context padding), or both layouts")
@@ -119,11 +120,11 @@ def main() -> None:
                 for context in a.contexts:
                     if f"{method}:{context}:{batch}" in a.skip:
                         continue
-                    budget = a.budget if a.budget == "auto" else int(a.budget)
-                    for padded in {"no": (False,), "yes": (True,), "both": (False, True)}[a.padded]:
-                        if padded and batch == 1:
-                            continue  # one sequence has nothing to pad
-                        records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, padded))
+                    for budget in (x if x == "auto" else int(x) for x in a.budget.split(",")):
+                        for padded in {"no": (False,), "yes": (True,), "both": (False, True)}[a.padded]:
+                            if padded and batch == 1:
+                                continue  # one sequence has nothing to pad
+                            records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, padded))
     out = {"commit": _commit(), "torch": torch.__version__, "kvslim": kvslim.__version__,
            "machine": platform.machine(), "threads": a.threads, "load_average": os.getloadavg(),
            "shape": "mha-100m layer (12 KV heads x 64, fp32)", "records": records}

@@ -146,6 +146,8 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
             out = _masked_in_place(h, query, mask, listed, k, first_page, scaling)
             if out is not None:
                 return out
+        if h.fused is None:  # dense: the chosen pages' rows gathered, SDPA with the per-sequence mask
+            return _masked_dense(h, query, mask, idx, first_page, scaling)
         return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
     scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
     scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
@@ -169,11 +171,35 @@ def _masked_in_place(h: SparseKV, query: torch.Tensor, mask: torch.Tensor, liste
     p, off, n = h.stats.spec.page, h.stats.offset, h.n
     b, total, lo = query.shape[0], h.tokens, h.pages * h.stats.spec.page
     full = mask.expand(b, total)
-    cols = off + first_page[:, None] * p + torch.arange(p, device=mask.device)  # (B, page): the forced page
-    logical = torch.cat((full.gather(1, cols), full.new_zeros(b, (k - 1) * p), full[:, off + lo:off + n]), dim=1)
+    logical = _listed_mask(h, full, k, first_page)
     virtual = torch.cat((full[:, :off], logical, full[:, off + n:]), dim=1)  # as HF's mask over the listed rows
     f = dataclasses.replace(h.fused, n=k * p + n - lo, lengths=None, pages=listed, page=p)
     return quant.decode(f, query, virtual, scaling)
+
+
+def _listed_mask(h: SparseKV, full: torch.Tensor, k: int, first_page: torch.Tensor) -> torch.Tensor:
+    """HF's additive mask (B, tokens) over a left-padded step's listed region rows (the ``k`` chosen pages, then the
+    region's rest): the first listed page is each sequence's first visible page in every head (the only one partly
+    padding; an unpadded row's is all visible either way), the other chosen pages are all visible."""
+    p, off, lo = h.stats.spec.page, h.stats.offset, h.pages * h.stats.spec.page
+    cols = off + first_page[:, None] * p + torch.arange(p, device=full.device)  # (B, page)
+    return torch.cat((full.gather(1, cols), full.new_zeros(full.shape[0], (k - 1) * p), full[:, off + lo:off + h.n]),
+                     dim=1)
+
+
+def _masked_dense(h: SparseKV, query: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor, first_page: torch.Tensor,
+                  scaling) -> torch.Tensor:
+    """A left-padded step of a dense layer: the chosen pages and every row after them gathered (as an unmasked step
+    does), SDPA with the listed rows' mask, one per sequence (:func:`_listed_mask`)."""
+    b, total = query.shape[0], h.tokens
+    full = mask.expand(b, total)
+    k, v = _picked(h, idx)
+    rows = torch.cat((_listed_mask(h, full, idx.shape[-1], first_page), full[:, h.n:]), dim=1)  # + the step's token
+    heads, d, hk = query.shape[1], query.shape[-1], k.shape[1]
+    packed = query.reshape(b, hk, heads // hk, d)
+    out = F.scaled_dot_product_attention(packed, k, v, attn_mask=rows[:, None, None, :].to(query.dtype),
+                                         scale=scaling)
+    return out.reshape(b, heads, 1, v.shape[-1]).transpose(1, 2).contiguous()
 
 
 def _chosen_reads(h: SparseKV, idx: torch.Tensor):
