@@ -547,3 +547,26 @@ def test_assisted_decoding_continues_a_prompt_cache_once(tmp_path, how):
     assert torch.equal(out, plain)
     assert "prepare_inputs_for_generation" not in model.__dict__  # the class's own again
     kvslim.restore(model)
+
+
+def test_each_layer_cache_loads_on_its_layers_device(tmp_path, monkeypatch):
+    """A model split over devices (``device_map``): each cache layer's tensors load on its own layer's device (they
+    all went to the first parameter's device). No second device here: ``layer_devices`` is read from a model whose
+    layer 1 sits on ``meta``, and a load routed by it puts layer 1's tensors there and layer 0's on the CPU."""
+    from kvslim import prompt_cache as pc
+
+    model = tiny_model("llama")
+    kvslim.apply(model, "int4")
+    ids, _ = _ids()
+    path = kvslim.save_cache(_prefill(model, ids), tmp_path / "p.kvslim", model, ids)
+    split = tiny_model("llama")
+    assert pc.layer_devices(split) is None  # one device: nothing to route
+    split.model.layers[1].to("meta")
+    devices = pc.layer_devices(split)
+    assert [d.type for d in devices] == ["cpu", "meta"] + ["cpu"] * (len(devices) - 2)
+    monkeypatch.setattr(pc, "layer_devices", lambda m: devices)  # the load itself needs readable weights
+    loaded = kvslim.load_cache(path, model)
+    for i, layer in enumerate(loaded.cache.layers):
+        kinds = {t.device.type for store in layer._stores() for t in store.tensors()}
+        assert kinds == {devices[i].type}, (i, kinds)
+    kvslim.restore(model)

@@ -445,7 +445,7 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
                              f"({limit}); {REMAKE}")
     applied = get_plan(model) is not None
     plan = _plan_for(meta, model, where, options)
-    dec = Decoder(tensors, device)
+    dec = Decoder(tensors, device, layer_devices(model))
     try:
         cache = dec.decode(meta["cache"], "cache")
     except (StateError, KeyError, TypeError, RuntimeError) as e:
@@ -457,6 +457,19 @@ def load_cache(path, model, *, verify: bool = True) -> PromptCache:
         c.plan = plan
     ids = tensors["token_ids"].to(device)
     return PromptCache(cache, ids, meta)
+
+
+def layer_devices(model) -> list[torch.device] | None:
+    """The device of each decoder layer of a model split over devices (``device_map``: each layer's cache belongs
+    beside its weights), ``None`` when every layer sits on one device (or the layers cannot be found)."""
+    stack = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(stack, "layers", None)
+    if layers is None:
+        return None
+    devices = [next((p.device for p in layer.parameters()), None) for layer in layers]
+    if any(d is None for d in devices) or len(set(devices)) < 2:
+        return None
+    return devices
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

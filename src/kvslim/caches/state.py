@@ -26,10 +26,12 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 
 import torch
 
 PACKAGE = __package__  # "kvslim.caches"
+_LAYER = re.compile(r"\.layers\[(\d+)\]")  # a cache layer's place in a path: cache.layers[3].k_store...
 _SCALARS = (type(None), bool, int, float, str)
 
 
@@ -148,12 +150,23 @@ class Encoder:
 
 
 class Decoder:
-    """(tree, tensors) -> objects; tensors and ``torch.device`` values land on ``device``."""
+    """(tree, tensors) -> objects; tensors and ``torch.device`` values land on ``device``, or, with ``layer_devices``
+    (one per layer of a model split over devices, ``device_map``), those under ``layers[i]`` on layer i's."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu"):
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                 layer_devices: list[torch.device] | None = None):
         self.tensors, self.device = tensors, torch.device(device)
+        self.layer_devices = layer_devices
         self._objects: dict[int, object] = {}
         self._tensor_objects: dict[str, torch.Tensor] = {}
+
+    def device_for(self, path: str) -> torch.device:
+        """The device of what sits at ``path`` (a tensor's name is its path when written)."""
+        if self.layer_devices:
+            m = _LAYER.search(path)
+            if m is not None and int(m.group(1)) < len(self.layer_devices):
+                return self.layer_devices[int(m.group(1))]
+        return self.device
 
     def decode(self, node, path: str = "cache"):
         if isinstance(node, _SCALARS):
@@ -166,7 +179,7 @@ class Decoder:
         if kind == "dtype":
             return _dtype(v)
         if kind == "device":
-            return self.device
+            return self.device_for(path)
         if kind in ("list", "tuple"):
             out = [self.decode(x, f"{path}[{i}]") for i, x in enumerate(v)]
             return out if kind == "list" else tuple(out)
@@ -193,8 +206,9 @@ class Decoder:
         if name not in self.tensors:
             raise StateError(f"{path}: tensor {name!r} is missing from the file")
         t = self.tensors[name]
-        if t.device != self.device:
-            t = self.tensors[name] = t.to(self.device)
+        device = self.device_for(name)
+        if t.device != device:
+            t = self.tensors[name] = t.to(device)
         return t
 
     def _tensor(self, node: dict, path: str) -> torch.Tensor:
