@@ -177,3 +177,22 @@ def test_assisted_decoding_verifies_through_the_ops_and_keeps_greedy_tokens(how,
         kvslim.restore(model)
     assert torch.equal(out, plain)
     assert [s for s in calls if s > 1], "no verify step went through the fused ops"
+
+
+def test_ring_layers_keep_the_dequantized_call_and_the_plan_says_so(no_grad, monkeypatch):
+    """A model with sliding-window layers (rings): their multi-token calls keep today's path (the window decoded), the
+    append layers' go through the ops, and the plan names the ring layers."""
+    model = tiny_model("qwen2-mixed", kv_heads=2)  # layer 0 full attention, layer 1 sliding
+    plan = kvslim.apply(model, "int4")
+    try:
+        assert any("ring layer(s) decode their window" in n for n in plan.notes)
+        calls = []
+        real = quant.decode_call
+        monkeypatch.setattr(quant, "decode_call", lambda *a: calls.append(1) or real(*a))
+        ids = torch.randint(1, 128, (1, 220), generator=torch.Generator().manual_seed(6))
+        cache = kvslim.make_cache(model)
+        model(ids[:, :200], use_cache=True, **{CACHE_KW: cache})
+        model(ids[:, 200:], use_cache=True, **{CACHE_KW: cache})
+        assert len(calls) == 1  # the full-attention layer only
+    finally:
+        kvslim.restore(model)

@@ -249,6 +249,10 @@ class StorageMethod(Method):
             full = "; the full-attention layers keep every token" if not all(shape.is_sliding) else ""
             notes.append(f"the model's {sum(shape.is_sliding)} sliding-window layers keep its own window of "
                          f"{shape.sliding_window} (the last {shape.sliding_window - 1} tokens, as HF's cache){full}")
+        rings = sum(lp.window is not None for lp in layers)
+        if self.bits and rings:  # caches/base.KVStoreLayer._fused_call: append layers only
+            notes.append(f"multi-token calls over a history (a question, a chat turn, a verify step) read it through "
+                         f"the fused ops on the append layers; the {rings} ring layer(s) decode their window for them")
         return Plan(self.name, shape.model_type, shape.family, str(dtype).replace("torch.", ""), tuple(layers),
                     dense_row, options={k: v for k, v in options.items()}, notes=tuple(notes),
                     sliding_window=shape.sliding_window)
