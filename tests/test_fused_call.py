@@ -196,3 +196,29 @@ def test_ring_layers_keep_the_dequantized_call_and_the_plan_says_so(no_grad, mon
         assert len(calls) == 1  # the full-attention layer only
     finally:
         kvslim.restore(model)
+
+
+@pytest.mark.parametrize("method, options", [
+    ("int4", {"residual": 32, "sink": 2, "key_channel_group": 16}),
+    ("int2", {"residual": 32, "sink": 2, "key_channel_group": 16}),
+    ("turbo3", {"residual": 32}),
+])
+def test_a_long_call_that_flushes_its_own_tokens(method, options, unfused, no_grad, monkeypatch):
+    """A 100-token call over 400 (routed fused: the history holds 4× the call) whose write flushes past the history
+    into the call's own tokens: the op reads the history's codes up to a row inside a key group (partial group) and
+    the call's own tokens come from ``own``; the logits equal the dequantized read's."""
+    model = tiny_model("llama", kv_heads=2)
+    ids = torch.randint(1, 128, (1, 501), generator=torch.Generator().manual_seed(8))
+    calls = []
+    real = quant.decode_call
+    monkeypatch.setattr(quant, "decode_call", lambda *a: calls.append(1) or real(*a))
+    cuts = (0, 400, 500, 501)
+    fast, cache = _logits(model, method, ids, cuts, **options)
+    assert len(calls) == model.config.num_hidden_layers
+    layer = cache.layers[0]
+    inner = layer.k_store.inner if hasattr(layer.k_store, "sink") else layer.k_store
+    assert inner.flushed + getattr(layer.k_store, "sink", 0) > 400  # the call's own tokens were coded
+    unfused()
+    slow, _ = _logits(model, method, ids, cuts, **options)
+    for i, (f, s) in enumerate(zip(fast[1:], slow[1:])):
+        assert_rel_close(f, s, torch.float32, f"{method} call {i + 1}")
