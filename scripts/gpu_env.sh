@@ -37,11 +37,16 @@ done
 say() { echo "gpu_env.sh: $*"; }
 
 outside() {  # the replica lives outside the checkout: never in (or over) the project's .venv
-  case "$(realpath -m "$1")/" in
-    "$ROOT"/*) say "refusing $1: the replica's virtualenv must lie outside the checkout (never its .venv); set" \
-                   "KVSLIM_GPU_ENV_DIR elsewhere" >&2
-               exit 2 ;;
-  esac
+  # as given and with its links resolved: a path inside the checkout that links elsewhere (a .venv symlinked from
+  # another checkout) is refused too, else the environment would replace what it links to
+  local p
+  for p in "$(realpath -s -m "$1")" "$(realpath -m "$1")"; do
+    case "$p/" in
+      "$ROOT"/* | "$(realpath -m "$ROOT")"/*) say "refusing $1: the replica's virtualenv must lie outside the checkout (never its .venv); set" \
+                     "KVSLIM_GPU_ENV_DIR elsewhere" >&2
+                 exit 2 ;;
+    esac
+  done
 }
 [ -n "${KVSLIM_GPU_ENV_DIR:-}" ] && outside "$KVSLIM_GPU_ENV_DIR"
 

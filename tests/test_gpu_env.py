@@ -58,3 +58,19 @@ def test_ci_runs_the_replica_after_the_readme_test_command():
     assert f"bash scripts/setup.sh && {suite}" in readme and f"bash scripts/setup.sh && {suite}" in ci
     assert ci.index(suite) < ci.index("bash scripts/gpu_env.sh")
     assert "set -euo pipefail" in ci
+
+
+def test_refuses_a_path_in_the_checkout_that_links_elsewhere(tmp_path):
+    """A path inside the checkout that is a symlink to a folder elsewhere (a clone whose .venv links to another
+    checkout's) is refused as given: resolved, it lay outside, and the script replaced the folder it linked to."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = ROOT / "gpu-env-link-test"
+    link.symlink_to(target, target_is_directory=True)
+    try:
+        out = _run({"KVSLIM_GPU_ENV_DIR": str(link)})
+    finally:
+        link.unlink()
+    assert out.returncode == 2 and "refusing" in out.stderr, out.stderr
+    assert (target / "keep").read_text() == "x" and sorted(p.name for p in target.iterdir()) == ["keep"]
