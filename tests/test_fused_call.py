@@ -126,6 +126,8 @@ def test_the_route_by_length(no_grad, monkeypatch):
         assert layer._fused_call(x, 1) and layer._fused_call(torch.zeros(1, 2, 64, 16), 10)
         long = torch.zeros(1, 2, 100, 16)
         assert not layer._fused_call(long, 399) and layer._fused_call(long, 400)
+        huge = torch.zeros(1, 2, base.FUSED_CALL_MAX + 1, 16)  # its own S×S block would be too large: SDPA
+        assert not layer._fused_call(huge, 100 * huge.shape[2])
         assert not layer._fused_call(torch.zeros(1, 2, 1, 16), 10)  # a decode step: the single-token route
         with torch.enable_grad():
             assert not layer._fused_call(x, 10)

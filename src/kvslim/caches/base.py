@@ -69,6 +69,9 @@ class BatchOpsMixin:
 #: fused; 64 over 1,024 faster fused.
 FUSED_CALL_TOKENS = 64
 FUSED_CALL_HISTORY = 4
+#: the longest call taken there at all: its own causal block is attended as one (G·S × S) fp32 product per KV head
+#: (at 1,024 tokens and Qwen2.5's 7 query heads per KV head, 29 MB per KV head); longer calls dequantize and run SDPA
+FUSED_CALL_MAX = 1024
 
 
 class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
@@ -177,7 +180,7 @@ class KVStoreLayer(BatchOpsMixin, CacheLayerMixin):
         fused decode on, more than one new token (a long call only over a long history: :data:`FUSED_CALL_TOKENS`),
         eager, no autograd."""
         s = key_states.shape[2]
-        short = s <= FUSED_CALL_TOKENS or start >= FUSED_CALL_HISTORY * s
+        short = s <= FUSED_CALL_TOKENS or (start >= FUSED_CALL_HISTORY * s and s <= FUSED_CALL_MAX)
         return (self.fused_decode and s > 1 and short and start > 0 and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and fusable(self.k_store) and fusable(self.v_store))
 
