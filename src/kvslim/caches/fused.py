@@ -131,19 +131,8 @@ def append_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now:
     """An append-only layer after writing the step's ``k_now``/``v_now`` (B, H, 1, D) at ``start``. A rotated
     value store's window is handed over as stored for the int8/int4 op (which rotates the coded sum back
     instead), rotated (:func:`rotated_tail`) for the low-bit op."""
-    if isinstance(k_store, SinkStore):  # tail = [sinks | window] (one buffer), attended before the codes
-        lead, f = min(k_store.length, k_store.sink), k_store.inner.flushed
-        r = lead + k_store.inner.length - f
-        vt, rotated = _value_tail(v_store, r)
-        kt, k_rotated = _key_tail(k_store, r)
-        return FusedKV(k_store.coded, v_store.coded, f, kt, vt, materialize, lead=lead,
-                       v_tail_rotated=rotated, k_tail_rotated=k_rotated)
-    if isinstance(k_store, ResidualStore):  # codes [0, flushed), window [flushed, length) holds the step exactly
-        f, length = k_store.flushed, k_store.length
-        vt, rotated = _value_tail(v_store, length - f)
-        kt, k_rotated = _key_tail(k_store, length - f)
-        return FusedKV(k_store.inner, v_store.inner, f, kt, vt, materialize, v_tail_rotated=rotated,
-                       k_tail_rotated=k_rotated)
+    if isinstance(k_store, (SinkStore, ResidualStore)):  # the window holds the step's token exactly
+        return _windowed(k_store, v_store, k_store.length, materialize)
     return FusedKV(k_store, v_store, start, k_now, v_now, materialize)
 
 
@@ -155,26 +144,32 @@ def history_handle(k_store: TensorStore, v_store: TensorStore, start: int, k_now
     a key group when the call's write flushed some of its own tokens into codes (the ops read partial groups).
     ``None``: the key and value stores disagree on what is coded (the caller reads everything)."""
     own = (k_now, v_now)
-    if isinstance(k_store, SinkStore):  # tail = [sinks | window rows of the history]
-        if not isinstance(v_store, SinkStore) or k_store.inner.flushed != v_store.inner.flushed:
+    if isinstance(k_store, (SinkStore, ResidualStore)):
+        if type(v_store) is not type(k_store) or k_store.flushed != v_store.flushed:
             return None
-        lead = min(start, k_store.sink)
-        past = start - lead  # history tokens behind the sinks (positions in the residual store)
-        n = min(k_store.inner.flushed, past)
-        r = lead + past - n
-        vt, rotated = _value_tail(v_store, r)
-        kt, k_rotated = _key_tail(k_store, r)
-        return FusedKV(k_store.coded, v_store.coded, n, kt, vt, materialize, lead=lead, v_tail_rotated=rotated,
-                       k_tail_rotated=k_rotated, own=own)
-    if isinstance(k_store, ResidualStore):
-        if not isinstance(v_store, ResidualStore) or k_store.flushed != v_store.flushed:
-            return None
-        n = min(k_store.flushed, start)
-        vt, rotated = _value_tail(v_store, start - n)
-        kt, k_rotated = _key_tail(k_store, start - n)
-        return FusedKV(k_store.inner, v_store.inner, n, kt, vt, materialize, v_tail_rotated=rotated,
-                       k_tail_rotated=k_rotated, own=own)
+        return _windowed(k_store, v_store, start, materialize, own)
     return FusedKV(k_store, v_store, start, None, None, materialize, own=own)
+
+
+def _windowed(k_store: ResidualStore | SinkStore, v_store: ResidualStore | SinkStore, upto: int, materialize,
+              own: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedKV:
+    """Tokens ``[0, upto)`` of a store with a full-precision window (and sinks) as stored: the codes ``[0, n)`` (``n``
+    at most the coded tokens), then the tail ``[sinks | window rows before upto]`` (one buffer, the sinks attended
+    before the codes: ``lead``)."""
+    if isinstance(k_store, SinkStore):
+        lead = min(upto, k_store.sink)
+        past = upto - lead  # tokens behind the sinks (positions in the residual store)
+        n = min(k_store.inner.flushed, past)
+        coded = k_store.coded, v_store.coded
+    else:
+        lead, past = 0, upto
+        n = min(k_store.flushed, upto)
+        coded = k_store.inner, v_store.inner
+    r = lead + past - n
+    vt, rotated = _value_tail(v_store, r)
+    kt, k_rotated = _key_tail(k_store, r)
+    return FusedKV(*coded, n, kt, vt, materialize, lead=lead, v_tail_rotated=rotated, k_tail_rotated=k_rotated,
+                   own=own)
 
 
 def _value_tail(store: ResidualStore | SinkStore, r: int) -> tuple[torch.Tensor, bool]:
