@@ -64,9 +64,9 @@ def test_scores_rank_as_float64_under_large_key_offsets():
     q = torch.randn(b, hk, grp, d, generator=g)
     q[..., :3] += torch.tensor([40.0, -35.0, 30.0])
     scaling = d ** -0.5
-    scores = attn.page_scores(q, st.boxes[:, :, :pages], scaling)
+    scores = attn.page_scores(q, st.boxes[:, :, :pages], scaling, st.scales)
     assert scores.dtype == torch.float32 and torch.isfinite(scores).all()
-    box = st.boxes[:, :, :pages].double()
+    box = st.values()[:, :, :pages].double()  # the stored boxes, μ added back (the same ranking)
     c, r = box[..., :d], box[..., d:]
     q64 = q.double()
     bound = torch.einsum("bhgd,bhpd->bhgp", q64, c) + torch.einsum("bhgd,bhpd->bhgp", q64.abs(), r)
@@ -95,6 +95,7 @@ def test_crop_inside_a_page_rebuilds_its_sums(score, cut):
     b.write(0, torch.cat((keys[:, :, :100 - cut], other), dim=2))
     assert a.complete == b.complete
     torch.testing.assert_close(a.boxes[:, :, :a.complete], b.boxes[:, :, :b.complete], atol=0, rtol=0)
+    torch.testing.assert_close(a.scales[:, :, :a.complete], b.scales[:, :, :b.complete], atol=0, rtol=0)
     c = PageStats(spec, offset=3)
     c.write(0, keys[:, :, :100])
     c.rewind(100 - cut)  # no reader: statistics incomplete, the layer reads everything

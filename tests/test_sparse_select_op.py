@@ -1,17 +1,29 @@
 """``kvslim::sparse_select`` (a sparse step's page choice in one call) against its torch twin and a float64
-oracle: the same pages, on fp16 and fp32 boxes, with and without page 0 forced, with the region's rest listed."""
+oracle: the same pages, on fp16 and fp32 boxes and on the library's int8 boxes (codes with fp16 scales per 16
+channels), with and without page 0 forced, with the region's rest listed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvslim.caches.sparse import box_group, encode_box
 from kvslim.kernels import sparse_select as ss
 
 
-def _oracle(q, boxes, n_pages, k, scaling, force_first):
+def _boxes(values: torch.Tensor, dtype):
+    """(B, H, P, 2D) fp32 [c | r] -> (boxes, scales): as ``dtype``, or (``"int8"``) the library's codes of them
+    (page 0's centre the reference)."""
+    if dtype != "int8":
+        return values.to(dtype), None
+    d = values.shape[-1] // 2
+    c, r = values[..., :d], values[..., d:]
+    return encode_box(c[:, :, :1], c, r, box_group(d))
+
+
+def _oracle(q, boxes, n_pages, k, scaling, force_first, scales=None):
     d = q.shape[-1]
-    box = boxes[:, :, :n_pages].double()
+    box = ss.values(boxes[:, :, :n_pages], scales).double()
     q64 = q.double()
     bound = torch.einsum("bhgd,bhpd->bhgp", q64, box[..., :d]) + torch.einsum("bhgd,bhpd->bhgp", q64.abs(),
                                                                             box[..., d:])
@@ -21,9 +33,10 @@ def _oracle(q, boxes, n_pages, k, scaling, force_first):
     return s.topk(k, -1).indices.sort(-1).values
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "int8"])
 @pytest.mark.parametrize("force_first", [True, False])
-@pytest.mark.parametrize("shape", [(1, 2, 7, 64, 512, 30), (3, 4, 1, 32, 97, 5), (2, 1, 4, 16, 40, 39)])
+@pytest.mark.parametrize("shape", [(1, 2, 7, 64, 512, 30), (3, 4, 1, 32, 97, 5), (2, 1, 4, 16, 40, 39),
+                                   (1, 2, 2, 128, 50, 7), (1, 1, 3, 24, 30, 4)])
 def test_op_matches_twin_and_float64(dtype, force_first, shape):
     if not ss.available():
         pytest.skip("C++ op not built")
@@ -32,16 +45,16 @@ def test_op_matches_twin_and_float64(dtype, force_first, shape):
     boxes = torch.randn(b, h, pages + 9, 2 * d, generator=gen)  # capacity beyond the pages in use
     boxes[..., d:] = boxes[..., d:].abs()
     boxes[..., :3] += 150.0  # Qwen-like shared key offsets on a few channels
-    boxes = boxes.to(dtype)
+    boxes, scales = _boxes(boxes, dtype)
     q = torch.randn(b, h, g, d, generator=gen)
     q[..., :3] += 20.0
     scaling = d ** -0.5
     rest = 3
-    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, scaling, force_first, rest)
-    twin = ss.reference(q, boxes, pages, k, scaling, force_first, rest)
+    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, scaling, force_first, rest, scales=scales)
+    twin = ss.reference(q, boxes, pages, k, scaling, force_first, rest, scales=scales)
     assert got.dtype == torch.int64 and got.shape == (b, h, k + rest)
     assert torch.equal(got, twin)
-    assert torch.equal(got[..., :k], _oracle(q, boxes, pages, k, scaling, force_first))
+    assert torch.equal(got[..., :k], _oracle(q, boxes, pages, k, scaling, force_first, scales))
     assert torch.equal(got[..., k:], torch.arange(pages, pages + rest).expand(b, h, rest))
     if force_first:
         assert bool((got[..., 0] == 0).all())
@@ -57,9 +70,18 @@ def test_op_refuses_bad_input():
         torch.ops.kvslim.sparse_select(q, boxes[..., :8], 10, 2, 0.3, True, 0)
     with pytest.raises(ValueError, match="q must be"):
         torch.ops.kvslim.sparse_select(q.double(), boxes, 10, 2, 0.3, True, 0)
+    codes, scales = _boxes(boxes.abs(), "int8")
+    with pytest.raises(ValueError, match="need scales"):
+        torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0)
+    with pytest.raises(ValueError, match="need scales"):
+        torch.ops.kvslim.sparse_select(q, boxes, 10, 2, 0.3, True, 0, scales=scales)
+    with pytest.raises(ValueError, match="scales must be"):
+        torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0, scales=scales.float())
+    with pytest.raises(ValueError, match="scales must be"):
+        torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0, scales=scales[:, :, :5])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "int8"])
 def test_padded_rows_choose_among_their_visible_pages(dtype):
     """``first``/``force`` (a left-padded batch): sequence b chooses among pages [first[b], n_pages) only, each
     head's estimated attention normalised over them, page first[b] forced where ``force[b]``; the op equals the twin
@@ -70,18 +92,20 @@ def test_padded_rows_choose_among_their_visible_pages(dtype):
     gen = torch.Generator().manual_seed(7)
     boxes = torch.randn(b, h, pages, 2 * d, generator=gen)
     boxes[..., d:] = boxes[..., d:].abs()
-    boxes = boxes.to(dtype)
+    boxes, scales = _boxes(boxes, dtype)
     q = torch.randn(b, h, g, d, generator=gen)
     first = torch.tensor([0, 5, 37, 111])
     force = torch.tensor([False, True, True, False])
-    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, first, force)
-    assert torch.equal(got, ss.reference(q, boxes, pages, k, 0.2, False, rest, first, force))
+    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, first, force, scales)
+    assert torch.equal(got, ss.reference(q, boxes, pages, k, 0.2, False, rest, first, force, scales))
     for i in range(b):
         lo = int(first[i])
-        want = _oracle(q[i:i + 1], boxes[i:i + 1, :, lo:], pages - lo, k, 0.2, bool(force[i])) + lo
+        sc = None if scales is None else scales[i:i + 1, :, lo:]
+        want = _oracle(q[i:i + 1], boxes[i:i + 1, :, lo:], pages - lo, k, 0.2, bool(force[i]), sc) + lo
         assert torch.equal(got[i:i + 1, :, :k], want), i
         assert bool((got[i, :, :k] >= lo).all())
         if force[i]:
             assert bool((got[i, :, 0] == lo).all())
     with pytest.raises(ValueError, match="fewer than k"):
-        torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, torch.tensor([0, 0, 0, 115]), force)
+        torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, torch.tensor([0, 0, 0, 115]), force,
+                                       scales)

@@ -32,8 +32,10 @@ from ..kernels import sparse_select
 from . import quant
 
 
-def page_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes -> (B, H, P) fp32 scores, one per page for the KV head's
+def page_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float, scales: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes (int8 with their ``scales``, or values) -> (B, H, P) fp32
+    scores, one per page for the KV head's
     group: each query head's bound ``q·c + |q|·r`` (fp32; fp16 products lose the ranking under Qwen-like key
     offsets) made an estimated attention over the pages (a log-softmax at the step's ``scaling``), combined over
     the group as the log of their sum (``logsumexp``: the ranking of the summed attentions, without the underflow
@@ -41,7 +43,7 @@ def page_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.T
     page near the top however the other heads of its group spread theirs; summing the raw bounds let the group's
     larger-normed heads outvote it (measured: ``benchmarks/bench_sparse_select.py``, docs/sparse.md). The torch
     form; ``kvslim::sparse_select`` computes the same in one call."""
-    return sparse_select.scores(q, boxes, scaling)
+    return sparse_select.scores(q, boxes, scaling, scales)
 
 
 def select(h: SparseKV, q: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -61,7 +63,8 @@ def select_pages(h: SparseKV, q: torch.Tensor, scaling: float | None = None, res
         new = torch.arange(since, n_pages + rest, device=q.device).expand(*h.kept.shape[:2], n_pages + rest - since)
         return torch.cat((h.kept, new), dim=-1)
     scaling = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    idx = sparse_select.sparse_select(q, h.stats.boxes, n_pages, h.k, scaling, spec.sinks_in_pages, rest)
+    idx = sparse_select.sparse_select(q, h.stats.boxes, n_pages, h.k, scaling, spec.sinks_in_pages, rest,
+                                      scales=h.stats.scales)
     if h.kept is not None:
         h.kept.copy_(idx[..., :h.kept.shape[-1]])  # the cache's buffer (its shape and page count set by the cache)
     return idx
@@ -138,7 +141,8 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
     left = bool((page_seen == (pages[None] >= first_page[:, None])).all()) and bool((h.pages - first_page >= k).all())
     if left:  # left padding: the op's (or its twin's) selection over each row's visible pages
         extra = -(-(h.n - h.pages * p) // p)
-        listed = sparse_select.sparse_select(q, h.stats.boxes, h.pages, k, scaling_f, False, extra, first_page, force)
+        listed = sparse_select.sparse_select(q, h.stats.boxes, h.pages, k, scaling_f, False, extra, first_page, force,
+                                             h.stats.scales)
         idx = listed[..., :k]
         if h.kept is not None:  # select="prompt": the cache's buffer, read by the steps after this one
             h.kept.copy_(idx)
@@ -149,7 +153,7 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
         if h.fused is None:  # dense: the chosen pages' rows gathered, SDPA with the per-sequence mask
             return _masked_dense(h, query, mask, idx, first_page, scaling)
         return reference(h, query, attention_mask, scaling, rows_of(h, idx), _chosen_reads(h, idx))
-    scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f)  # (B, H, P)
+    scores = page_scores(q, h.stats.boxes[:, :, :h.pages], scaling_f, h.stats.scales)  # (B, H, P)
     scores = scores.masked_fill(~page_seen[:, None], float("-inf"))
     hit = first_page.view(b, 1, 1).expand(b, scores.shape[1], 1)
     now = scores.gather(2, hit)

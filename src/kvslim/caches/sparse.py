@@ -1,11 +1,16 @@
 """Query-aware sparse decode (Quest-class): per-page key statistics kept beside an append-only cache.
 
 What it stores: for every complete page of ``page`` tokens of a layer's paged region, per sequence and KV head, a
-box ``[c − r, c + r]`` around the page's post-RoPE keys (``c``, ``r``: (D,) each, fp16, rounded outward so that
-the box still contains what it was computed from), computed once when the page's last token is written, from the
-keys as given to ``update`` (full precision, before any quantization). Memory: 2·D fp16 values per page per KV head
-(``4·D/page`` bytes per token and head: at the default page 32, 9.8 % of an int4 cache's bytes, 1.6 % of an fp32
-one; docs/sparse.md). Lossy only in what a step reads (exact when the context fits the budget).
+box ``[c − r, c + r]`` around the page's post-RoPE keys (``c``, ``r``: (D,) each), computed once when the page's
+last token is written, from the keys as given to ``update`` (full precision, before any quantization), and kept as
+int8 codes with one fp16 scale per :data:`BOX_GROUP` channels: ``c`` relative to ``μ``, the centre of the layer's
+first page (per sequence and KV head, fp32: Qwen-like keys carry offsets of hundreds on a few channels, shared by
+every token, which would otherwise set every page's scale), ``r`` rounded up so that the box still contains what it
+was computed from. A bound ``q·(μ + c) + |q|·r`` shifts by the same ``q·μ`` on every page of a query head, so the
+ranking is the ranking of ``q·c + |q|·r`` (what the op scores). Memory: 2·D int8 + 2·D/16 fp16 per page per KV
+head (``2.25·D/page`` bytes per token and head: at the default page 32, 5.6 % of an int4 cache's bytes, 0.9 % of an
+fp32 one; fp16 boxes took 9.8 %; docs/sparse.md). Lossy only in what a step reads (exact when the context fits the
+budget).
 
 A decode step scores page p for each query head q_g of a KV head's group with the box bound
 ``Σ_d max(q_gd·(c−r)_d, q_gd·(c+r)_d) = q_g·c + |q_g|·r`` (Quest, ICML 2024, with ``score="minmax"``: c ± r = the
@@ -28,6 +33,8 @@ SELECTS = ("step", "prompt")
 RECENT = 128
 MIN_PAGE = 16
 FP16_MAX = 65504.0
+#: channels per fp16 scale of the int8 boxes (a head dim that 16 does not divide: one scale per half)
+BOX_GROUP = 16
 #: ``sparse_budget="auto"``: a step reads max(AUTO_FLOOR, AUTO_FRACTION × the context) tokens. At 32k a fixed 2,048
 #: lost pass keys its full read found (docs/sparse.md); 4,096 (an eighth) kept every one measured
 AUTO_FLOOR = 2048
@@ -74,8 +81,18 @@ class SparseSpec:
         return max(self.pages, (int(self.fraction * tokens) - self.window) // self.page)
 
     def stats_bytes_per_token(self, dim: int) -> float:
-        """Bytes of statistics per token and KV head (2·D fp16 values per page)."""
-        return 4 * dim / self.page
+        """Bytes of statistics per token and KV head (2·D int8 codes and their fp16 scales per page)."""
+        return stats_bytes_per_page(dim) / self.page
+
+
+def stats_bytes_per_page(dim: int) -> int:
+    """Bytes of one page's box per KV head: 2·D int8 codes and their fp16 scales."""
+    return 2 * dim + 2 * (2 * dim // box_group(dim))
+
+
+def box_group(dim: int) -> int:
+    """Channels per scale of a head dim's int8 boxes."""
+    return BOX_GROUP if dim % BOX_GROUP == 0 else dim
 
 
 def check_sparse_options(budget, page, score, select) -> None:
@@ -100,24 +117,44 @@ def candidate_pages(n: int, tail: int, spec: SparseSpec, complete: int) -> int:
     return max(0, min(complete, (n + tail - spec.window) // spec.page))
 
 
-def _outward(c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 centre/radius -> fp16 whose box contains the fp32 box (the radius absorbs the centre's rounding and is
-    rounded up)."""
-    c16 = c.clamp(-FP16_MAX, FP16_MAX).half()
-    need = r + (c - c16.float()).abs()
-    r16 = (need * (1 + 2.0 ** -10) + 2.0 ** -24).clamp_max(FP16_MAX).half()
-    return c16, r16
+def _scale_up(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ≥ 0 -> the fp16 at least as large (round to nearest of x·(1 + 2⁻¹⁰): fp16's half-ulp is ≤ 2⁻¹¹ of it),
+    at least fp16's smallest subnormal."""
+    return (x * (1 + 2.0 ** -10)).clamp(2.0 ** -24, FP16_MAX).half()
+
+
+def encode_box(mu: torch.Tensor, c: torch.Tensor, r: torch.Tensor, group: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 centre ``c`` / radius ``r`` (..., D) -> (codes (..., 2D) int8, scales (..., 2D/group) fp16) of
+    ``[c − μ | r]``: the centre rounded to nearest, the radius rounded up after absorbing the centre's rounding as
+    the fp32 box ``μ + c' ± r'`` reads it, so that box contains ``[c − r, c + r]``."""
+    lead, d = c.shape[:-1], c.shape[-1]
+    cg = (c - mu).unflatten(-1, (d // group, group))
+    sc = _scale_up(cg.abs().amax(-1) / 127)
+    cq = torch.round(cg / sc.float()[..., None]).clamp(-127, 127)
+    centre = mu + (cq * sc.float()[..., None]).flatten(-2)  # the fp32 centre a reader rebuilds
+    need = (r + (c - centre).abs()) * (1 + 2.0 ** -10)
+    ng = need.unflatten(-1, (d // group, group))
+    sr = _scale_up(ng.amax(-1) / 127)
+    rq = torch.ceil(ng / sr.float()[..., None]).clamp(0, 127)
+    codes = torch.cat((cq.flatten(-2), rq.flatten(-2)), dim=-1).to(torch.int8)
+    return codes, torch.cat((sc, sr), dim=-1).reshape(*lead, 2 * d // group)
 
 
 class PageStats:
-    """Per-page key boxes of one layer: ``boxes`` (B, H, pages, 2D) fp16 = ``[centre | radius]``, page p = tokens
-    ``[offset + p·page, offset + (p+1)·page)``; the running sums of the page being filled are kept in fp32
-    (``acc``: (B, H, 2, D): sum and sum of squares, or min and max). ``offset``: the first token of the paged
-    region (a layer's full-precision sinks stay out of the pages)."""
+    """Per-page key boxes of one layer: ``boxes`` (B, H, pages, 2D) int8 codes of ``[centre − μ | radius]`` with
+    ``scales`` (B, H, pages, 2D/group) fp16 (:func:`encode_box`), ``mu`` (B, H, D) fp32 the first page's centre;
+    page p = tokens ``[offset + p·page, offset + (p+1)·page)``; the running sums of the page being filled are kept
+    in fp32 (``acc``: (B, H, 2, D): sum and sum of squares, or min and max). ``offset``: the first token of the
+    paged region (a layer's full-precision sinks stay out of the pages)."""
+
+    STATE_VERSION = 2  # 1: fp16 boxes [centre | radius], no scales, no μ
 
     def __init__(self, spec: SparseSpec, offset: int = 0):
         self.spec, self.offset = spec, offset
-        self.boxes: torch.Tensor | None = None  # (B, H, pages, 2D) fp16: [centre | radius] per page
+        self.boxes: torch.Tensor | None = None  # (B, H, pages, 2D) int8: [centre − μ | radius] codes per page
+        self.scales: torch.Tensor | None = None  # (B, H, pages, 2D/group) fp16
+        self.mu: torch.Tensor | None = None  # (B, H, D) fp32: the first page's centre
         self.acc: torch.Tensor | None = None
         self.length = 0  # tokens of the paged region written (complete pages = length // page)
         # select="prompt": the pages chosen at the first step after a multi-token call (B, H, k) int64, a buffer the
@@ -169,22 +206,37 @@ class PageStats:
             return
         self.write(self.offset + first, reader(self.offset + first, self.offset + keep))
 
+    def values(self) -> torch.Tensor:
+        """The complete pages' boxes as fp32 ``[centre | radius]`` (B, H, complete, 2D), μ added back."""
+        from ..kernels.sparse_select import values
+
+        n, d = self.complete, self.boxes.shape[-1] // 2
+        v = values(self.boxes[:, :, :n], self.scales)
+        v[..., :d] += self.mu[:, :, None]
+        return v
+
     @property
     def centre(self) -> torch.Tensor:
-        return self.boxes[..., :self.boxes.shape[-1] // 2]
+        return self.values()[..., :self.boxes.shape[-1] // 2]
 
     @property
     def radius(self) -> torch.Tensor:
-        return self.boxes[..., self.boxes.shape[-1] // 2:]
+        return self.values()[..., self.boxes.shape[-1] // 2:]
 
     def _grow(self, b: int, h: int, d: int, pages: int, device: torch.device) -> None:
         if self.boxes is None or self.boxes.shape[:2] != (b, h) or self.boxes.shape[3] != 2 * d:
-            self.boxes = torch.zeros(b, h, max(pages, 16), 2 * d, dtype=torch.float16, device=device)
+            cap = max(pages, 16)
+            self.boxes = torch.zeros(b, h, cap, 2 * d, dtype=torch.int8, device=device)
+            self.scales = torch.zeros(b, h, cap, 2 * d // box_group(d), dtype=torch.float16, device=device)
             self.acc = torch.zeros(b, h, 2, d, dtype=torch.float32, device=device)
+            self.mu = None
         elif pages > self.boxes.shape[2]:
-            old = self.boxes
-            self.boxes = old.new_zeros(b, h, max(pages, old.shape[2] * 3 // 2), 2 * d)
-            self.boxes[:, :, :old.shape[2]] = old
+            cap = max(pages, self.boxes.shape[2] * 3 // 2)
+            for name in ("boxes", "scales"):
+                old = getattr(self, name)
+                new = old.new_zeros(b, h, cap, old.shape[3])
+                new[:, :, :old.shape[2]] = old
+                setattr(self, name, new)
 
     def write(self, start: int, keys: torch.Tensor) -> None:
         """Account for ``keys`` (B, H, S, D), tokens ``[start, start + S)`` of the sequence (appended in order;
@@ -240,26 +292,29 @@ class PageStats:
             n = self.spec.page
             c = a / n
             r = (b / n - c * c).clamp_min(0).sqrt()
-        c16, r16 = _outward(c, r)
-        self.boxes[:, :, index] = torch.cat((c16, r16), dim=-1)
+        if index == 0 or self.mu is None:  # the reference every later page's centre is coded against
+            self.mu = c.clone()
+        codes, scales = encode_box(self.mu, c, r, box_group(c.shape[-1]))
+        self.boxes[:, :, index] = codes
+        self.scales[:, :, index] = scales
 
     def map_sequences(self, fn) -> None:
-        for name in ("boxes", "acc"):
+        for name in ("boxes", "scales", "mu", "acc"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
         self.kept_pages = None
 
     def nbytes(self) -> int:
-        """Bytes of the complete pages' statistics (the running sums of the page being filled not counted: a
-        fixed 2·D fp32 per head, like the smoothing factors)."""
+        """Bytes of the complete pages' statistics (the running sums of the page being filled and ``μ`` not
+        counted: a fixed 3·D fp32 per head, like the smoothing factors)."""
         if self.boxes is None:
             return 0
         b, h, _, d2 = self.boxes.shape
-        return b * h * self.complete * d2 * 2
+        return b * h * self.complete * (d2 + self.scales.shape[-1] * 2)
 
     def allocated_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.boxes, self.acc) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.boxes, self.scales, self.mu, self.acc) if t is not None)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A sparse decode step's page choice in one call: ``torch.ops.kvslim.sparse_select``.
 
-Per sequence and KV head: score the first ``n_pages`` page boxes against the group's G query heads in fp32 (each
+Per sequence and KV head: score the first ``n_pages`` page boxes (fp16/fp32 values, or the library's int8 codes
+with fp16 scales) against the group's G query heads in fp32 (each
 head's bound made a log-softmax over the pages, combined over the heads by ``logsumexp``:
 :func:`kvslim.attention.sparse.page_scores`), keep the ``k`` best (page 0 forced when ``force_first``), ascending,
 then append the pages ``[n_pages, n_pages + rest)`` (the region's rest, read whole). In torch that is a dozen small
@@ -26,27 +27,38 @@ def available() -> bool:
     return load_ops(FAMILY)
 
 
-def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes ``[c | r]`` -> (B, H, P) fp32: each head's bound
-    ``q·c + |q|·r`` (fp32, the boxes converted as read) scaled, log-softmax over the pages, logsumexp over the
-    group."""
-    bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), boxes.float().transpose(-1, -2))  # (B, H, G, P)
+def values(boxes: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, P, 2D) boxes as fp32 values: fp16/fp32 converted, int8 codes times their fp16 ``scales``
+    (B, H, ≥ P, 2D / group), one per ``group`` channels (the op's conversion, product for product)."""
+    if scales is None:
+        return boxes.float()
+    group = boxes.shape[-1] // scales.shape[-1]
+    return boxes.float() * scales[:, :, :boxes.shape[2]].float().repeat_interleave(group, dim=-1)
+
+
+def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes ``[c | r]`` (with ``scales``: int8 codes, :func:`values`)
+    -> (B, H, P) fp32: each head's bound ``q·c + |q|·r`` (fp32, the boxes converted as read) scaled, log-softmax
+    over the pages, logsumexp over the group."""
+    bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes, scales).transpose(-1, -2))  # (B, H, G, P)
     return torch.log_softmax(bound * scaling, dim=-1).logsumexp(dim=2)
 
 
 def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
-              rest: int, first: torch.Tensor | None = None, force: torch.Tensor | None = None) -> torch.Tensor:
+              rest: int, first: torch.Tensor | None = None, force: torch.Tensor | None = None,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
     """The op's twin: (B, H, min(k, n_pages) + rest) int64, the chosen pages ascending then the rest. ``first``
     (B,) int64 / ``force`` (B,) bool (a left-padded batch): only pages from ``first[b]`` on are candidates (the
-    softmax over pages taken over them), page ``first[b]`` forced where ``force[b]``."""
+    softmax over pages taken over them), page ``first[b]`` forced where ``force[b]``. ``scales``: int8 boxes'
+    (:func:`values`)."""
     if first is None:
-        s = scores(q, boxes[:, :, :n_pages], scaling)
+        s = scores(q, boxes[:, :, :n_pages], scaling, scales)
         if force_first and n_pages:
             s[..., 0] = float("inf")
     else:
         b = q.shape[0]
         pad = torch.arange(n_pages, device=q.device)[None, :] < first[:, None]  # (B, P)
-        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), boxes[:, :, :n_pages].float().transpose(-1, -2))
+        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes[:, :, :n_pages], scales).transpose(-1, -2))
         bound = (bound * scaling).masked_fill(pad[:, None, None], float("-inf"))
         s = torch.log_softmax(bound, dim=-1).logsumexp(dim=2)  # (B, H, P), padding pages -inf
         hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
@@ -58,17 +70,20 @@ def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scalin
     return idx
 
 
-def applies(q: torch.Tensor, boxes: torch.Tensor) -> bool:
-    """CPU tensors (fp32 queries, fp16/fp32 boxes with unit last stride), not under tracing, op built."""
+def applies(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+    """CPU tensors (fp32 queries, fp16/fp32 boxes or int8 boxes with fp16 scales, unit last strides), not under
+    tracing, op built."""
     return (not torch.compiler.is_compiling() and q.device.type == "cpu" and boxes.device.type == "cpu"
-            and q.dtype == torch.float32 and boxes.dtype in (torch.float16, torch.float32) and boxes.stride(-1) == 1
-            and available())
+            and q.dtype == torch.float32 and boxes.stride(-1) == 1 and available()
+            and (boxes.dtype in (torch.float16, torch.float32) if scales is None else
+                 boxes.dtype == torch.int8 and scales.dtype == torch.float16 and scales.stride(-1) == 1))
 
 
 def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
-                  rest: int = 0, first: torch.Tensor | None = None, force: torch.Tensor | None = None) -> torch.Tensor:
+                  rest: int = 0, first: torch.Tensor | None = None, force: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`reference` through the C++ op where it applies (:func:`applies`), else through the twin."""
-    if applies(q, boxes):
+    if applies(q, boxes, scales):
         return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
-                                              bool(force_first), int(rest), first, force)
-    return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force)
+                                              bool(force_first), int(rest), first, force, scales)
+    return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force, scales)

@@ -1,7 +1,10 @@
 // kvslim::sparse_select — a sparse decode step's page choice in one call (kernels/sparse_select.py).
 //
 // For each sequence b and KV head h, with the G query heads q_g of the group (fp32) and the page boxes
-// [c | r] (fp16 or fp32, converted to fp32 as they are read) of the first `n_pages` pages:
+// [c | r] of the first `n_pages` pages, converted to fp32 as they are read: fp16 or fp32 values, or int8 codes
+// with `scales` (B, H, pages, 2D / group) fp16, one per `group` channels (the library's format,
+// kvslim/caches/sparse.py: c relative to a per-head reference, which shifts every page's bound by one constant
+// per query head and so leaves the ranking as it is):
 //
 //   s_gp  = scaling · (q_g · c_p + |q_g| · r_p)              each head's bound on the page's best q·k
 //   score = logsumexp_g (s_gp − logsumexp_p' s_gp')          the log of the group's summed estimated attentions
@@ -25,18 +28,47 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
 
 // Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it (the library is
 // compiled without -march flags: the path is chosen at run time), else one by one.
-__attribute__((target("avx2,fma,f16c"))) void bounds_avx2(const float* q, const float* qa, const void* box,
-                                                          bool half, int64_t G, int64_t D, int64_t n_pages,
-                                                          int64_t stride, float scaling, float* s, float* row) {
+bool has_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+// the box formats: fp32 values, fp16 values, int8 codes × one fp16 scale per `group` channels
+enum BoxKind { kF32 = 0, kF16 = 1, kI8 = 2 };
+struct Box {
+  const void* p;  // page 0 of this (b, h)
+  int64_t stride;  // elements between pages
+  BoxKind kind;
+  const c10::Half* sc = nullptr;  // int8: scales of page 0 of this (b, h)
+  int64_t sc_stride = 0, group = 0;
+};
+
+__attribute__((target("avx2,fma,f16c"))) void bounds_avx2(const float* q, const float* qa, const Box& bx, int64_t G,
+                                                          int64_t D, int64_t n_pages, float scaling, float* s,
+                                                          float* row) {
+  const bool half = bx.kind == kF16;
+  const void* box = bx.p;
+  const int64_t stride = bx.stride;
   for (int64_t p = 0; p < n_pages; ++p) {
-    if (half) {
+    if (bx.kind == kI8) {  // eight codes at a time (a group is a multiple of eight channels: checked)
+      const int8_t* bp = static_cast<const int8_t*>(box) + p * stride;
+      const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
+      for (int64_t g = 0, i = 0; i < 2 * D; ++g) {  // group by group: one scale each
+        const __m256 sc = _mm256_set1_ps(_cvtsh_ss(sp[g]));
+        for (const int64_t e = i + bx.group; i < e; i += 8) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp + i))));
+          _mm256_storeu_ps(row + i, _mm256_mul_ps(v, sc));
+        }
+      }
+    } else if (half) {
       const uint16_t* bp = static_cast<const uint16_t*>(box) + p * stride;
       for (int64_t i = 0; i < 2 * D; i += 8)
         _mm256_storeu_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + i))));
@@ -58,12 +90,82 @@ __attribute__((target("avx2,fma,f16c"))) void bounds_avx2(const float* q, const 
   }
 }
 
-void bounds_scalar(const float* q, const float* qa, const void* box, bool half, int64_t G, int64_t D,
-                   int64_t n_pages, int64_t stride, float scaling, float* s, float* row) {
+// The same, sixteen channels at a time (D a multiple of 16; int8: a group a multiple of 16): half the instructions
+// of the AVX2 path, which is what the selection costs once the boxes are int8 (it is compute-bound there).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void bounds_avx512(
+    const float* q, const float* qa, const Box& bx, int64_t G, int64_t D, int64_t n_pages, float scaling, float* s,
+    float* row) {
   for (int64_t p = 0; p < n_pages; ++p) {
+    if (bx.kind == kI8) {
+      const int8_t* bp = static_cast<const int8_t*>(bx.p) + p * bx.stride;
+      const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
+      for (int64_t g = 0, i = 0; i < 2 * D; ++g) {  // group by group: one scale each
+        const __m512 sc = _mm512_set1_ps(_cvtsh_ss(sp[g]));
+        for (const int64_t e = i + bx.group; i < e; i += 16) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + i))));
+          _mm512_storeu_ps(row + i, _mm512_mul_ps(v, sc));
+        }
+      }
+    } else if (bx.kind == kF16) {
+      const uint16_t* bp = static_cast<const uint16_t*>(bx.p) + p * bx.stride;
+      for (int64_t i = 0; i < 2 * D; i += 16)
+        _mm512_storeu_ps(row + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + i))));
+    } else {
+      const float* bp = static_cast<const float*>(bx.p) + p * bx.stride;
+      for (int64_t i = 0; i < 2 * D; i += 16) _mm512_storeu_ps(row + i, _mm512_loadu_ps(bp + i));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D; i += 16) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), _mm512_loadu_ps(row + i), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qa + g * D + i), _mm512_loadu_ps(row + D + i), acc);
+      }
+      s[g * n_pages + p] = _mm512_reduce_add_ps(acc) * scaling;
+    }
+  }
+}
+
+// D = 16·NC with int8 boxes in groups of 16 (the library's format at head dims 64 and 128): the page's 2·NC
+// vectors converted into registers and scaled there, nothing stored per page but its G bounds.
+template <int NC>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void bounds_i8g16(
+    const float* q, const float* qa, const Box& bx, int64_t G, int64_t n_pages, float scaling, float* s) {
+  constexpr int64_t D = 16 * NC;
+  for (int64_t p = 0; p < n_pages; ++p) {
+    const int8_t* bp = static_cast<const int8_t*>(bx.p) + p * bx.stride;
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
+    const __m512 scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (2 * NC)) - 1), sp));
+    __m512 row[2 * NC];
+    for (int i = 0; i < 2 * NC; ++i)
+      row[i] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * i)))),
+          _mm512_permutexvar_ps(_mm512_set1_epi32(i), scales));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int i = 0; i < NC; ++i) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * i), row[i], acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qa + g * D + 16 * i), row[NC + i], acc);
+      }
+      s[g * n_pages + p] = _mm512_reduce_add_ps(acc) * scaling;
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && has_avx2();
+  return ok;
+}
+
+void bounds_scalar(const float* q, const float* qa, const Box& bx, int64_t G, int64_t D, int64_t n_pages,
+                   float scaling, float* s, float* row) {
+  for (int64_t p = 0; p < n_pages; ++p) {
+    const int64_t o = p * bx.stride;
     for (int64_t i = 0; i < 2 * D; ++i)
-      row[i] = half ? static_cast<float>(static_cast<const c10::Half*>(box)[p * stride + i])
-                    : static_cast<const float*>(box)[p * stride + i];
+      row[i] = bx.kind == kI8   ? static_cast<float>(static_cast<const int8_t*>(bx.p)[o + i]) *
+                                    static_cast<float>(bx.sc[p * bx.sc_stride + i / bx.group])
+               : bx.kind == kF16 ? static_cast<float>(static_cast<const c10::Half*>(bx.p)[o + i])
+                                 : static_cast<const float*>(bx.p)[o + i];
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
       for (int64_t i = 0; i < D; ++i) acc += q[g * D + i] * row[i] + qa[g * D + i] * row[D + i];
@@ -72,28 +174,29 @@ void bounds_scalar(const float* q, const float* qa, const void* box, bool half, 
   }
 }
 
-bool has_avx2() {
-  static const bool ok =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return ok;
-}
-
-void select_task(const float* q, const void* box, bool half, int64_t G, int64_t D, int64_t n_pages,
-                 int64_t box_page_stride, float scaling, int64_t k, bool force_first, int64_t rest, int64_t* out,
-                 int64_t p0 = 0) {
+void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, float scaling, int64_t k,
+                 bool force_first, int64_t rest, int64_t* out, int64_t p0 = 0) {
   // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written
-  box = half ? static_cast<const void*>(static_cast<const c10::Half*>(box) + p0 * box_page_stride)
-             : static_cast<const void*>(static_cast<const float*>(box) + p0 * box_page_stride);
+  const int64_t esz = bx.kind == kF32 ? 4 : bx.kind == kF16 ? 2 : 1;
+  bx.p = static_cast<const char*>(bx.p) + p0 * bx.stride * esz;
+  if (bx.sc) bx.sc += p0 * bx.sc_stride;
   const int64_t all_pages = n_pages;
   n_pages -= p0;
   std::vector<float> s(static_cast<size_t>(G * n_pages));
   std::vector<float> row(static_cast<size_t>(2 * D));
   std::vector<float> qa(static_cast<size_t>(G * D));
   for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(q[i]);
-  if (D % 8 == 0 && has_avx2())
-    bounds_avx2(q, qa.data(), box, half, G, D, n_pages, box_page_stride, scaling, s.data(), row.data());
+  if (bx.kind == kI8 && bx.group == 16 && (D == 64 || D == 128) && has_avx512()) {
+    if (D == 64)
+      bounds_i8g16<4>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+    else
+      bounds_i8g16<8>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+  } else if (D % 16 == 0 && (bx.kind != kI8 || bx.group % 16 == 0) && has_avx512())
+    bounds_avx512(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
+  else if (D % 8 == 0 && (bx.kind != kI8 || bx.group % 8 == 0) && has_avx2())
+    bounds_avx2(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
   else
-    bounds_scalar(q, qa.data(), box, half, G, D, n_pages, box_page_stride, scaling, s.data(), row.data());
+    bounds_scalar(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
   std::vector<float> score(static_cast<size_t>(n_pages));
   if (G == 1) {  // one head: its log-softmax is its bound less a constant, the same ranking
     std::copy(s.begin(), s.end(), score.begin());
@@ -118,28 +221,60 @@ void select_task(const float* q, const void* box, bool half, int64_t G, int64_t 
     }
   }
   if (force_first && n_pages > 0) score[0] = std::numeric_limits<float>::infinity();
-  std::vector<int64_t> idx(static_cast<size_t>(n_pages));
-  std::iota(idx.begin(), idx.end(), 0);
+  // the kk best in one pass: a heap of the best so far, its worst on top; a later page enters only when strictly
+  // better (ties go to the lower page). Most pages are rejected by one well-predicted compare (a partition with
+  // nth_element mispredicted about every other page: 40 % of the op's time at 1,020 pages)
   const int64_t kk = std::min(k, n_pages);
-  auto better = [&](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
-  std::nth_element(idx.begin(), idx.begin() + kk, idx.end(), better);  // (kk may equal n_pages: a no-op)
-  std::sort(idx.begin(), idx.begin() + kk);
+  using Entry = std::pair<float, int64_t>;
+  auto worst_on_top = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<Entry> heap;
+  heap.reserve(static_cast<size_t>(kk));
+  for (int64_t p = 0; p < n_pages; ++p) {
+    if (static_cast<int64_t>(heap.size()) < kk) {
+      heap.emplace_back(score[p], p);
+      std::push_heap(heap.begin(), heap.end(), worst_on_top);
+    } else if (score[p] > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), worst_on_top);
+      heap.back() = Entry(score[p], p);
+      std::push_heap(heap.begin(), heap.end(), worst_on_top);
+    }
+  }
+  std::vector<int64_t> idx(static_cast<size_t>(kk));
+  for (int64_t i = 0; i < kk; ++i) idx[i] = heap[i].second;
+  std::sort(idx.begin(), idx.end());
   for (int64_t i = 0; i < kk; ++i) out[i] = idx[i] + p0;
   for (int64_t i = 0; i < rest; ++i) out[kk + i] = all_pages + i;
 }
 
 at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64_t n_pages, int64_t k,
                              double scaling, bool force_first, int64_t rest, const c10::optional<at::Tensor>& first,
-                             const c10::optional<at::Tensor>& force) {
+                             const c10::optional<at::Tensor>& force, const c10::optional<at::Tensor>& scales) {
   TORCH_CHECK_VALUE(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
                     "kvslim::sparse_select: q must be a contiguous (B, H, G, D) fp32 tensor, got ", q.sizes(), " ",
                     q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
   TORCH_CHECK_VALUE(boxes.dim() == 4 && boxes.size(0) == B && boxes.size(1) == H && boxes.size(3) == 2 * D &&
                         boxes.stride(3) == 1 &&
-                        (boxes.scalar_type() == at::kHalf || boxes.scalar_type() == at::kFloat),
-                    "kvslim::sparse_select: boxes must be (B, H, pages, 2D) fp16/fp32 with unit last stride, got ",
+                        (boxes.scalar_type() == at::kHalf || boxes.scalar_type() == at::kFloat ||
+                         boxes.scalar_type() == at::kChar),
+                    "kvslim::sparse_select: boxes must be (B, H, pages, 2D) fp16/fp32/int8 with unit last stride, got ",
                     boxes.sizes(), " ", boxes.scalar_type());
+  const bool coded = boxes.scalar_type() == at::kChar;
+  const bool has_scales = scales.has_value() && scales->defined();
+  TORCH_CHECK_VALUE(coded == has_scales, "kvslim::sparse_select: int8 boxes need scales and only they take them, got ",
+                    boxes.scalar_type(), " boxes ", has_scales ? "with" : "without", " scales");
+  int64_t group = 0;
+  if (coded) {
+    const at::Tensor& sc = *scales;
+    TORCH_CHECK_VALUE(sc.device().is_cpu() && sc.scalar_type() == at::kHalf && sc.dim() == 4 && sc.size(0) == B &&
+                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 && (2 * D) % sc.size(3) == 0 &&
+                          D % ((2 * D) / sc.size(3)) == 0 && sc.stride(3) == 1,
+                      "kvslim::sparse_select: scales must be fp16 (B, H, >= n_pages, 2D / group) with a group "
+                      "dividing D=", D, " and unit last stride, got ", sc.sizes(), " ", sc.scalar_type());
+    group = (2 * D) / sc.size(3);
+  }
   TORCH_CHECK_VALUE(n_pages >= 0 && n_pages <= boxes.size(2), "kvslim::sparse_select: n_pages=", n_pages,
                     " outside the boxes' ", boxes.size(2), " pages");
   TORCH_CHECK_VALUE(k >= 1 && rest >= 0, "kvslim::sparse_select: k must be >= 1 and rest >= 0, got ", k, ", ", rest);
@@ -168,20 +303,28 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
   const float* qp = q.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t s0 = boxes.stride(0), s1 = boxes.stride(1), s2 = boxes.stride(2);
-  const bool half = boxes.scalar_type() == at::kHalf;
-  const void* bp = boxes.data_ptr();
+  const BoxKind kind = coded ? kI8 : boxes.scalar_type() == at::kHalf ? kF16 : kF32;
+  const int64_t esz = boxes.element_size();
+  const char* bp = static_cast<const char*>(boxes.data_ptr());
+  const c10::Half* scp = coded ? scales->data_ptr<c10::Half>() : nullptr;
+  const int64_t c0 = coded ? scales->stride(0) : 0, c1 = coded ? scales->stride(1) : 0,
+                c2 = coded ? scales->stride(2) : 0;
   const float sc = static_cast<float>(scaling);
   at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / H, h = t % H;
       const float* qt = qp + t * G * D;
       int64_t* ot = op + t * (kk + rest);
-      const void* bt = half ? static_cast<const void*>(static_cast<const c10::Half*>(bp) + b * s0 + h * s1)
-                            : static_cast<const void*>(static_cast<const float*>(bp) + b * s0 + h * s1);
+      Box bx{bp + (b * s0 + h * s1) * esz, s2, kind};
+      if (coded) {
+        bx.sc = scp + b * c0 + h * c1;
+        bx.sc_stride = c2;
+        bx.group = group;
+      }
       if (padded)
-        select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, fo[b], rest, ot, fp[b]);
+        select_task(qt, bx, G, D, n_pages, sc, kk, fo[b], rest, ot, fp[b]);
       else
-        select_task(qt, bt, half, G, D, n_pages, s2, sc, kk, force_first, rest, ot);
+        select_task(qt, bx, G, D, n_pages, sc, kk, force_first, rest, ot);
     }
   });
   return out;
@@ -191,7 +334,7 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("sparse_select(Tensor q, Tensor boxes, int n_pages, int k, float scaling, bool force_first, int rest, "
-        "Tensor? first=None, Tensor? force=None) -> Tensor");
+        "Tensor? first=None, Tensor? force=None, Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("sparse_select", &sparse_select_cpu); }
