@@ -49,7 +49,19 @@ def layer_for(method: str, budget: int, page: int):
     return layer
 
 
-def point(method: str, context: int, batch: int, budget, page, rounds: int, reps: int, padded: bool = False) -> dict:
+_FLUSH: list = []
+
+
+def flush_caches() -> None:
+    """Read 96 MB (three times this machine's L3) so that the next call finds the layer in DRAM, as a real step
+    does (every other layer's cache is read in between)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(24 << 20))
+    _FLUSH[0].sum()
+
+
+def point(method: str, context: int, batch: int, budget, page, rounds: int, reps: int, padded: bool = False,
+          cold: bool = False) -> dict:
     layer = layer_for(method, budget, page)
     g = torch.Generator().manual_seed(0)
     h, d = CFG["num_key_value_heads"], CFG["hidden_size"] // CFG["num_attention_heads"]
@@ -76,6 +88,14 @@ def point(method: str, context: int, batch: int, budget, page, rounds: int, reps
 
     def run(k, v):
         mask = mask_for(k)
+        if cold:  # each call timed alone, after the caches were flushed
+            total = 0.0
+            for _ in range(reps):
+                flush_caches()
+                t = time.perf_counter()
+                packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
+                total += time.perf_counter() - t
+            return total / reps * 1e3
         t = time.perf_counter()
         for _ in range(reps):
             packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
@@ -88,7 +108,7 @@ def point(method: str, context: int, batch: int, budget, page, rounds: int, reps
         sparse.append(run(k_sp, v_sp))
     f, s = statistics.median(full), statistics.median(sparse)
     rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": layer.sparse.page,
-           "padded": padded,
+           "padded": padded, "cold": cold,
            "full_ms": round(f, 3), "sparse_ms": round(s, 3), "speedup": round(f / s, 2),
            "full_ms_rounds": [round(x, 3) for x in full], "sparse_ms_rounds": [round(x, 3) for x in sparse],
            "stats_bytes": layer.page_stats.nbytes(), "cache_bytes": layer.nbytes}
@@ -106,6 +126,9 @@ def main() -> None:
     p.add_argument("--page", type=int, default=None, help="tokens per page (default: the library's)")
     p.add_argument("--padded", choices=("no", "yes", "both"), default="no",
                    help="a left-padded batch (row i: its first i/(2B) of the context padding), or both layouts")
+    p.add_argument("--cold", choices=("no", "yes", "both"), default="no",
+                   help="flush the CPU caches before every timed call (a real step finds the layer in DRAM: every "
+                   "other layer was read since), or both")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -124,7 +147,9 @@ def main() -> None:
                         for padded in {"no": (False,), "yes": (True,), "both": (False, True)}[a.padded]:
                             if padded and batch == 1:
                                 continue  # one sequence has nothing to pad
-                            records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps, padded))
+                            for cold in {"no": (False,), "yes": (True,), "both": (False, True)}[a.cold]:
+                                records.append(point(method, context, batch, budget, a.page, a.rounds, a.reps,
+                                                     padded, cold))
     out = {"commit": _commit(), "torch": torch.__version__, "kvslim": kvslim.__version__,
            "machine": platform.machine(), "threads": a.threads, "load_average": os.getloadavg(),
            "shape": "mha-100m layer (12 KV heads x 64, fp32)", "records": records}
