@@ -185,43 +185,6 @@ inline int64_t paged_block(const PageList& pl, int64_t Hk, int64_t b, int64_t h,
   return pl.pages[(b * Hk + h) * pl.npages + t0 / pl.page] * pl.page + t0 % pl.page;
 }
 
-// A page list's pages lie at random places in a cache far larger than the CPU's caches: the hardware prefetchers
-// do not follow the list, and the in-loop prefetch (kPrefetchRows) runs past the page into rows the list skips. So
-// at each listed page's start a task prefetches every stream of the page kPageAhead further down its list (codes,
-// scales, zeros of keys and values; `page_prefetches` + the op's own per-stream calls to `prefetch_rows`). Measured
-// on the int4 op at 32k × 8, page 32, 61 listed pages per head: 2.9 → 1.6 ms (1, 2 or 4 pages ahead alike).
-constexpr int64_t kPageAhead = 2;
-
-// stored rows [r0, r0 + m) of `s` (`elem`-byte elements, rows ts elements apart) into cache
-inline void prefetch_rows(const Strided& s, int elem, int64_t b, int64_t h, int64_t r0, int64_t m) {
-  if (!s.p || m <= 0) return;
-  prefetch_span(static_cast<const char*>(s.p) + (b * s.bs + h * s.hs + r0 * s.ts) * elem, m * s.ts * elem);
-}
-
-// the stored first row of (b, h)'s listed page i, or -1 past the list or past the call's n logical rows
-inline int64_t listed_row(const PageList& pl, int64_t Hk, int64_t b, int64_t h, int64_t i, int64_t n) {
-  if (i >= pl.npages || i * pl.page >= n) return -1;
-  return pl.pages[(b * Hk + h) * pl.npages + i] * pl.page;
-}
-
-// the prefetches a block of logical rows starting at t0 triggers (a page list only): at the task's first block the
-// next kPageAhead listed pages, at a later page's start the page kPageAhead ahead; fn(stored first row) for each
-template <class Fn>
-inline void page_prefetches(const PageList& pl, int64_t Hk, int64_t b, int64_t h, int64_t t0, int64_t t_begin,
-                            int64_t n, Fn&& fn) {
-  if (!pl.pages) return;
-  const int64_t i = t0 / pl.page;
-  if (t0 == t_begin) {
-    for (int64_t j = 1; j <= kPageAhead; ++j) {
-      const int64_t r = listed_row(pl, Hk, b, h, i + j, n);
-      if (r >= 0) fn(r);
-    }
-  } else if (t0 % pl.page == 0) {
-    const int64_t r = listed_row(pl, Hk, b, h, i + kPageAhead, n);
-    if (r >= 0) fn(r);
-  }
-}
-
 struct TaskRange {
   int64_t begin, end;
   const float* mask;

@@ -422,19 +422,6 @@ inline void prefetch_kivi(const QArgs& a, const Strided& st, int64_t b, int64_t 
   for (int64_t o = 0; o < a.D * (a.sdt == 0 ? 4 : 2); o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-// every stream of the page of stored rows [r, r + page) into cache (a page list: decode_common.h)
-inline void prefetch_page(const QArgs& a, int64_t b, int64_t h, int64_t r) {
-  const int64_t m = a.paged.page;
-  const int pe = a.sdt == 0 ? 4 : 2;
-  kvslim_decode::prefetch_rows(a.k.codes, 1, b, h, r, m);
-  kvslim_decode::prefetch_rows(a.v.codes, 1, b, h, r, m);
-  const int64_t kr = a.kivi ? r / a.kivi : r, km = a.kivi ? (m + a.kivi - 1) / a.kivi : m;  // KIVI: per key group
-  kvslim_decode::prefetch_rows(a.k.scale, pe, b, h, kr, km);
-  kvslim_decode::prefetch_rows(a.k.zero, pe, b, h, kr, km);
-  kvslim_decode::prefetch_rows(a.v.scale, pe, b, h, r, m);
-  kvslim_decode::prefetch_rows(a.v.zero, pe, b, h, r, m);
-}
-
 template <bool ASYM>
 inline void kivi_params(const QArgs& a, int64_t b, int64_t h, int64_t g, float* srow, float* zrow) {
   kivi_row(a, a.k.scale, b, h, g, srow);
@@ -495,8 +482,6 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = t_begin; t0 < t_end;) {
     int64_t m = std::min(T, t_end - t0);
     const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
-    kvslim_decode::page_prefetches(a.paged, a.Hk, b, h, t0, t_begin, a.n,
-                                   [&](int64_t r) { prefetch_page(a, b, h, r); });
     const float* mk = mask ? mask + t0 : nullptr;
     if (qd && a.kivi == 0) {
       load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());

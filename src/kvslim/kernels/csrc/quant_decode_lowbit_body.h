@@ -214,17 +214,6 @@ void run_task(const LArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = t_begin; t0 < t_end;) {
     int64_t m = std::min(T, t_end - t0);
     const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
-    kvslim_decode::page_prefetches(a.paged, a.Hk, b, h, t0, t_begin, a.n, [&](int64_t r) {
-      const int64_t pm = a.paged.page;
-      const int pe = a.sdt == 0 ? 4 : 2;
-      const int64_t kr = KIVI ? r / a.kivi : r, km = KIVI ? (pm + a.kivi - 1) / a.kivi : pm;  // KIVI: per key group
-      kvslim_decode::prefetch_rows(a.k.codes, 1, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.v.codes, 1, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.k.scale, pe, b, h, kr, km);
-      kvslim_decode::prefetch_rows(a.k.zero, pe, b, h, kr, km);
-      kvslim_decode::prefetch_rows(a.v.scale, pe, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.v.zero, pe, b, h, r, pm);
-    });
     const float* mk = mask ? mask + t0 : nullptr;
     if (KIVI) {  // per token group: q ⊙ its scales and q · its zeros, then plain dot products with the codes
       for (int64_t u0 = r0; u0 < r0 + m;) {

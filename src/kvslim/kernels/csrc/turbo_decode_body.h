@@ -218,15 +218,6 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = task.begin; t0 < task.end;) {
     int64_t m = std::min(T, task.end - t0);
     const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
-    kvslim_decode::page_prefetches(a.paged, a.Hk, b, h, t0, task.begin, a.n, [&](int64_t r) {
-      const int64_t pm = a.paged.page;
-      const int pe = a.sdt == 0 ? 4 : 2;
-      kvslim_decode::prefetch_rows(a.k, 1, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.v, 1, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.ks, pe, b, h, r, pm);
-      kvslim_decode::prefetch_rows(a.vs, pe, b, h, r, pm);
-      if (a.bias_rows) kvslim_decode::prefetch_span(a.bias_rows + r * a.bias_rs, pm * a.bias_rs * 4);
-    });
     load_rows(a.ks, a.sdt, b, h, r0, m, kp, sp.ks.data());
     code_scores<OB, KB>(a, b, h, r0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
     if (block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) {
