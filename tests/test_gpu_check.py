@@ -50,6 +50,9 @@ def test_quick_runs_every_stage_on_cpu(tmp_path, monkeypatch):
         assert rows[kind]["capturable"] is True  # a cache of its own, built capturable=True (the int4 default too)
     assert {c["kind"] for c in stages["llama3-8b"]["capacity"]} == {"kvslim-dense", "kvslim-int4"}
     assert stages["encdec-mla"]["whisper"]["tokens_equal"] and stages["encdec-mla"]["mla"]["speedup"] > 0
+    sparse = {r["kind"]: r for r in stages["sparse"]["records"]}  # tiny GQA at 4k x 1: past the 2,048 budget
+    assert set(sparse) == {"hf-static", "kvslim-int4", "kvslim-int4-sparse"}
+    assert all("error" not in r for r in sparse.values()), sparse
     variants = stages["variants"]["variants"]
     assert all("max_abs_err_vs_float64" in r for r in variants)
     # the one tiny Triton variant (the interpreter: tests/conftest.py sets TRITON_INTERPRET=1) and the twin agree with

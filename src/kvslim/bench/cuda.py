@@ -55,6 +55,8 @@ QUICK_CAPACITY = ("tiny-gqa", 96)
 METHOD_NAMES = ("dense", "window", "int8", "int4", "int3", "int2", "slim", "mla")
 HF_NAMES = ("hf-static", "hf-dynamic", "hf-quanto4")
 CAPACITY_KINDS = ("hf-static", "kvslim-dense", "kvslim-int8", "kvslim-int4", "kvslim-int2")
+#: kinds that are a method with options (gpu_check's sparse stage): kind -> (method, apply() options)
+OPTION_KINDS = {"kvslim-int4-sparse": ("int4", {"sparse_budget": 2048})}
 COMPILE_MODES = ("reduce-overhead", "cudagraphs", "default", "eager-backend", None)
 #: capacity fills write this many tokens per update (the transient of one write, not the context, sets the peak)
 FILL_CHUNK = 4096
@@ -91,7 +93,7 @@ class Settings:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        known = HF_NAMES + tuple(f"kvslim-{m}" for m in METHOD_NAMES)
+        known = HF_NAMES + tuple(f"kvslim-{m}" for m in METHOD_NAMES) + tuple(OPTION_KINDS)
         for name, kinds in (("kinds", self.kinds), ("capacity_kinds", self.capacity_kinds)):
             bad = [k for k in kinds if k not in known]
             if bad or (name == "kinds" and not kinds):
@@ -109,7 +111,7 @@ class Settings:
 def build_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
     """A random-weight Llama of ``shape`` (:data:`SHAPES`) on ``device`` in ``dtype``, SDPA attention."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(max_position_embeddings=65536, attn_implementation="sdpa", **SHAPES[shape])
+    cfg = LlamaConfig(max_position_embeddings=131072, attn_implementation="sdpa", **SHAPES[shape])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in dtype: an 8B model never exists in fp32 (32 GB) on the way
     try:
@@ -130,8 +132,16 @@ def not_applicable(model, kind: str) -> str | None:
     if kind == "hf-quanto4":
         return quanto_missing()
     if kind.startswith("kvslim-"):
-        return METHODS[kind.removeprefix("kvslim-")].not_applicable(shape_from_config(model.config))
+        return METHODS[method_of(kind)[0]].not_applicable(shape_from_config(model.config))
     return None
+
+
+def method_of(kind: str, context: int = 0) -> tuple[str, dict]:
+    """A kvslim kind's method and ``apply()`` options."""
+    if kind in OPTION_KINDS:
+        return OPTION_KINDS[kind]
+    method = kind.removeprefix("kvslim-")
+    return method, _method_options(method, context)
 
 
 #: kvslim methods whose caches are built ``capturable=True`` for the compiled rows (CUDA graphs replay one step at
@@ -153,10 +163,10 @@ def fill(model, kind: str, batch: int, context: int, room: int, capturable: bool
 
         cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=64, residual_length=128)
         return _fill_kv(model, cache, batch, context, device)
-    method = kind.removeprefix("kvslim-")
+    method, options = method_of(kind, context)
     with warnings.catch_warnings():  # random weights: slim's measured error warns
         warnings.simplefilter("ignore")
-        api.apply(model, method, **_method_options(method, context))
+        api.apply(model, method, **options)
     cache = api.make_cache(model, max_length=context + room + 1, capturable=capturable and method in CAPTURABLE)
     if method == "slim":  # slim layers store one row per token (K), written directly
         pos = torch.arange(context, device=device)[None].expand(batch, -1)

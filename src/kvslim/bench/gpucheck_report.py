@@ -34,7 +34,7 @@ def stage_markdown(stage: dict) -> str:
                          f"{_fmt(r.get('first_mismatch'))} | {_fmt(r.get('expected_equal'))} | "
                          f"{r.get('error', '')} |")
         return "\n".join(head + lines)
-    if name in ("mha-1b", "llama3-8b"):
+    if name in ("mha-1b", "llama3-8b", "sparse"):
         from .cuda import markdown
 
         extra = [f"copy rate {stage['bandwidth']['copy_gbps']:.0f} GB/s (same run); compile mode "

@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..caches.factories import append_factory
-from ..caches.sparse import AUTO_FLOOR, AUTO_FRACTION, RECENT, SparseSpec, check_sparse_options, stats_bytes_per_page
+from ..caches.sparse import (
+    AUTO_FLOOR,
+    AUTO_FRACTION,
+    RECENT,
+    SparseSpec,
+    check_sparse_options,
+    stats_bytes_per_page,
+)
 from ..plan import Plan
 
 SPARSE_OPTIONS = ("sparse_budget", "sparse_page", "sparse_score", "sparse_dense_layers", "sparse_select")
