@@ -8,7 +8,7 @@ first page (per sequence and KV head, fp32: Qwen-like keys carry offsets of hund
 every token, which would otherwise set every page's scale), ``r`` rounded up so that the box still contains what it
 was computed from. A bound ``q·(μ + c) + |q|·r`` shifts by the same ``q·μ`` on every page of a query head, so the
 ranking is the ranking of ``q·c + |q|·r`` (what the op scores). Memory: 2·D int8 + 2·D/16 fp16 per page per KV
-head (``2.25·D/page`` bytes per token and head: at the default page 32, 5.6 % of an int4 cache's bytes, 0.9 % of an
+head (``2.25·D/page`` bytes per token and head: at the default page 32, 5.2-5.8 % of an int4 cache's bytes, 0.9 % of an
 fp32 one; fp16 boxes took 9.8 %; docs/sparse.md). Lossy only in what a step reads (exact when the context fits the
 budget).
 
