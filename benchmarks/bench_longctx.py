@@ -51,6 +51,7 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "sparse int4 4096": ("int4", {"sparse_budget": 4096}),
     "sparse int4 auto p64": ("int4", {"sparse_budget": "auto", "sparse_page": 64}),  # larger pages: fewer, longer
     "sparse int4 auto p128": ("int4", {"sparse_budget": "auto", "sparse_page": 128}),  # reads (docs/sparse.md)
+    "sparse int4 auto dl0": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 0}),  # every layer sparse
     "sparse dense 2048": ("dense", {"sparse_budget": 2048}),
     "sparse int2 2048": ("int2", {"sparse_budget": 2048}),
     "sparse int2 1024": ("int2", {"sparse_budget": 1024}),
@@ -60,7 +61,8 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
-               "window 1024", "sparse dense 2048", "sparse int4 auto", "sparse int4 auto p64", "sparse int4 auto p128", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
+               "window 1024", "sparse dense 2048", "sparse int4 auto", "sparse int4 auto p64", "sparse int4 auto p128",
+               "sparse int4 auto dl0", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
                "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024"]
 #: the label suffix of the rows whose question is fed one token per call (--question-by-token)
 BY_TOKEN = " (question by token)"
