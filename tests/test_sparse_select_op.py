@@ -79,6 +79,25 @@ def test_op_refuses_bad_input():
         torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0, scales=scales.float())
     with pytest.raises(ValueError, match="scales must be"):
         torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0, scales=scales[:, :, :5])
+    with pytest.raises(ValueError, match="scales must be"):  # more scales than channels
+        torch.ops.kvslim.sparse_select(q, codes, 10, 2, 0.3, True, 0, scales=torch.ones(1, 2, 10, 32).half())
+
+
+def test_twin_refuses_what_the_op_refuses():
+    """The torch twin (used off CPU, under tracing, without the op) refuses the same mismatches as the op instead of
+    scoring int8 codes as values or scaling value boxes."""
+    q, boxes = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 10, 16).abs()
+    codes, scales = _boxes(boxes, "int8")
+    with pytest.raises(ValueError, match="need scales"):
+        ss.reference(q, codes, 10, 2, 0.3, True, 0)
+    with pytest.raises(ValueError, match="need scales"):
+        ss.reference(q, boxes, 10, 2, 0.3, True, 0, scales=scales)
+    with pytest.raises(ValueError, match="scales must be"):
+        ss.reference(q, codes, 10, 2, 0.3, True, 0, scales=scales.float())
+    with pytest.raises(ValueError, match="scales must be"):
+        ss.reference(q, codes, 10, 2, 0.3, True, 0, scales=scales[:, :, :5])
+    with pytest.raises(ValueError, match="scales must be"):
+        ss.reference(q, codes, 10, 2, 0.3, True, 0, scales=torch.ones(1, 2, 10, 3).half())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "int8"])

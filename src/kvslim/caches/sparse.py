@@ -128,7 +128,7 @@ def encode_box(mu: torch.Tensor, c: torch.Tensor, r: torch.Tensor, group: int
     """fp32 centre ``c`` / radius ``r`` (..., D) -> (codes (..., 2D) int8, scales (..., 2D/group) fp16) of
     ``[c − μ | r]``: the centre rounded to nearest, the radius rounded up after absorbing the centre's rounding as
     the fp32 box ``μ + c' ± r'`` reads it, so that box contains ``[c − r, c + r]``."""
-    lead, d = c.shape[:-1], c.shape[-1]
+    d = c.shape[-1]
     cg = (c - mu).unflatten(-1, (d // group, group))
     sc = _scale_up(cg.abs().amax(-1) / 127)
     cq = torch.round(cg / sc.float()[..., None]).clamp(-127, 127)
@@ -138,7 +138,7 @@ def encode_box(mu: torch.Tensor, c: torch.Tensor, r: torch.Tensor, group: int
     sr = _scale_up(ng.amax(-1) / 127)
     rq = torch.ceil(ng / sr.float()[..., None]).clamp(0, 127)
     codes = torch.cat((cq.flatten(-2), rq.flatten(-2)), dim=-1).to(torch.int8)
-    return codes, torch.cat((sc, sr), dim=-1).reshape(*lead, 2 * d // group)
+    return codes, torch.cat((sc, sr), dim=-1)
 
 
 class PageStats:

@@ -29,10 +29,20 @@ def available() -> bool:
 
 def values(boxes: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, P, 2D) boxes as fp32 values: fp16/fp32 converted, int8 codes times their fp16 ``scales``
-    (B, H, ≥ P, 2D / group), one per ``group`` channels (the op's conversion, product for product)."""
+    (B, H, ≥ P, 2D / group), one per ``group`` channels (the op's conversion, product for product). ``ValueError``
+    for int8 boxes without scales, scales beside value boxes, or scales of another shape (the op's checks)."""
+    if (boxes.dtype == torch.int8) != (scales is not None):
+        raise ValueError(f"sparse_select: int8 boxes need scales and only they take them, got {boxes.dtype} boxes "
+                         f"{'with' if scales is not None else 'without'} scales")
     if scales is None:
         return boxes.float()
-    group = boxes.shape[-1] // scales.shape[-1]
+    d2 = boxes.shape[-1]
+    if (scales.dim() != 4 or scales.dtype != torch.float16 or scales.shape[:2] != boxes.shape[:2]
+            or scales.shape[2] < boxes.shape[2] or not 2 <= scales.shape[3] <= d2 or d2 % scales.shape[3]
+            or (d2 // 2) % (d2 // scales.shape[3])):
+        raise ValueError(f"sparse_select: scales must be fp16 (B, H, >= pages, 2D / group) with a group dividing "
+                         f"D={d2 // 2}, got {tuple(scales.shape)} {scales.dtype} for boxes {tuple(boxes.shape)}")
+    group = d2 // scales.shape[-1]
     return boxes.float() * scales[:, :, :boxes.shape[2]].float().repeat_interleave(group, dim=-1)
 
 

@@ -234,7 +234,8 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
   if (coded) {
     const at::Tensor& sc = *scales;
     TORCH_CHECK_VALUE(sc.device().is_cpu() && sc.scalar_type() == at::kHalf && sc.dim() == 4 && sc.size(0) == B &&
-                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 && (2 * D) % sc.size(3) == 0 &&
+                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 && sc.size(3) <= 2 * D &&
+                          (2 * D) % sc.size(3) == 0 &&
                           D % ((2 * D) / sc.size(3)) == 0 && sc.stride(3) == 1,
                       "kvslim::sparse_select: scales must be fp16 (B, H, >= n_pages, 2D / group) with a group "
                       "dividing D=", D, " and unit last stride, got ", sc.sizes(), " ", sc.scalar_type());
