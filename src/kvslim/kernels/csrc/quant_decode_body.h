@@ -485,16 +485,7 @@ void run_task(const QArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = t_begin; t0 < t_end;) {
     int64_t m = std::min(T, t_end - t0);
     const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
-    if (a.paged.pages && t0 + m < t_end) {  // the next listed page, fetched during this one
-      const int64_t tn = t0 + m, mn = std::min(a.paged.page - tn % a.paged.page, t_end - tn);
-      const int64_t rn =
-          a.paged.pages[(b * a.Hk + h) * a.paged.npages + tn / a.paged.page] * a.paged.page + tn % a.paged.page;
-      for (int i = 0; i < 6; ++i)
-        if (pf[i]->p)
-          kvslim_decode::prefetch_span(
-              static_cast<const char*>(pf[i]->p) + (b * pf[i]->bs + h * pf[i]->hs + rn * pf[i]->ts) * pf_elem[i],
-              mn * pf[i]->ts * pf_elem[i]);
-    }
+    KVSLIM_PREFETCH_NEXT_PAGE(a, b, h, t0, m, t_end, pf, pf_elem, 6)  // the next listed page (decode_common.h)
     const float* mk = mask ? mask + t0 : nullptr;
     if (qd && a.kivi == 0) {
       load_params(a, a.k.scale, b, h, r0, m, sp.ks.data());

@@ -222,16 +222,7 @@ void run_task(const TArgs& a, int64_t b, int64_t h, int64_t s, int64_t S, float*
   for (int64_t t0 = task.begin; t0 < task.end;) {
     int64_t m = std::min(T, task.end - t0);
     const int64_t r0 = kvslim_decode::paged_block(a.paged, a.Hk, b, h, t0, m);
-    if (a.paged.pages && t0 + m < task.end) {  // the next listed page, fetched during this one
-      const int64_t tn = t0 + m, mn = std::min(a.paged.page - tn % a.paged.page, task.end - tn);
-      const int64_t rn =
-          a.paged.pages[(b * a.Hk + h) * a.paged.npages + tn / a.paged.page] * a.paged.page + tn % a.paged.page;
-      for (int i = 0; i < 5; ++i)
-        if (pf[i]->p)
-          kvslim_decode::prefetch_span(
-              static_cast<const char*>(pf[i]->p) + (b * pf[i]->bs + h * pf[i]->hs + rn * pf[i]->ts) * pf_elem[i],
-              mn * pf[i]->ts * pf_elem[i]);
-    }
+    KVSLIM_PREFETCH_NEXT_PAGE(a, b, h, t0, m, task.end, pf, pf_elem, 5)  // the next listed page (decode_common.h)
     load_rows(a.ks, a.sdt, b, h, r0, m, kp, sp.ks.data());
     code_scores<OB, KB>(a, b, h, r0, m, q, sp.ks.data(), ab, mask ? mask + t0 : nullptr, sp.sc.data(), T);
     if (block_softmax(sp.sc.data(), T, G, D, m, mo, lo, acc)) {
