@@ -45,25 +45,31 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "window 1024": ("window", {"window": 1024}),
     # sparse decode (issue 43, docs/sparse.md): the answer's single-token steps read the chosen pages only; the
     # question (a multi-token call) reads everything. Cells are keyed by these labels: resumable like the others.
-    "sparse int4 auto": ("int4", {"sparse_budget": "auto"}),  # max(2,048, an eighth of the context)
-    "sparse int4 2048": ("int4", {"sparse_budget": 2048}),
-    "sparse int4 1024": ("int4", {"sparse_budget": 1024}),
-    "sparse int4 4096": ("int4", {"sparse_budget": 4096}),
-    "sparse int4 auto p64": ("int4", {"sparse_budget": "auto", "sparse_page": 64}),  # larger pages: fewer, longer
-    "sparse int4 auto p128": ("int4", {"sparse_budget": "auto", "sparse_page": 128}),  # reads (docs/sparse.md)
-    "sparse int4 auto dl0": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 0}),  # every layer sparse
-    "sparse dense 2048": ("dense", {"sparse_budget": 2048}),
-    "sparse int2 2048": ("int2", {"sparse_budget": 2048}),
-    "sparse int2 1024": ("int2", {"sparse_budget": 1024}),
-    "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048}),
-    "sparse turbo3 1024": ("turbo3", {"sparse_budget": 1024}),
+    # The rows without "dl0" ran with two layers read in full (the default until 2026-11-29, now 0), pinned here.
+    "sparse int4 auto": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 2}),  # max(2,048, T/8)
+    "sparse int4 2048": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
+    "sparse int4 1024": ("int4", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
+    "sparse int4 4096": ("int4", {"sparse_budget": 4096, "sparse_dense_layers": 2}),
+    # larger pages: fewer, longer reads (docs/sparse.md)
+    "sparse int4 auto p64": ("int4", {"sparse_budget": "auto", "sparse_page": 64, "sparse_dense_layers": 2}),
+    "sparse int4 auto p128": ("int4", {"sparse_budget": "auto", "sparse_page": 128, "sparse_dense_layers": 2}),
+    "sparse int4 auto dl0": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 0}),  # every layer sparse:
+    # the library's default since 2026-11-29
+    "sparse dense 2048": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
+    "sparse dense 2048 dl0": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 0}),
+    "sparse turbo3 2048 dl0": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 0}),
+    "sparse int2 2048": ("int2", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
+    "sparse int2 1024": ("int2", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
+    "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
+    "sparse turbo3 1024": ("turbo3", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
 }
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)
 TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "quanto 4-bit", "quanto 2-bit",
                "window 1024", "sparse dense 2048", "sparse int4 auto", "sparse int4 auto p64", "sparse int4 auto p128",
                "sparse int4 auto dl0", "sparse int4 4096", "sparse int4 2048", "sparse int4 1024",
-               "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024"]
+               "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024",
+               "sparse dense 2048 dl0", "sparse turbo3 2048 dl0"]
 #: the label suffix of the rows whose question is fed one token per call (--question-by-token)
 BY_TOKEN = " (question by token)"
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),

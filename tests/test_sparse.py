@@ -199,7 +199,7 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
     kvslim.apply(model, method)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
-    kvslim.apply(model, method, sparse_budget=256)
+    kvslim.apply(model, method, sparse_budget=256, sparse_dense_layers=2)  # one layer sparse: calls counted below
     calls = []
     original, masked = attn.select_pages, attn._masked
     attn.select_pages = lambda h, *a, **kw: calls.append(h.pages) or original(h, *a, **kw)
@@ -276,7 +276,10 @@ def test_page_must_hold_whole_key_groups():
     with pytest.raises(ValueError, match="sparse_page=16 must be a multiple of the key groups' 32"):
         METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=16)
     plan = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=32)
-    assert plan.layers[2].sparse.pages == (2048 - 128) // 32 and plan.layers[1].sparse is None
+    assert plan.layers[2].sparse.pages == (2048 - 128) // 32
+    assert all(layer.sparse is not None for layer in plan.layers)  # sparse_dense_layers=0 by default: every layer
+    two = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_dense_layers=2)
+    assert [layer.sparse is None for layer in two.layers] == [True, True, False]
     # what a step reads: everything within the budget, ~budget rows + the statistics past it (kvslim plan prints it)
     assert plan.step_read_bytes(1024) == plan.cache_bytes(1024)
     full = METHODS["int4"].plan(shape, torch.float32)

@@ -45,7 +45,7 @@ SHAPES = {
                      num_attention_heads=4, num_key_value_heads=4),
     "tiny-gqa": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2),
-    # the sparse stage's --quick point: layers past the two that sparse decode reads in full by default
+    # the sparse stage's --quick point: four layers, every one sparse (sparse_dense_layers=0, the default)
     "tiny-gqa-4l": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2),
 }

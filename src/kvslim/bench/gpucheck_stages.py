@@ -241,7 +241,7 @@ def stage_variants(ctx) -> dict:
 # -- stage 6 -------------------------------------------------------------------------------------------------------
 def stage_sparse(ctx) -> dict:
     """Sparse decode on the GPU (docs/sparse.md): HF static, full int4 and int4 with ``sparse_budget=2048``, eager,
-    at Llama-3-8B 32k x 4 and 128k x 1 (``--quick``: a 4-layer tiny GQA at 4k x 1, past the budget, layers 2-3
+    at Llama-3-8B 32k x 4 and 128k x 1 (``--quick``: a 4-layer tiny GQA at 4k x 1, past the budget, every layer
     sparse): step time and bytes."""
     points = (("tiny-gqa-4l", 4096, 1),) if ctx.quick else (("llama3-8b", 32768, 4), ("llama3-8b", 131072, 1))
     return _bench(ctx, points=points, compile_mode=None, capacity=False,
