@@ -128,3 +128,26 @@ def test_padded_rows_choose_among_their_visible_pages(dtype):
     with pytest.raises(ValueError, match="fewer than k"):
         torch.ops.kvslim.sparse_select(q, boxes, pages, k, 0.2, False, rest, torch.tensor([0, 0, 0, 115]), force,
                                        scales)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 17, 64, 299, 300])
+@pytest.mark.parametrize("force_first", [True, False])
+def test_ties_go_to_the_lower_page(k, force_first):
+    """Exact ties (identical boxes) cut by k: the op (a radix select on the scores' bits) takes every page above the
+    k-th score and the lowest pages at it, in ascending order; a float64 ranking by (score, page) says which."""
+    if not ss.available():
+        pytest.skip("C++ op not built")
+    b, h, g, d, pages = 2, 3, 4, 32, 300
+    gen = torch.Generator().manual_seed(k)
+    q = torch.rand(b, h, g, d, generator=gen) + 0.1  # positive: a larger centre is a larger bound in every head
+    level = torch.zeros(pages)
+    level[[7, 150, 299, 31]] = torch.tensor([1.0, 2.0, 3.0, 4.0])  # strictly better pages
+    level[[0, 2, 64, 200]] = -1.0  # strictly worse ones
+    boxes = torch.zeros(b, h, pages + 2, 2 * d)
+    boxes[:, :, :pages, :d] = level[:, None]
+    got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, d ** -0.5, force_first, 0)
+    lvl = level.tolist()
+    if force_first:
+        lvl[0] = float("inf")
+    want = sorted(sorted(range(pages), key=lambda p: (-lvl[p], p))[:k])
+    assert got.tolist() == [[want] * h] * b

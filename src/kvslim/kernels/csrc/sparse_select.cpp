@@ -16,7 +16,7 @@
 //
 // written into out[b, h, :k + rest] (int64). Ties go to the lower page (as the twin's stable ordering: the twin
 // is kvslim.attention.sparse.page_scores + topk, tested against this op). One parallel region over B·H; nothing
-// allocated per page but a G·P fp32 scratch per task.
+// allocated per page but a G·P fp32 scratch and the top-k's keys per task.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -141,6 +142,61 @@ void bounds_scalar(const float* q, const float* qa, const Box& bx, int64_t G, in
   }
 }
 
+// order-preserving unsigned key of a score (a larger score, a larger key; −0 and +0 one key, as they compare
+// equal); NaN below every number
+inline uint32_t order_key(float f) {
+  if (f != f) return 0;
+  if (f == 0.f) f = 0.f;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// the kk best of score[0, n) (the larger first, ties to the lower page) into idx, ascending: a radix select on the
+// scores' order-preserving bits (digits of 11, 11 and 10 bits, each pass over the candidates the last one left:
+// after the first, the few pages in the bucket that holds the kk-th), which fixes the kk-th best key T and how many
+// pages equal to it are taken; then one pass in page order takes every page above T and the lowest pages at T.
+// Branch-light where a heap of the best so far mispredicted its insertions: 60 % of the op at k = 64, 74 % at
+// k = 128 (one mha-100m layer at 32k × 8: 0.72 / 1.10 ms against 0.29 ms at k = 1).
+void top_pages(const float* score, int64_t n, int64_t kk, int64_t* idx) {
+  if (kk <= 0) return;
+  if (kk >= n) {
+    for (int64_t p = 0; p < n; ++p) idx[p] = p;
+    return;
+  }
+  std::vector<uint32_t> key(static_cast<size_t>(n));
+  std::vector<int32_t> cand(static_cast<size_t>(n));
+  constexpr int kShift[3] = {21, 10, 0}, kBits[3] = {11, 11, 10};
+  int32_t hist[1 << 11];
+  uint32_t t = 0;  // the kk-th best key, built digit by digit
+  int64_t need = kk, nc = 0;  // the best still to take among the nc candidates (keys matching t so far)
+  for (int l = 0; l < 3; ++l) {
+    const int sh = kShift[l];
+    const uint32_t dm = (1u << kBits[l]) - 1;
+    std::fill(hist, hist + dm + 1, 0);
+    if (l == 0) {  // every page: its key, and the histogram of the top digit
+      for (int64_t p = 0; p < n; ++p) ++hist[(key[p] = order_key(score[p])) >> sh];
+    } else {
+      for (int64_t i = 0; i < nc; ++i) ++hist[(key[cand[i]] >> sh) & dm];
+    }
+    uint32_t d = dm;
+    for (; d > 0 && hist[d] < need; --d) need -= hist[d];  // whole buckets above the kk-th: all taken
+    t |= d << sh;
+    int64_t m = 0;
+    if (l == 0) {
+      for (int64_t p = 0; p < n; ++p)
+        if ((key[p] >> sh) == d) cand[m++] = static_cast<int32_t>(p);
+    } else {
+      for (int64_t i = 0; i < nc; ++i)
+        if (((key[cand[i]] >> sh) & dm) == d) cand[m++] = cand[i];
+    }
+    nc = m;
+  }
+  int64_t o = 0;
+  for (int64_t p = 0; p < n; ++p)
+    if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
+}
+
 void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, float scaling, int64_t k,
                  bool force_first, int64_t rest, int64_t* out, int64_t p0 = 0) {
   // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written
@@ -186,29 +242,9 @@ void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, 
     }
   }
   if (force_first && n_pages > 0) score[0] = std::numeric_limits<float>::infinity();
-  // the kk best in one pass: a heap of the best so far, its worst on top; a later page enters only when strictly
-  // better (ties go to the lower page). Most pages are rejected by one well-predicted compare (a partition with
-  // nth_element mispredicted about every other page: 40 % of the op's time at 1,020 pages)
   const int64_t kk = std::min(k, n_pages);
-  using Entry = std::pair<float, int64_t>;
-  auto worst_on_top = [](const Entry& a, const Entry& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  std::vector<Entry> heap;
-  heap.reserve(static_cast<size_t>(kk));
-  for (int64_t p = 0; p < n_pages; ++p) {
-    if (static_cast<int64_t>(heap.size()) < kk) {
-      heap.emplace_back(score[p], p);
-      std::push_heap(heap.begin(), heap.end(), worst_on_top);
-    } else if (score[p] > heap.front().first) {
-      std::pop_heap(heap.begin(), heap.end(), worst_on_top);
-      heap.back() = Entry(score[p], p);
-      std::push_heap(heap.begin(), heap.end(), worst_on_top);
-    }
-  }
   std::vector<int64_t> idx(static_cast<size_t>(kk));
-  for (int64_t i = 0; i < kk; ++i) idx[i] = heap[i].second;
-  std::sort(idx.begin(), idx.end());
+  top_pages(score.data(), n_pages, kk, idx.data());
   for (int64_t i = 0; i < kk; ++i) out[i] = idx[i] + p0;
   for (int64_t i = 0; i < rest; ++i) out[kk + i] = all_pages + i;
 }
