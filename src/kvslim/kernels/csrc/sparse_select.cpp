@@ -243,9 +243,8 @@ void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, 
   }
   if (force_first && n_pages > 0) score[0] = std::numeric_limits<float>::infinity();
   const int64_t kk = std::min(k, n_pages);
-  std::vector<int64_t> idx(static_cast<size_t>(kk));
-  top_pages(score.data(), n_pages, kk, idx.data());
-  for (int64_t i = 0; i < kk; ++i) out[i] = idx[i] + p0;
+  top_pages(score.data(), n_pages, kk, out);
+  for (int64_t i = 0; i < kk; ++i) out[i] += p0;
   for (int64_t i = 0; i < rest; ++i) out[kk + i] = all_pages + i;
 }
 
