@@ -211,7 +211,35 @@ def test_bench_option_reaches_the_kinds_of_its_method():
     assert opts[0]["cache_bytes"] > plain[0]["cache_bytes"] and opts[1]["cache_bytes"] == plain[1]["cache_bytes"]
 
 
+def test_bench_padded_steps_mask_each_rows_padding():
+    """``kvslim bench --padded``: every timed step gets row r's first r·C/(2B) tokens masked and positions counted
+    from its first real token; the records list the pads."""
+    from conftest import tiny_model
+
+    from kvslim.bench import decode
+
+    assert decode.left_pads(4, 64) == [0, 8, 16, 24]
+    model = tiny_model("llama")
+    seen = []
+    forward = model.forward
+
+    def spy(*a, **kw):
+        seen.append((kw.get("attention_mask"), kw["position_ids"]))
+        return forward(*a, **kw)
+
+    model.forward = spy
+    recs = decode.measure_group(model, "tiny", ["kvslim-int4", "hf-dynamic"], 4, 64, 2, 1, 10.0, padded=True)
+    assert [r["padded"] for r in recs] == [[0, 8, 16, 24]] * 2
+    assert len(seen) == 2 * 3  # two kinds, a warm-up step and two timed steps each
+    for i, (mask, pos) in enumerate(seen[:3]):
+        assert mask.shape == (4, 64 + i + 1) and mask.sum(1).tolist() == [64 + i + 1 - p for p in (0, 8, 16, 24)]
+        assert (mask[:, -1] == 1).all() and pos[:, 0].tolist() == [64 + i - p for p in (0, 8, 16, 24)]
+    plain = decode.measure_group(model, "tiny", ["kvslim-int4"], 4, 64, 1, 1, 10.0)
+    assert "padded" not in plain[0] and seen[-1][0] is None
+
+
 @pytest.mark.parametrize("flags, expected", [
+    (["--quick", "--padded"], "--padded: the GPU table"),
     (["--methods", "hf-dynamic,kvslim-int4", "--option", "int8.group_size=8"],
      "method 'int8' is not in the methods of --methods ['int4']"),
     (["--methods", "kvslim-turbo3-rc", "--option", "turbo3.residual=500"], "--option turbo3: residual=500:"),

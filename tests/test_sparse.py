@@ -338,7 +338,8 @@ def _filled_key_value_stores(spec, b: int, h: int, d: int, g: torch.Generator):
 @pytest.mark.parametrize("backend", ["cpp", "torch", "triton"])
 def test_quant_decode_page_list(kind, backend, monkeypatch):
     """``kvslim::quant_decode`` with a page list (rows read in place) equals the op over the same rows gathered
-    (C++: every score/value path; the twin and the Triton kernels under the interpreter read the gathered rows)."""
+    (C++: every score/value path; the Triton kernels under the interpreter read the rows in place too, the twin a
+    gathered copy)."""
     from kvslim.caches.spec import StoreSpec
     from kvslim.kernels import quant_decode as qd
 
@@ -400,7 +401,7 @@ def test_quant_decode_lowbit_page_list(kivi, backend, monkeypatch):
 def test_turbo_decode_page_list(outliers, bias, backend, monkeypatch):
     """``kvslim::turbo_decode`` with a page list (codes, scales and the RoPE-centred bias rows read in place by stored
     row) equals the op over the same rows gathered, with a tail and a mask (issue 48 item 2: turbo3 stops falling
-    back to the twin). The twin and the Triton kernel read a gathered copy."""
+    back to the twin). The Triton kernel reads them in place too; the twin a gathered copy."""
     from kvslim.kernels import turbo_decode as td
 
     if backend == "cpp" and not td.available():

@@ -128,6 +128,48 @@ def test_kivi_keys_match_the_store_reads(bits, asym, sdt, d, kcg, g):
     _check(args, _oracle(q, keys, values, n, lengths, None, None, None, 0.1), (2,), f"KIVI int{bits}")
 
 
+@pytest.mark.parametrize("bits,asym,kcg,page", [(4, True, 32, 32), (8, False, 16, 64), (4, False, 0, 16)])
+def test_page_list_reads_rows_in_place(bits, asym, kcg, page):
+    """Sparse decode's page list: the kernel reads logical slot t at stored row pages[b, h, t // page]·page +
+    t % page (pages in any order, per head, a last page cut by n) and equals the twin over the gathered rows
+    (:func:`kernel.paged_rows`), the dispatch passing the list through, and a float64 oracle."""
+    gen = torch.Generator().manual_seed(bits + page)
+    b, h, g, d, stored = 2, 3, 4, 64, 8 * page
+    x = torch.randn(b, h, stored, d, generator=gen) * 2
+    if kcg:  # KIVI keys: per channel over token groups (the store's layout)
+        spec = StoreSpec(bits, 32, torch.float16, asymmetric=asym, channel_group=kcg, residual=kcg, flush=kcg)
+        ks = ChannelQuantizedStore(spec, b, h, stored, d, F32, torch.device("cpu"))
+        ks.write(0, x)
+        kc, ksc, kz, keys = ks.data, ks.scale, ks.zero, ks.read(0, stored)
+    else:
+        kc, ksc, kz = _codes(b, h, stored, d, bits, 32, asym, torch.float16, gen)
+        keys = kernel.dequantize_codes(kc, ksc, kz, bits, 32)
+    vc, vs, vz = _codes(b, h, stored, d, bits, 32, asym, torch.float16, gen)
+    values = kernel.dequantize_codes(vc, vs, vz, bits, 32)
+    pages = torch.stack([torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(h)]) for _ in range(b)])
+    n = 3 * page + page // 2  # the fourth page cut
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 3, d, generator=gen)
+    rows = (pages[..., None] * page + torch.arange(page)).reshape(b, h, -1)
+    pick = lambda t: t.gather(2, rows[..., None].expand(b, h, rows.shape[-1], t.shape[-1]))  # noqa: E731
+    oracle = _oracle(q, pick(keys), pick(values), n, None, kt, vt, None, d ** -0.5)
+    gathered = [None if t is None else kernel.paged_rows(t, pages, page) for t in (kc, ksc, kz, vc, vs, vz)]
+    ref, ref_lse = kernel.reference(q, *gathered, bits, 32, kcg, n, None, kt, vt, None, d ** -0.5, scores="exact",
+                                    values="exact")
+    assert_close(ref, oracle[0], F32, "twin over the gathered rows vs float64")
+    args = _dev(q, kc, ksc, kz, vc, vs, vz, bits, 32, kcg, n, None, kt, vt, None, d ** -0.5)
+    for splits in (1, 3):
+        out, lse = (t.cpu() for t in tq.launch(*args, splits=splits, pages=pages.to(DEVICE), page=page))
+        assert_close(out, ref, F32, f"paged kernel vs twin (splits={splits})")
+        assert_close(lse, ref_lse, F32, f"paged kernel lse (splits={splits})")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSLIM_BACKEND", "triton")
+        out, _ = kernel.quant_decode(*args, pages=pages.to(DEVICE), page=page)
+    assert_close(out.cpu(), ref, F32, "dispatch with a page list")
+    with pytest.raises(ValueError, match="pages must be"):
+        tq.launch(*args, pages=pages[:, :, :2].to(DEVICE), page=page)
+
+
 @pytest.mark.parametrize("bits,d,g", [(4, 64, 4), (8, 128, 1)])
 def test_rotated_values_with_a_tail(bits, d, g):
     """Value codes hold v·R: the merged coded sum is taken back by v_unrot = Rᵀ, the tail is added in its own
@@ -176,7 +218,7 @@ def test_dispatch_takes_the_kernel_and_refuses_bad_input(monkeypatch):
     monkeypatch.setenv("KVSLIM_BACKEND", "triton")
     calls = []
     launch = tq.launch
-    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(tq, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     gen = torch.Generator().manual_seed(9)
     kc, ks, kz = _dev(*_codes(1, 2, 40, 64, 4, 32, True, F32, gen))
     q = torch.randn(1, 2, 3, 64, generator=gen).to(DEVICE)
@@ -243,7 +285,7 @@ def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
     ids, mask = _dev(ids, mask)
     calls, taken = [], []
     launch, decode = tq.launch, sdpa.quant.decode
-    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(tq, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     monkeypatch.setattr(sdpa.quant, "decode", lambda *a: taken.append(decode(*a)) or taken[-1])
     kvslim.apply(model, method, **opts)
     try:
@@ -264,6 +306,47 @@ def test_generate_matches_the_twin(method, opts, monkeypatch, one_thread):
         assert_close(a, b, F32, f"{method} {opts}: logits")
 
 
+@pytest.mark.parametrize("method,opts", [("int4", dict(residual=32, sink=4)), ("int2", dict(residual=64, sink=4)),
+                                         ("turbo3", dict(residual=28, sink=4))])
+def test_sparse_generate_reads_pages_in_place(method, opts, monkeypatch, one_thread):
+    """Sparse decode through the Triton kernels (issue 48 item 3): every sparse step hands the kernel the page list
+    (the codes read in place, nothing gathered) and the greedy tokens and logits equal the twin's
+    (KVSLIM_BACKEND=torch, gathered rows)."""
+    from kvslim.kernels import quant_decode_lowbit as ql
+    from kvslim.kernels import turbo_decode as td
+
+    monkeypatch.setenv("KVSLIM_QUANT_SCORES", "exact")
+    monkeypatch.setenv("KVSLIM_QUANT_VALUES", "exact")
+    model = tiny_model("llama", kv_heads=1, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                       attn_implementation="sdpa").to(DEVICE)
+    ids = _dev(torch.randint(1, 128, (1, 400), generator=torch.Generator().manual_seed(1)))[0]
+    paged = []
+    spies = {"int4": (tq, "launch"), "int2": (ql._triton(), "launch")}
+    if method in spies:
+        mod, name = spies[method]
+        inner = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **kw: paged.append(kw.get("pages") is not None) or inner(*a, **kw))
+    else:
+        from kvslim.kernels.triton import turbo_decode as tt
+
+        inner = tt.launch
+        monkeypatch.setattr(tt, "launch", lambda *a: paged.append(a[-2] is not None) or inner(*a))
+    kvslim.apply(model, method, sparse_budget=160 if method == "int2" else 128, **opts)
+    try:
+        runs = {}
+        for name in ("torch", "triton"):
+            monkeypatch.setenv("KVSLIM_BACKEND", name)
+            with torch.no_grad():
+                runs[name] = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                            return_dict_in_generate=True)
+    finally:
+        kvslim.restore(model)
+    assert paged.count(True) == 3 * 2, f"sparse steps through a page list: {paged}"
+    assert td is not None and torch.equal(runs["triton"].sequences, runs["torch"].sequences)
+    for a, b in zip(runs["triton"].logits, runs["torch"].logits):
+        assert_close(a, b, F32, f"sparse {method}: logits")
+
+
 AOT = r'''
 from kvslim.kernels.triton import quant_decode as tq
 
@@ -272,14 +355,17 @@ for d, bits, asym, gs, kcg, sdt, tail in ((128, 8, False, 64, 0, "fp32", False),
                                            (80, 4, True, 16, 0, "bf16", True)):
     codes = "*u8" if asym or bits == 4 else "*i8"
     types = dict(Q="*fp32", KC=codes, VC=codes, KS="*" + sdt, KZ="*" + sdt, VS="*" + sdt, VZ="*" + sdt, KT="*fp32",
-                 VT="*fp32", MASK="*fp32", LENGTHS="*i64", PO="*fp32", PL="*fp32", scaling="fp32")
+                 VT="*fp32", MASK="*fp32", LENGTHS="*i64", PO="*fp32", PL="*fp32", PAGES="*i64", scaling="fp32",
+                 sp_b="i64", sp_h="i64")
     block_d = max(16, triton.next_power_of_2(d))
     block_n, warps = tq.tile_config(block_d)
     const = dict(D=d, BITS=bits, ASYM=asym, GROUP=gs, KCG=kcg, KW=d // kcg if kcg else 1, VGROUP=gs, HAS_LEN=True,
-                 HAS_MASK=True, TAIL=tail, NHB=1, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d)
+                 HAS_MASK=True, TAIL=tail, NHB=1, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=0)
     # the shipped "ieee"; the other operand precisions of gpu_check's variant sweep (merge.DOT_CHOICES) on one config
     for dot in tq.DOT_CHOICES if kcg else ("ieee",):
         build(tq._quant_stage1, types, {**const, "DOT": dot}, warps)
+    # a sparse step's page list (read in place), without the tail program
+    build(tq._quant_stage1, types, {**const, "DOT": "ieee", "TAIL": False, "PAGE": 32}, warps)
     for unrot in (False, True):
         build(tq._quant_stage2, dict(PO="*fp32", PL="*fp32", M="*fp32", OUT="*fp32", LSE="*fp32"),
               dict(D=d, HAS_TAIL=tail, UNROT=unrot, NHB=1, BLOCK_H=16, BLOCK_D=block_d, BLOCK_K=min(64, block_d)),

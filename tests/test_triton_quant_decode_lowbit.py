@@ -128,7 +128,7 @@ def test_dispatch_follows_the_backend(monkeypatch):
     query that requires grad) runs the twin with one warning; a CPU query with a CUDA-less mix is refused."""
     calls = []
     launch = tq.launch
-    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(a[0].shape) or launch(*a))
+    monkeypatch.setattr(tq, "launch", lambda *a, **kw: calls.append(a[0].shape) or launch(*a, **kw))
     gen = torch.Generator().manual_seed(2)
     codes = _to(_random_format(2, 2, 40, 64, 3, 2, 64, 64, torch.float16, gen))
     q = torch.randn(2, 2, 3, 64, generator=gen).to(DEVICE)
@@ -175,7 +175,7 @@ def test_torch_compile_fullgraph_traces_the_op(monkeypatch):
     assert_close(got[1], want[1], F32, "compiled lse")
     calls = []
     launch = tq.launch
-    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(tq, "launch", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     monkeypatch.setenv(backend.ENV, "triton")
     torch._dynamo.reset()
     got = torch.compile(dispatched, backend="aot_eager", fullgraph=True)(q, *codes)
@@ -199,7 +199,7 @@ def test_int2_llama_triton_backend_equals_the_twin(monkeypatch):
     mask[1, :9] = 0
     calls = []
     launch = tq.launch
-    monkeypatch.setattr(tq, "launch", lambda *a: calls.append(a[11]) or launch(*a))
+    monkeypatch.setattr(tq, "launch", lambda *a, **kw: calls.append(a[11]) or launch(*a, **kw))
     kvslim.apply(model, "int2", residual=32, key_channel_group=32, group_size=32)
     try:
         runs = []
@@ -219,16 +219,48 @@ def test_int2_llama_triton_backend_equals_the_twin(monkeypatch):
         assert_close(a, b, F32, "decode logits triton vs torch")
 
 
+@pytest.mark.parametrize("kb,vb,kivi,page", [(3, 2, 64, 64), (2, 2, 32, 64), (3, 3, 0, 16)])
+def test_page_list_reads_rows_in_place(kb, vb, kivi, page):
+    """Sparse decode's page list: slot t read at stored row pages[b, h, t // page]·page + t % page (pages in any
+    order, per head, the last page cut by n, blocks cut to the page): the kernel equals the twin over the gathered
+    rows, and the dispatch passes the list through."""
+    gen = torch.Generator().manual_seed(kb + vb + kivi + page)
+    b, h, g, d, gs = 2, 3, 4, 64, 32
+    stored = 8 * page
+    codes = _random_format(b, h, stored, d, kb, vb, gs, kivi, torch.float16, gen)
+    pages = torch.stack([torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(h)]) for _ in range(b)])
+    n = 3 * page + page // 2
+    q = torch.randn(b, h, g, d, generator=gen)
+    kt, vt = torch.randn(b, h, 3, d, generator=gen), torch.randn(b, h, 3, d, generator=gen)
+    from kvslim.kernels.quant_decode import paged_rows
+
+    gathered = [paged_rows(t, pages, page) for t in codes]
+    ref, ref_lse = kernel.reference(q, *gathered, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5)
+    args = _to((q, *codes, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5))
+    for splits in (1, 3):
+        out, lse = tq.launch(*args, splits, pages=pages.to(DEVICE), page=page)
+        assert_close(out.cpu(), ref, F32, f"paged kernel (splits={splits}) vs twin")
+        assert_close(lse.cpu(), ref_lse, F32, f"paged kernel lse (splits={splits})")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSLIM_BACKEND", "triton")
+        out, _ = kernel.quant_decode_lowbit(*args, pages=pages.to(DEVICE), page=page)
+    assert_close(out.cpu(), ref, F32, "dispatch with a page list")
+    with pytest.raises(ValueError, match="pages must be"):
+        tq.launch(*args, pages=pages[:, :, :2].to(DEVICE), page=page)
+
+
 AOT = r'''
 from kvslim.kernels.triton import quant_decode_lowbit as tq
 
 for d, gs, kivi, sdt in ((64, 64, 64, "fp16"), (80, 80, 8, "bf16")):  # one KIVI row per block / gathers
     types = dict(Q="*fp32", KC="*u8", VC="*u8", LENGTHS="*i64", KT="*fp32", VT="*fp32", MASK="*fp32", PO="*fp32",
-                 PL="*fp32", KS="*" + sdt, KZ="*" + sdt, VS="*" + sdt, VZ="*" + sdt, scaling="fp32")
+                 PL="*fp32", KS="*" + sdt, KZ="*" + sdt, VS="*" + sdt, VZ="*" + sdt, scaling="fp32", PAGES="*i64")
     d_pad = triton.next_power_of_2(d)
     for dot in tq.DOT_CHOICES if d == 64 else ("ieee",):  # gpu_check's operand precisions (merge.DOT_CHOICES)
-        build(tq._lowbit_stage1, types, dict(D=d, D_PAD=d_pad, G_PAD=16, BLOCK_N=tq.block_size(d, kivi), KB=3, VB=2,
-              GS=gs, GS_POW2=gs & (gs - 1) == 0, KIVI=kivi, HAS_LENGTHS=True, HAS_TAIL=True, HAS_MASK=True, DOT=dot), 8)
+        const = dict(D=d, D_PAD=d_pad, G_PAD=16, BLOCK_N=tq.block_size(d, kivi), KB=3, VB=2, GS=gs,
+                     GS_POW2=gs & (gs - 1) == 0, KIVI=kivi, HAS_LENGTHS=True, HAS_TAIL=True, HAS_MASK=True, DOT=dot)
+        build(tq._lowbit_stage1, types, {**const, "PAGE": 0}, 8)
+    build(tq._lowbit_stage1, types, {**const, "DOT": "ieee", "PAGE": 64}, 8)  # a sparse step's page list
 '''
 
 

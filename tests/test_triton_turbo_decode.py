@@ -103,13 +103,53 @@ def test_dispatch_by_backend(monkeypatch):
                  torch.zeros(19, 8))
 
 
+@pytest.mark.parametrize("spec,page", [
+    (StoreSpec(3, codec="turbo", rotation="orthogonal", outliers=16, scale_dtype=torch.float16), 32),
+    (StoreSpec(2, codec="turbo", rotation="hadamard", value_bits=2), 16),
+])
+def test_page_list_reads_rows_in_place(spec, page):
+    """Sparse decode's page list: slot t (and its RoPE-centred bias row) read at stored row pages[b, h, t // page]·
+    page + t % page, pages in any order and per head, the last cut by n: the kernel equals the twin over the
+    gathered rows (the bias rows gathered per sequence and head), and the dispatch passes the list through."""
+    ks, vs, keys, values = _format(spec, n=8 * page)
+    b, hk, stored, d = keys.shape
+    g = torch.Generator().manual_seed(page)
+    pages = torch.stack([torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(hk)]) for _ in range(b)])
+    n = 3 * page + page // 2
+    q = torch.randn(b, hk, 3, d, generator=g)
+    kt, vt = torch.randn(b, hk, 5, d, generator=g), torch.randn(b, hk, 5, d, generator=g)
+    bias = (2 * torch.randn(b, hk, 3, 24, generator=g), torch.randn(stored + 3, 24, generator=g))
+    bits = (spec.outliers, spec.bits, spec.for_values().bits)
+    codes = (ks.data, ks.scale, vs.data, vs.scale)
+    from kvslim.kernels.quant_decode import paged_rows
+
+    rows = (pages[..., None] * page + torch.arange(page)).reshape(b, hk, -1)
+    ref = kernel.reference(q, *(paged_rows(t, pages, page) for t in codes), *bits, n, kt, vt, None, 0.125, bias[0],
+                           bias[1][rows])
+    move = (lambda t: None if t is None else t.to(DEVICE))  # noqa: E731
+    got = tt.turbo_decode_triton(*(move(t) for t in (q, *codes)), *bits, kernel.levels(DEVICE), n, move(kt), move(vt),
+                                 None, 0.125, move(bias[0]), move(bias[1]), None, move(pages), page)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a.cpu(), r, rtol=1e-4, atol=1e-5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSLIM_BACKEND", "triton")
+        out, _ = kernel.turbo_decode(*(move(t) for t in (q, *codes)), *bits, n, move(kt), move(vt), None, 0.125,
+                                     move(bias[0]), move(bias[1]), pages=move(pages), page=page)
+    torch.testing.assert_close(out.cpu(), ref[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="pages must be"):
+        tt.check(q, *codes, *bits, n, kt, vt, None, pages=pages[:, :, :2], page=page)
+
+
 def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import turbo_decode as tt
 types = {name: "*fp32" for name in ("Q", "LEV", "KT", "VT", "MASK", "BAB", "BROWS", "OUT", "LSE")}
-types.update({name: "*u8" for name in ("KC", "VC")}, KS="*fp16", VS="*fp16", scaling="fp32", LENGTHS="*i64")
+types.update({name: "*u8" for name in ("KC", "VC")}, KS="*fp16", VS="*fp16", scaling="fp32", LENGTHS="*i64",
+             PAGES="*i64")
 for kout, kb in ((0, 3), (16, 3), (8, 2), (0, 4)):
     build(tt._turbo_decode, types, dict(D=64, D_PAD=64, G_PAD=16, BLOCK_N=32, KOUT=kout, KB=kb, VB=kb,
           KBYTES=(kout * (kb + 1) + (64 - kout) * kb) // 8, VBYTES=8 * kb, KPARTS=2 if kout else 1, HAS_TAIL=True,
-          HAS_MASK=True, HAS_BIAS=kout > 0, W_PAD=64, HAS_LEN=kout != 8), 4)
+          HAS_MASK=True, HAS_BIAS=kout > 0, W_PAD=64, HAS_LEN=kout != 8, PAGE=0), 4)
+build(tt._turbo_decode, types, dict(D=64, D_PAD=64, G_PAD=16, BLOCK_N=32, KOUT=16, KB=3, VB=3, KBYTES=26, VBYTES=24,
+      KPARTS=2, HAS_TAIL=True, HAS_MASK=False, HAS_BIAS=True, W_PAD=64, HAS_LEN=False, PAGE=32), 4)  # a page list
 ''')

@@ -308,27 +308,31 @@ def _picked(h: SparseKV, idx: torch.Tensor):
 
 
 def _in_place(f, page: int) -> bool:
-    """Whether a C++ op reads this layer's codes through a page list: CPU with the op built, int8/int4 codes of one
-    width (``quant_decode``), asymmetric 2/3-bit codes (``quant_decode_lowbit``) or turbo codes (``turbo_decode``,
-    RoPE-centred keys' bias rows by stored row), whole pages in the buffers."""
+    """Whether a kernel reads this layer's codes through a page list (nothing gathered): the C++ ops on CPU, the
+    Triton kernels on CUDA (or on CPU under ``KVSLIM_BACKEND=triton`` with ``TRITON_INTERPRET=1``), for int8/int4
+    codes of one width (``quant_decode``), asymmetric 2/3-bit codes (``quant_decode_lowbit``) or turbo codes
+    (``turbo_decode``, RoPE-centred keys' bias rows by stored row), whole pages in the buffers."""
     from ..caches.storage import QuantizedStore
+    from ..kernels import backend
     from ..kernels import quant_decode as qd
     from ..kernels import quant_decode_lowbit as ql
     from ..kernels import turbo_decode as td
 
     k, v = f.k, f.v
+    dev = k.data.device.type
     if isinstance(k, TurboStore) and isinstance(v, TurboStore):  # kvslim.turbo_decode reads pages in place too
-        return (k.data.device.type == "cpu" and k.data.shape[2] % page == 0 and v.data.shape[2] % page == 0
-                and k.dim % 8 == 0 and (k.spec.outliers or 0) % 8 == 0 and v.perm is None and v.channel is None
-                and td._cpp_available())
-    if not (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore) and k.data.device.type == "cpu"
+        if k.data.shape[2] % page or v.data.shape[2] % page or v.perm is not None or v.channel is not None:
+            return False
+        cpp = dev == "cpu" and k.dim % 8 == 0 and (k.spec.outliers or 0) % 8 == 0 and td._cpp_available()
+        return backend.pick(dev, cpp) in ("cpp", "triton")
+    if not (isinstance(k, QuantizedStore) and isinstance(v, QuantizedStore)
             and k.capacity % page == 0 and v.capacity % page == 0):
         return False
     kb, vb = k.spec.bits, v.spec.bits
     if kb == vb and kb in (4, 8):
-        return qd._backend("cpu") == "cpp"
+        return qd._backend(dev) in ("cpp", "triton")
     return (kb in ql.BITS and vb in ql.BITS and k.zero is not None and v.zero is not None
-            and ql._backend("cpu") == "cpp")
+            and ql._backend(dev) in ("cpp", "triton"))
 
 
 def _temporal(h: SparseKV, rows: torch.Tensor, total: int) -> torch.Tensor:

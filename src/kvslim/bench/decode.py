@@ -86,18 +86,32 @@ def weight_bytes(model) -> int:
     return total
 
 
+def left_pads(batch: int, context: int) -> list[int]:
+    """Padding tokens in front of each row of a left-padded batch (``kvslim bench --padded``): row r's first
+    r·context/(2·batch) tokens, from none to just under half the context, as a batch of prompts of unequal lengths
+    gets them."""
+    return [r * context // (2 * batch) for r in range(batch)]
+
+
 @torch.inference_mode()
-def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int = 1) -> list[float]:
-    """Seconds per decode step (``warmup`` steps dropped)."""
+def time_decode(model, cache, batch: int, context: int, steps: int, warmup: int = 1,
+                pads: list[int] | None = None) -> list[float]:
+    """Seconds per decode step (``warmup`` steps dropped). ``pads``: left padding per row (the first ``pads[r]``
+    tokens of row r masked; positions count from its first real token), an attention mask every step."""
     device = next(model.parameters()).device
     tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    pad = None if pads is None else torch.tensor(pads, dtype=torch.long, device=device)
     times = []
     for i in range(warmup + steps):
         pos = torch.full((batch, 1), context + i, dtype=torch.long, device=device)
+        kw = {}
+        if pad is not None:
+            pos = pos - pad[:, None]
+            kw["attention_mask"] = (torch.arange(context + i + 1, device=device)[None] >= pad[:, None]).long()
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(tok, position_ids=pos, use_cache=True, **{CACHE_KW: cache})
+        out = model(tok, position_ids=pos, use_cache=True, **{CACHE_KW: cache}, **kw)
         tok = out.logits[:, -1:].argmax(-1)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -112,14 +126,16 @@ def measure_point(model, model_name: str, kind: str, batch: int, context: int, s
 
 
 def measure_group(model, model_name: str, kinds: list[str], batch: int, context: int, steps: int, rounds: int,
-                  roofline_gbps: float, options: dict | None = None) -> list[dict]:
+                  roofline_gbps: float, options: dict | None = None, padded: bool = False) -> list[dict]:
     """One JSON record per kind: median over ``rounds`` × ``steps`` interleaved decode steps, cache bytes, bytes
     read per step, effective GB/s; a kvslim method that does not apply to ``model`` (:class:`NotApplicable`) gives
     a record with only a ``skipped`` reason; a bad option is a ``ValueError`` naming the kind, before any timing. ``model`` itself is left unapplied; each kind runs on its own copy. ``options``: {method:
-    {name: value}} over the kinds' own (``kvslim bench --option``; a record names the options it ran with)."""
+    {name: value}} over the kinds' own (``kvslim bench --option``; a record names the options it ran with).
+    ``padded``: a left-padded batch (:func:`left_pads`; the records list the pads)."""
     if steps <= 0 or rounds <= 0:
         raise ValueError(f"steps and rounds must be positive ints, got steps={steps}, rounds={rounds}")
     api.restore(model)
+    pads = left_pads(batch, context) if padded else None
     room = rounds * (steps + 1) + 1
     runs, skipped = {}, {}
     for kind in kinds:  # every copy and cache is built before any timing
@@ -136,7 +152,8 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
     for r in range(rounds):
         for kind in runs:
             run = runs[kind]
-            times = time_decode(run["model"], run["cache"], batch, run["pos"], steps, warmup=1 if r == 0 else 0)
+            times = time_decode(run["model"], run["cache"], batch, run["pos"], steps, warmup=1 if r == 0 else 0,
+                                pads=pads)
             run["pos"] += steps + (1 if r == 0 else 0)
             run["times"] += times
             run["rounds"].append(statistics.median(times))
@@ -154,6 +171,8 @@ def measure_group(model, model_name: str, kinds: list[str], batch: int, context:
                         "tokens_per_s": batch / step, "cache_bytes": run["bytes"], "cache_read_bytes": run["read"],
                         "bytes_per_step": bytes_per_step, "gbps": gbps, "roofline_gbps": roofline_gbps,
                         "roofline_fraction": gbps / roofline_gbps})
+        if pads is not None:
+            records[-1]["padded"] = pads
         method = KVSLIM_KINDS.get(kind, ("", {}))[0]
         if (options or {}).get(method):
             records[-1]["options"] = {**KVSLIM_KINDS[kind][1], **options[method]}

@@ -49,6 +49,9 @@ def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
                      f"{ratio(r, baseline)} | {ratio(r, 'hf-dynamic')} | {ratio(r, 'kvslim-dense')} | "
                      f"{human_bytes(r['cache_bytes'])} | {r['gbps']:.1f} | "
                      f"{100 * r['roofline_fraction']:.0f} |")
+    if any("padded" in r for r in records):
+        lines.append("\nLeft-padded batches: row r's first r·context/(2·batch) tokens are padding (an attention mask "
+                     "every step).")
     reasons = {(r["model"], r["method"]): r["skipped"] for r in skipped}
     lines += [f"\n{method} not run on {model}: {why}" for (model, method), why in reasons.items()]
     return "\n".join(lines)

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .method_options import add_per_layer_file
 
     add_per_layer_file(p, "the CPU table (each model of --models is checked against it)")
+    p.add_argument("--padded", action="store_true",
+                   help="left-padded batches (the CPU table): row r's first r·context/(2·batch) tokens are padding, "
+                        "an attention mask every step")
     p.add_argument("--steps", type=int, default=3, help="timed decode steps per method per round")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds (A B C A B C ...); the median over rounds × steps is reported")
@@ -97,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "per_layer_file", None):
             raise ValueError("--per-layer-file: the GPU table (--device cuda, --quick) runs its kinds as they are; "
                              "--per-layer-file sets the CPU table's methods")
+        if getattr(args, "padded", False):
+            raise ValueError("--padded: the GPU table (--device cuda, --quick) runs its shapes unpadded; --padded "
+                             "sets the CPU table's batches")
         if getattr(args, "option", None):
             raise ValueError("--option: the GPU table (--device cuda, --quick) runs its kinds as they are; --option "
                              "sets the CPU table's methods")
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             for batch in batches:
                 for context in contexts:
                     group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,
-                                          bandwidth["roofline_gbps"], model_options)
+                                          bandwidth["roofline_gbps"], model_options,
+                                          padded=getattr(args, "padded", False))
                     records += group
                     base = next((r for r in group if r["method"] == "kvslim-dense"), None)
                     for rec in group:

@@ -284,8 +284,8 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     does not take runs the twin.
 
     ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row
-    t stored at ``pages[b, h, t // page]·page + t % page``; the C++ op reads them in place; the Triton kernels and the
-    twin read :func:`paged_rows` (a gathered copy: same values, same math).
+    t stored at ``pages[b, h, t // page]·page + t % page``; the C++ op and the Triton kernels read them in place, the
+    twin reads :func:`paged_rows` (a gathered copy: same values, same math).
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs);
@@ -308,11 +308,6 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     device = backend.same_device("quant_decode", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
                                  k_tail, v_tail, mask, v_unrot, pages)
     which = _backend(str(device.type))
-    if pages is not None and not (which == "cpp" and supported(q, k_codes, bits)):
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
-            None if t is None else paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
-                                                                        v_zero))
-        pages, page = None, 0
     if which == "triton":
         from .triton import quant_decode as tq  # imports Triton: only when a call takes this path
 
@@ -320,7 +315,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         if why is None:
             return tq.op()(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, int(bits), int(group_size),
                            int(key_channel_group), int(n), lengths, k_tail, v_tail, mask, float(scaling), int(splits),
-                           v_unrot)
+                           v_unrot, pages, int(page))
         backend.warn_fallback(FAMILY, f"the Triton kernel does not take {why}")
     elif which == "cpp" and supported(q, k_codes, bits):
         k_tail, v_tail, mask = (None if t is None else t.float() for t in (k_tail, v_tail, mask))
@@ -328,6 +323,10 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
                                              k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8",
                                              vmode == "int8", v_unrot, pages, int(page))
+    if pages is not None:  # the twin reads the listed rows gathered (same values, same math)
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+            None if t is None else paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                                        v_zero))
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n,
                      lengths, k_tail, v_tail, mask, scaling, mode, vmode, v_unrot)
 

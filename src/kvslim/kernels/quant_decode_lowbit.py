@@ -153,7 +153,7 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs).
     ``pages`` / ``page``: a page list (sparse decode) as in :func:`kvslim.kernels.quant_decode.quant_decode`: the C++
-    op reads the rows in place, the Triton kernels and the twin a gathered copy.
+    op and the Triton kernels read the rows in place, the twin a gathered copy.
 
     Raises:
         ValueError: bad bits, a tail half given, no zero-points, tensors on several devices, or a backend forced by
@@ -168,12 +168,6 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
                                  v_tail, mask, pages)
     which = _backend(device.type)
-    if pages is not None and not (which == "cpp" and supported(q, k_codes, group_size)):
-        from .quant_decode import paged_rows
-
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
-            paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
-        pages, page = None, 0
     if which == "triton":
         tq = _triton()
         why = tq.covers(q)
@@ -182,7 +176,8 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
             return torch.ops.kvslim.quant_decode_lowbit_triton(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale,
                                                                v_zero, int(k_bits), int(v_bits), int(group_size),
                                                                int(key_channel_group), int(n), lengths, k_tail,
-                                                               v_tail, mask, float(scaling), int(splits))
+                                                               v_tail, mask, float(scaling), int(splits), pages,
+                                                               int(page))
         backend.warn_fallback(f"{FAMILY} (triton)", why)
     elif which == "cpp":
         if supported(q, k_codes, group_size):
@@ -193,5 +188,10 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                                                         mask, float(scaling), int(splits), pages, int(page))
         if backend.forced() == "cpp":
             backend.warn_fallback(f"{FAMILY} (cpp)", "head dim or group size not a multiple of 16, or autograd")
+    if pages is not None:  # the twin reads the listed rows gathered (same values, same math)
+        from .quant_decode import paged_rows
+
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+            paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
     return reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
                      key_channel_group, n, lengths, k_tail, v_tail, mask, scaling)

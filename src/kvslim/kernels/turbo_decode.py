@@ -143,8 +143,8 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU).
 
     ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row t
-    stored at ``pages[b, h, t // page]·page + t % page`` (its bias row too); the C++ op reads them in place, the
-    Triton kernel and the twin a gathered copy (with a bias: the twin, whose rows can differ per sequence and head).
+    stored at ``pages[b, h, t // page]·page + t % page`` (its bias row too); the C++ op and the Triton kernel read them
+    in place, the twin a gathered copy (with a bias: per-sequence-and-head rows, the table the twin takes).
 
     Raises:
         ValueError: ``lengths`` not an int64 (B,) tensor on ``q``'s device, or (eagerly) a value outside [0, n].
@@ -153,22 +153,22 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
               and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
-    if pages is not None and kind != "cpp":
+    if kind == "triton":
+        from .triton.turbo_decode import turbo_decode_triton
+
+        return turbo_decode_triton(q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits),
+                                   levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab, bias_rows,
+                                   lengths, pages, int(page))
+    if pages is not None and kind == "torch":  # the twin reads the listed rows gathered
         from .quant_decode import paged_rows
 
         k_codes, k_scale, v_codes, v_scale = (paged_rows(t, pages, page) for t in (k_codes, k_scale, v_codes, v_scale))
         if bias_rows is not None:  # per sequence and head now: the twin takes that table
             b, hk, _ = pages.shape
             rows = (pages[..., None] * page + torch.arange(page, device=pages.device)).reshape(b, hk, -1)
-            bias_rows, kind = bias_rows[rows], "torch"
-        pages, page = None, 0
+            bias_rows = bias_rows[rows]
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
         return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
                                              bias_ab, bias_rows, 0, lengths, pages, int(page))
-    if kind == "triton":
-        from .triton.turbo_decode import turbo_decode_triton
-
-        return turbo_decode_triton(*args, levels(q.device), int(n), k_tail, v_tail, mask, float(scaling), bias_ab,
-                                   bias_rows, lengths)
     return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows, lengths)

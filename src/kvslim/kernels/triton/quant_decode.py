@@ -67,8 +67,8 @@ def _dequant(C, S, Z, t, c, ok, sc_t, ss_t, BITS: tl.constexpr, ASYM: tl.constex
 
 @triton.jit
 def _quant_stage1(
-    Q, KC, KS, KZ, VC, VS, VZ, KT, VT, MASK, LENGTHS, PO, PL,
-    n, r, G, tokens_per_split, slots, scaling,
+    Q, KC, KS, KZ, VC, VS, VZ, KT, VT, MASK, LENGTHS, PO, PL, PAGES,
+    n, r, G, tokens_per_split, slots, scaling, sp_b, sp_h,
     sq_b, sq_h, sq_g,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,
@@ -76,6 +76,7 @@ def _quant_stage1(
     D: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr, GROUP: tl.constexpr, KCG: tl.constexpr,
     KW: tl.constexpr, VGROUP: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, TAIL: tl.constexpr,
     NHB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2^31 bytes
     h = (tl.program_id(1) // NHB).to(tl.int64)
@@ -113,8 +114,13 @@ def _quant_stage1(
             k = tl.load(KT + base + t[None, :] * st_t + offs_d[:, None], mask=d_ok[:, None] & live[None, :],
                         other=0.0)  # (BLOCK_D, BLOCK_N)
         else:
+            if PAGE > 0:  # a page list (sparse decode): logical slot t is stored row pages[t // PAGE]·PAGE + t % PAGE
+                listed = tl.load(PAGES + b * sp_b + h * sp_h + t // PAGE, mask=live, other=0).to(tl.int64)
+                row = listed * PAGE + t % PAGE
+            else:
+                row = t
             k = _dequant(KC + b * skc_b + h * skc_h, KS + b * sks_b + h * sks_h, KZ + b * sks_b + h * sks_h,
-                         t[None, :], offs_d[:, None], d_ok[:, None] & live[None, :], skc_t, sks_t,
+                         row[None, :], offs_d[:, None], d_ok[:, None] & live[None, :], skc_t, sks_t,
                          BITS, ASYM, GROUP, KCG, KW)
         s = mm(q, k, DOT) * scaling  # (BLOCK_H, BLOCK_N)
         if HAS_MASK:
@@ -126,7 +132,7 @@ def _quant_stage1(
                         mask=live[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
         else:
             v = _dequant(VC + b * svc_b + h * svc_h, VS + b * svs_b + h * svs_h, VZ + b * svs_b + h * svs_h,
-                         t[:, None], offs_d[None, :], live[:, None] & d_ok[None, :], svc_t, svs_t,
+                         row[:, None], offs_d[None, :], live[:, None] & d_ok[None, :], svc_t, svs_t,
                          BITS, ASYM, VGROUP, 0, 1)
         acc = acc * alpha[:, None] + mm(p, v, DOT)
         m_i = m_new
@@ -227,25 +233,36 @@ def _sms(device: torch.device) -> int:
 
 
 def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-           k_tail, v_tail, mask, v_unrot) -> None:
+           k_tail, v_tail, mask, v_unrot, pages=None, page=0) -> None:
     b, hk, g, d = q.shape
     width = d * bits // 8
+    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
+    if pages is not None:
+        if page <= 0 or page & (page - 1) or (key_channel_group and page % key_channel_group):
+            raise ValueError(f"page must be a power of two and a multiple of key_channel_group="
+                             f"{key_channel_group}, got {page}")
+        if (pages.dim() != 3 or tuple(pages.shape[:2]) != (b, hk) or pages.shape[2] * page < n
+                or pages.is_floating_point()):
+            raise ValueError(f"pages must be an integer ({b}, {hk}, ≥{-(-n // page)}) page list, got {pages.dtype} "
+                             f"{tuple(pages.shape)}")
+        stored = page
     if bits == 4 and d % 2:
         raise ValueError(f"q: int4 codes pack two channels per byte, the head dim must be even, got {d}")
     if n < 0:
         raise ValueError(f"n must be ≥ 0, got {n}")
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        if t.dim() != 4 or tuple(t.shape[:2]) != (b, hk) or t.shape[2] < n or t.shape[3] != width:
-            raise ValueError(f"{name} must be ({b}, {hk}, ≥{n}, {width}) codes, got {tuple(t.shape)}")
+        if t.dim() != 4 or tuple(t.shape[:2]) != (b, hk) or t.shape[2] < stored or t.shape[3] != width:
+            raise ValueError(f"{name} must be ({b}, {hk}, ≥{stored}, {width}) codes, got {tuple(t.shape)}")
     if group_size <= 0 or d % group_size:
         raise ValueError(f"group_size must divide the head dim {d}, got {group_size}")
     kcg = key_channel_group
     if kcg < 0 or (kcg and d % kcg):
         raise ValueError(f"key_channel_group must be 0 or divide the head dim {d}, got {kcg}")
-    rows_k = -(-n // kcg) * kcg if kcg else n
+    rows_k = -(-stored // kcg) * kcg if kcg else stored
     for name, t, rows, cols in (("k_scale", k_scale, rows_k, d // kcg if kcg else d // group_size),
                                 ("k_zero", k_zero, rows_k, d // kcg if kcg else d // group_size),
-                                ("v_scale", v_scale, n, d // group_size), ("v_zero", v_zero, n, d // group_size)):
+                                ("v_scale", v_scale, stored, d // group_size),
+                                ("v_zero", v_zero, stored, d // group_size)):
         if t is not None and (t.dim() != 4 or tuple(t.shape[:2]) != (b, hk) or t.shape[2] < rows
                               or t.shape[3] != cols or not t.is_floating_point()):
             raise ValueError(f"{name} must be floating ({b}, {hk}, ≥{rows}, {cols}), got {t.dtype} {tuple(t.shape)}")
@@ -268,17 +285,21 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor | None, bits: int, group_size: int,
            key_channel_group: int, n: int, lengths: torch.Tensor | None = None, k_tail: torch.Tensor | None = None,
            v_tail: torch.Tensor | None = None, mask: torch.Tensor | None = None, scaling: float = 1.0,
-           splits: int = 0, v_unrot: torch.Tensor | None = None, dot: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
+           splits: int = 0, v_unrot: torch.Tensor | None = None, dot: str = "ieee", pages: torch.Tensor | None = None,
+           page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32 of the twin's exact paths; shapes as in
     :func:`kvslim.kernels.quant_decode.reference`. ``splits`` > 0 forces the split count (0: :func:`choose_splits`);
     ``dot``: the operand precision of the scores and weighted sums (``merge.DOT_CHOICES``; the op uses ``"ieee"``).
+    ``pages`` (B, Hk, ≥ ⌈n / page⌉) integer with ``page`` (sparse decode): the ``n`` slots are logical, slot t read
+    in place at stored row ``pages[b, h, t // page]·page + t % page`` (one page id per slot block, as paged
+    attention reads a block table; nothing gathered).
 
     Raises:
         ValueError: a shape, dtype or size that does not fit, naming the argument.
     """
     interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-           k_tail, v_tail, mask, v_unrot)
+           k_tail, v_tail, mask, v_unrot, pages, page)
     check_dot(dot)
     b, hk, g, d = q.shape
     asym = k_zero is not None
@@ -312,13 +333,15 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     kz = k_zero if asym else k_scale
     vz = v_zero if asym else v_scale
     lens = lengths if lengths is not None else q
+    pg = unit_last(pages) if pages is not None else lens
     block_n, warps = tile_config(block_d)
     consts = dict(D=d, BITS=int(bits), ASYM=asym, GROUP=int(group_size), KCG=kcg,
                   KW=(d // kcg if kcg else 1), VGROUP=int(group_size), HAS_LEN=lengths is not None,
                   HAS_MASK=mask is not None, NHB=nhb, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT=dot,
-                  num_warps=warps)
-    args = (q, k_codes, k_scale, kz, v_codes, v_scale, vz, kt, vt, m, lens, po, pl, n, r, g, per, slots,
-            float(scaling), q.stride(0), q.stride(1), q.stride(2),
+                  PAGE=int(page) if pages is not None else 0, num_warps=warps)
+    sp = (pg.stride(0), pg.stride(1)) if pages is not None else (0, 0)
+    args = (q, k_codes, k_scale, kz, v_codes, v_scale, vz, kt, vt, m, lens, po, pl, pg, n, r, g, per, slots,
+            float(scaling), *sp, q.stride(0), q.stride(1), q.stride(2),
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0),
             v_scale.stride(1), v_scale.stride(2), kt.stride(0), kt.stride(1), kt.stride(2), sm_b)
@@ -343,13 +366,14 @@ def _register() -> None:
                             v_zero: torch.Tensor | None, bits: int, group_size: int, key_channel_group: int, n: int,
                             lengths: torch.Tensor | None, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
                             mask: torch.Tensor | None, scaling: float, splits: int,
-                            v_unrot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                            v_unrot: torch.Tensor | None, pages: torch.Tensor | None = None,
+                            page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group,
-                      n, lengths, k_tail, v_tail, mask, scaling, splits, v_unrot)
+                      n, lengths, k_tail, v_tail, mask, scaling, splits, v_unrot, pages=pages, page=page)
 
     @quant_decode_triton.register_fake
     def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, key_channel_group, n, lengths,
-          k_tail, v_tail, mask, scaling, splits, v_unrot):
+          k_tail, v_tail, mask, scaling, splits, v_unrot, pages=None, page=0):
         b, hk, g, d = q.shape
         return q.new_empty(b, hk, g, d, dtype=torch.float32), q.new_empty(b, hk, g, dtype=torch.float32)
 

@@ -82,8 +82,8 @@ def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc, DOT: tl.constexpr):
 
 @triton.jit
 def _lowbit_stage1(
-    Q, KC, KS, KZ, VC, VS, VZ, LENGTHS, KT, VT, MASK, PO, PL,
-    s_qb, s_qh, s_qg,
+    Q, KC, KS, KZ, VC, VS, VZ, LENGTHS, KT, VT, MASK, PO, PL, PAGES,
+    s_qb, s_qh, s_qg, s_pb, s_ph,
     s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_kzb, s_kzh, s_kzt,
     s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst, s_vzb, s_vzh, s_vzt,
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb,
@@ -91,6 +91,7 @@ def _lowbit_stage1(
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, GS_POW2: tl.constexpr, KIVI: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -133,25 +134,31 @@ def _lowbit_stage1(
     for t0 in range(start, end, BLOCK_N):  # blocks start at multiples of BLOCK_N
         t = t0 + toks
         t_ok = t < end  # never a slot at or past lengths[b] or n
-        code = _codes(kc_base + t * s_kct, t_ok, KB, D, D_PAD, BLOCK_N)
+        if PAGE > 0:  # a page list (sparse decode): the block lies in one listed page, read where it is stored
+            p0 = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE
+            ts = p0 + toks
+        else:
+            p0 = t0
+            ts = t
+        code = _codes(kc_base + ts * s_kct, t_ok, KB, D, D_PAD, BLOCK_N)
         if KIVI > 0:
             if KIVI % BLOCK_N == 0:  # the block lies in one token group: one parameter row of D, read once
-                at = (t0 // KIVI) * KIVI + k_prow
+                at = (p0 // KIVI) * KIVI + k_prow
                 ks = tl.load(ks_base + at * s_kst + k_pcol, mask=col_ok, other=0.0).to(tl.float32)
                 kz = tl.load(kz_base + at * s_kzt + k_pcol, mask=col_ok, other=0.0).to(tl.float32)
                 k = code * ks[None, :] + kz[None, :]
             else:
-                at = ((t // KIVI) * KIVI)[:, None] + k_prow[None, :]
+                at = ((ts // KIVI) * KIVI)[:, None] + k_prow[None, :]
                 ok = t_ok[:, None] & col_ok[None, :]
                 ks = tl.load(ks_base + at * s_kst + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
                 kz = tl.load(kz_base + at * s_kzt + k_pcol[None, :], mask=ok, other=0.0).to(tl.float32)
                 k = code * ks + kz
         else:
-            k = (code * _per_token(ks_base + t * s_kst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
-                 + _per_token(kz_base + t * s_kzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # (BLOCK_N, D_PAD)
-        v = (_codes(vc_base + t * s_vct, t_ok, VB, D, D_PAD, BLOCK_N)
-             * _per_token(vs_base + t * s_vst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
-             + _per_token(vz_base + t * s_vzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # 0 on slots not read
+            k = (code * _per_token(ks_base + ts * s_kst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
+                 + _per_token(kz_base + ts * s_kzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # (BLOCK_N, D_PAD)
+        v = (_codes(vc_base + ts * s_vct, t_ok, VB, D, D_PAD, BLOCK_N)
+             * _per_token(vs_base + ts * s_vst, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2)
+             + _per_token(vz_base + ts * s_vzt, t_ok, cols, GS, D, D_PAD, BLOCK_N, GS_POW2))  # 0 on slots not read
         s_add = tl.zeros((BLOCK_N,), tl.float32)
         if HAS_MASK:
             s_add = tl.load(m_base + t, mask=t_ok, other=0.0)
@@ -191,7 +198,7 @@ def covers(q: torch.Tensor) -> str | None:
 
 
 def check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
-          lengths, k_tail, v_tail, mask) -> None:
+          lengths, k_tail, v_tail, mask, pages=None, page=0) -> None:
     """The C++ op's argument checks, as named ValueErrors (no device sync: ``lengths`` values are clamped to
     ``[0, n]`` in the kernel instead of checked)."""
     name = "kvslim::quant_decode_lowbit_triton"
@@ -209,11 +216,23 @@ def check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits,
     if n < 0:
         raise ValueError(f"{name}: n must be ≥ 0, got {n}")
     kivi = key_channel_group
-    ktokens = -(-n // kivi) * kivi if kivi else n
+    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
+    if pages is not None:
+        if page < 16 or page & (page - 1) or (kivi and page % kivi):
+            raise ValueError(f"{name}: page must be a power of two ≥ 16 and a multiple of key_channel_group="
+                             f"{kivi}, got {page}")
+        if pages.dim() != 3 or tuple(pages.shape[:2]) != (b, hk) or pages.shape[2] * page < n or \
+                pages.is_floating_point():
+            raise ValueError(f"{name}: pages must be an integer (B={b}, Hk={hk}, ≥{-(-n // page)}) page list, got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+        stored = page
+    ktokens = -(-stored // kivi) * kivi if kivi else stored
     kparams = d // kivi if kivi else d // group_size
-    for t, what, tokens, width in ((k_codes, "k_codes", n, d * k_bits // 8), (v_codes, "v_codes", n, d * v_bits // 8),
+    for t, what, tokens, width in ((k_codes, "k_codes", stored, d * k_bits // 8),
+                                   (v_codes, "v_codes", stored, d * v_bits // 8),
                                    (k_scale, "k_scale", ktokens, kparams), (k_zero, "k_zero", ktokens, kparams),
-                                   (v_scale, "v_scale", n, d // group_size), (v_zero, "v_zero", n, d // group_size)):
+                                   (v_scale, "v_scale", stored, d // group_size),
+                                   (v_zero, "v_zero", stored, d // group_size)):
         if t.dim() != 4 or t.shape[0] != b or t.shape[1] != hk or t.shape[2] < tokens or t.shape[3] != width:
             raise ValueError(f"{name}: {what} must be (B={b}, Hk={hk}, ≥{tokens}, {width}), got {tuple(t.shape)}")
     if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
@@ -270,13 +289,16 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
            v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int, v_bits: int,
            group_size: int, key_channel_group: int, n: int, lengths: torch.Tensor | None,
            k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None, scaling: float,
-           splits: int = 0, dot: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
+           splits: int = 0, dot: str = "ieee", pages: torch.Tensor | None = None,
+           page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Hk, G, D), lse (B, Hk, G))`` fp32; arguments as :func:`kvslim.kernels.quant_decode_lowbit.reference`
     (``q``, the tail and the mask fp32; ``splits`` > 0 forces the number of splits of the coded tokens; ``dot``: the
-    operand precision of the products, ``merge.DOT_CHOICES``; the op uses ``"ieee"``)."""
+    operand precision of the products, ``merge.DOT_CHOICES``; the op uses ``"ieee"``). ``pages`` (B, Hk,
+    ≥ ⌈n / page⌉) integer with ``page`` (sparse decode): slot t read in place at stored row
+    ``pages[b, h, t // page]·page + t % page`` (blocks no longer than a page, one page id per block)."""
     interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
-          lengths, k_tail, v_tail, mask)
+          lengths, k_tail, v_tail, mask, pages, page)
     check_dot(dot)
     b, hk, g, d = q.shape
     out = q.new_empty(b, hk, g, d)
@@ -290,6 +312,9 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     d_pad = max(16, triton.next_power_of_2(d))
     g_pad = max(16, triton.next_power_of_2(g))
     block = block_size(d, key_channel_group)
+    if pages is not None:
+        block = min(block, page)
+    pg = unit_last(pages) if pages is not None else None
     sms = (torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda"
            else DEFAULT_SMS)
     s, chunk = choose_splits(b * hk, n, block, sms, splits)
@@ -305,13 +330,13 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     s_mb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
     _lowbit_stage1[(b * hk, s)](
         q, kc, ks, kz, vc, vs, vz, lengths if lengths is not None else dummy, kt_, vt_,
-        mask if mask is not None else dummy, part_o, part_l,
-        *q.stride()[:3], *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3],
+        mask if mask is not None else dummy, part_o, part_l, pg if pg is not None else dummy,
+        *q.stride()[:3], *(pg.stride()[:2] if pg is not None else (0, 0)), *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3],
         *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3], *st_k, *st_v, s_mb,
         hk, g, n, r, chunk, float(scaling),
         D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
         GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
-        HAS_MASK=mask is not None, DOT=dot, num_warps=8)
+        HAS_MASK=mask is not None, DOT=dot, PAGE=int(page) if pages is not None else 0, num_warps=8)
     if s > 1:
         merge_splits(part_o, part_l, out.view(b * hk, g, d), lse.view(b * hk, g))
     return out, lse
@@ -322,17 +347,17 @@ def quant_decode_lowbit_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: 
                                v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, k_bits: int,
                                v_bits: int, group_size: int, key_channel_group: int, n: int,
                                lengths: torch.Tensor | None, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
-                               mask: torch.Tensor | None, scaling: float,
-                               splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                               mask: torch.Tensor | None, scaling: float, splits: int = 0,
+                               pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`launch` as the op ``torch.ops.kvslim.quant_decode_lowbit_triton`` (registered when this module is
     first imported, which the dispatch does only when it picks Triton), opaque to torch.compile (fake impl below)."""
     return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size,
-                  key_channel_group, n, lengths, k_tail, v_tail, mask, scaling, splits)
+                  key_channel_group, n, lengths, k_tail, v_tail, mask, scaling, splits, pages=pages, page=page)
 
 
 @quant_decode_lowbit_triton.register_fake
 def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits, group_size, key_channel_group, n,
-      lengths, k_tail, v_tail, mask, scaling, splits=0):
+      lengths, k_tail, v_tail, mask, scaling, splits=0, pages=None, page=0):
     b, hk, g, d = q.shape
     return q.new_empty(b, hk, g, d), q.new_empty(b, hk, g)
 

@@ -58,14 +58,14 @@ def _attend(q, k, v, s_add, t_ok, m_i, l_i, acc):
 
 @triton.jit
 def _turbo_decode(
-    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, LENGTHS, OUT, LSE,
-    s_qb, s_qh, s_qg, s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst,
+    Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, LENGTHS, OUT, LSE, PAGES,
+    s_qb, s_qh, s_qg, s_pb, s_ph, s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst,
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb, s_bb, s_bh, s_bg, s_br, W,
     Hk, G, n, r, scaling,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KOUT: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, KBYTES: tl.constexpr, VBYTES: tl.constexpr,
     KPARTS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    W_PAD: tl.constexpr, HAS_LEN: tl.constexpr,
+    W_PAD: tl.constexpr, HAS_LEN: tl.constexpr, PAGE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b64 = (bh // Hk).to(tl.int64)
@@ -96,13 +96,17 @@ def _turbo_decode(
     for t0 in range(0, length, BLOCK_N):
         t = t0 + toks
         t_ok = t < length
-        k = _rows(kc, t, s_kct, s_kst, ks, LEV, t_ok, cols, col_ok, KOUT, KB, KBYTES, KPARTS)
-        v = _rows(vc, t, s_vct, s_vst, vs, LEV, t_ok, cols, col_ok, 0, VB, VBYTES, 1)
+        if PAGE > 0:  # a page list (sparse decode): the block lies in one listed page, read where it is stored
+            ts = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE + toks
+        else:
+            ts = t
+        k = _rows(kc, ts, s_kct, s_kst, ks, LEV, t_ok, cols, col_ok, KOUT, KB, KBYTES, KPARTS)
+        v = _rows(vc, ts, s_vct, s_vst, vs, LEV, t_ok, cols, col_ok, 0, VB, VBYTES, 1)
         s_add = tl.zeros((G_PAD, BLOCK_N), tl.float32)
         if HAS_MASK:
             s_add += tl.load(m_base + t, mask=t_ok, other=0.0)[None, :]
         if HAS_BIAS:
-            br = tl.load(BROWS + t[:, None] * s_br + wcols[None, :], mask=t_ok[:, None] & (wcols < W)[None, :],
+            br = tl.load(BROWS + ts[:, None] * s_br + wcols[None, :], mask=t_ok[:, None] & (wcols < W)[None, :],
                          other=0.0)
             s_add += tl.dot(ab, tl.trans(br), input_precision="ieee")
         m_i, l_i, acc = _attend(q, k, v, s_add, t_ok, m_i, l_i, acc)
@@ -129,10 +133,19 @@ def _turbo_decode(
 
 
 def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask,
-          bias_ab=None, bias_rows=None, lengths=None) -> None:
+          bias_ab=None, bias_rows=None, lengths=None, pages=None, page=0) -> None:
     """The C++ op's argument checks, as named ValueErrors."""
     name = "kvslim::turbo_decode_triton"
     check_lengths(name, lengths, q, n)
+    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
+    if pages is not None:
+        if page < 16 or page & (page - 1):
+            raise ValueError(f"{name}: page must be a power of two ≥ 16, got {page}")
+        if pages.dim() != 3 or tuple(pages.shape[:2]) != tuple(q.shape[:2]) or pages.shape[2] * page < n or \
+                pages.is_floating_point():
+            raise ValueError(f"{name}: pages must be an integer (B, Hk, ≥{-(-n // page)}) page list, got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+        stored = page
     if q.dim() != 4 or q.dtype != torch.float32:
         raise ValueError(f"{name}: q must be float32 (B, Hk, G, D), got {q.dtype} {tuple(q.shape)}")
     b, hk, _, d = q.shape
@@ -146,8 +159,8 @@ def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tai
     parts = 2 if k_out else 1
     for t, what, width in ((k_codes, "k_codes", kbits // 8), (v_codes, "v_codes", d * v_bits // 8),
                            (k_scale, "k_scale", parts), (v_scale, "v_scale", 1)):
-        if t.dim() != 4 or t.shape[0] != b or t.shape[1] != hk or t.shape[2] < n or t.shape[3] != width:
-            raise ValueError(f"{name}: {what} must be (B={b}, Hk={hk}, ≥{n}, {width}), got {tuple(t.shape)}")
+        if t.dim() != 4 or t.shape[0] != b or t.shape[1] != hk or t.shape[2] < stored or t.shape[3] != width:
+            raise ValueError(f"{name}: {what} must be (B={b}, Hk={hk}, ≥{stored}, {width}), got {tuple(t.shape)}")
     if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
         raise ValueError(f"{name}: codes must be uint8, got {k_codes.dtype} / {v_codes.dtype}")
     if (k_tail is None) != (v_tail is None):
@@ -160,35 +173,37 @@ def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tai
         raise ValueError(f"{name}: bias_ab and bias_rows come together")
     if bias_ab is not None and (bias_ab.dim() != 4 or tuple(bias_ab.shape[:3]) != (b, hk, g)):
         raise ValueError(f"{name}: bias_ab must be (B={b}, Hk={hk}, G={g}, W), got {tuple(bias_ab.shape)}")
-    if bias_ab is not None and (bias_rows.dim() != 2 or bias_rows.shape[0] < n
+    if bias_ab is not None and (bias_rows.dim() != 2 or bias_rows.shape[0] < stored
                                 or bias_rows.shape[1] != bias_ab.shape[3]):
-        raise ValueError(f"{name}: bias_rows must be (≥{n}, W={bias_ab.shape[3]}), got {tuple(bias_rows.shape)}")
+        raise ValueError(f"{name}: bias_rows must be (≥{stored}, W={bias_ab.shape[3]}), got {tuple(bias_rows.shape)}")
 
 
 def turbo_decode_triton(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                         v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-                        bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                        pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.kvslim.turbo_decode_triton`` (a custom op with a fake impl: dynamo records one call per step, a
     CUDA graph replays the launch), checks included."""
     return torch.ops.kvslim.turbo_decode_triton(q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits),
                                                 int(v_bits), levels, int(n), k_tail, v_tail, mask, float(scaling),
-                                                bias_ab, bias_rows, lengths)
+                                                bias_ab, bias_rows, lengths, pages, int(page))
 
 
 def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
            v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
            k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
            mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
-           bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks, then the kernel launch (the custom op's body)."""
+           bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+           pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks, then the kernel launch (the custom op's body). ``pages`` (B, Hk, ≥ ⌈n / page⌉) integer with
+    ``page`` (sparse decode): slot t read in place at stored row ``pages[b, h, t // page]·page + t % page``, its bias
+    row too (blocks no longer than a page, one page id per block)."""
     interpreter_scalars()  # Triton 3.6's interpreter: loop bounds computed in the kernel
     q = q.float().contiguous()
     check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tail, v_tail, mask, bias_ab, bias_rows,
-          lengths)
+          lengths, pages, page)
     b, hk, g, d = q.shape
     k_codes, k_scale, v_codes, v_scale = (unit_last(t) for t in (k_codes, k_scale, v_codes, v_scale))
     out = torch.empty(b, hk, g, d, dtype=torch.float32, device=q.device)
@@ -206,16 +221,18 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_code
     w = ab.shape[3] if has_bias else 16
     d_pad = max(16, triton.next_power_of_2(d))
     kbytes = (k_out * (k_bits + 1) + (d - k_out) * k_bits) // 8
+    pg = unit_last(pages) if pages is not None else None
     _turbo_decode[(b * hk,)](
         q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, ab, brows,
-        q if lengths is None else lengths, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3],
+        q if lengths is None else lengths, out, lse, q if pg is None else pg,
+        q.stride(0), q.stride(1), q.stride(2), *((0, 0) if pg is None else pg.stride()[:2]), *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3],
         *v_scale.stride()[:3], *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
         hk, g, n, r, scaling,
-        D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32, KOUT=k_out, KB=k_bits, VB=v_bits,
+        D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32 if pg is None else min(32, page),
+        KOUT=k_out, KB=k_bits, VB=v_bits,
         KBYTES=kbytes, VBYTES=d * v_bits // 8, KPARTS=2 if k_out else 1, HAS_TAIL=has_tail,
         HAS_MASK=mask is not None, HAS_BIAS=has_bias, W_PAD=max(16, triton.next_power_of_2(w)), HAS_LEN=lengths is not None,
-        num_warps=4)
+        PAGE=0 if pg is None else int(page), num_warps=4)
     return out, lse
 
 
@@ -229,14 +246,14 @@ def _register() -> None:
                         v_scale: torch.Tensor, k_out: int, k_bits: int, v_bits: int, levels: torch.Tensor, n: int,
                         k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, mask: torch.Tensor | None,
                         scaling: float, bias_ab: torch.Tensor | None,
-                        bias_rows: torch.Tensor | None,
-                        lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        bias_rows: torch.Tensor | None, lengths: torch.Tensor | None = None,
+                        pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return launch(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask,
-                      scaling, bias_ab, bias_rows, lengths)
+                      scaling, bias_ab, bias_rows, lengths, pages, page)
 
     @turbo_decode_op.register_fake
     def _(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, levels, n, k_tail, v_tail, mask, scaling,
-          bias_ab, bias_rows, lengths=None):
+          bias_ab, bias_rows, lengths=None, pages=None, page=0):
         b, hk, g, d = q.shape
         return q.new_empty(b, hk, g, d, dtype=torch.float32), q.new_empty(b, hk, g, dtype=torch.float32)
 
