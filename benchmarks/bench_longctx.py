@@ -32,6 +32,7 @@ from kvslim.optional import quanto_missing
 RESULTS = Path(__file__).resolve().parent / "results"
 STEM = "bench_longctx"
 #: label -> (method, apply() options) for kvslim rows, ("quanto", {"nbits": b}) for HF QuantizedCache rows
+MEANSTD = {"sparse_score": "meanstd"}  # the boxes of the rows run before min/max became the default (2026-11-29)
 METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-haystack keeps the first ones)
     "dense": ("dense", {}),
     "int4": ("int4", {}),
@@ -45,31 +46,35 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "window 1024": ("window", {"window": 1024}),
     # sparse decode (issue 43, docs/sparse.md): the answer's single-token steps read the chosen pages only; the
     # question (a multi-token call) reads everything. Cells are keyed by these labels: resumable like the others.
-    # The rows without "dl0" ran with two layers read in full (the default until 2026-11-29, now 0), pinned here.
-    "sparse int4 auto": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 2}),  # max(2,048, T/8)
-    "sparse int4 2048": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
-    "sparse int4 1024": ("int4", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
-    "sparse int4 4096": ("int4", {"sparse_budget": 4096, "sparse_dense_layers": 2}),
+    # The rows without "dl0" ran with two layers read in full (the default until 2026-11-29, now 0), pinned here;
+    # the rows without "mm" with mean ± std boxes (the default until 2026-11-29, now min/max), pinned too.
+    # max(2,048, T/8)
+    "sparse int4 auto": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse int4 2048": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse int4 1024": ("int4", {"sparse_budget": 1024, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse int4 4096": ("int4", {"sparse_budget": 4096, "sparse_dense_layers": 2, **MEANSTD}),
     # larger pages: fewer, longer reads (docs/sparse.md)
-    "sparse int4 auto p64": ("int4", {"sparse_budget": "auto", "sparse_page": 64, "sparse_dense_layers": 2}),
-    "sparse int4 auto p128": ("int4", {"sparse_budget": "auto", "sparse_page": 128, "sparse_dense_layers": 2}),
-    "sparse int4 auto dl0": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 0}),  # every layer sparse:
-    # the library's default since 2026-11-29
-    "sparse dense 2048": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
-    "sparse dense 2048 dl0": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 0}),
-    "sparse turbo3 2048 dl0": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 0}),
-    "sparse int4 2048 dl0": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": 0}),
-    # min/max boxes (Quest's), every layer sparse
+    "sparse int4 auto p64": ("int4", {"sparse_budget": "auto", "sparse_page": 64, "sparse_dense_layers": 2,
+                                      **MEANSTD}),
+    "sparse int4 auto p128": ("int4", {"sparse_budget": "auto", "sparse_page": 128, "sparse_dense_layers": 2,
+                                       **MEANSTD}),
+    # every layer sparse (the library's default since 2026-11-29)
+    "sparse int4 auto dl0": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": 0, **MEANSTD}),
+    "sparse dense 2048": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse dense 2048 dl0": ("dense", {"sparse_budget": 2048, "sparse_dense_layers": 0, **MEANSTD}),
+    "sparse turbo3 2048 dl0": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 0, **MEANSTD}),
+    "sparse int4 2048 dl0": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": 0, **MEANSTD}),
+    # min/max boxes (Quest's; the default since 2026-11-29), every layer sparse
     "sparse int4 auto mm": ("int4", {"sparse_budget": "auto", "sparse_score": "minmax", "sparse_dense_layers": 0}),
     "sparse int4 2048 mm": ("int4", {"sparse_budget": 2048, "sparse_score": "minmax", "sparse_dense_layers": 0}),
     "sparse int4 1024 mm": ("int4", {"sparse_budget": 1024, "sparse_score": "minmax", "sparse_dense_layers": 0}),
     "sparse dense 2048 mm": ("dense", {"sparse_budget": 2048, "sparse_score": "minmax", "sparse_dense_layers": 0}),
     "sparse int2 2048 mm": ("int2", {"sparse_budget": 2048, "sparse_score": "minmax", "sparse_dense_layers": 0}),
     "sparse turbo3 2048 mm": ("turbo3", {"sparse_budget": 2048, "sparse_score": "minmax", "sparse_dense_layers": 0}),
-    "sparse int2 2048": ("int2", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
-    "sparse int2 1024": ("int2", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
-    "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 2}),
-    "sparse turbo3 1024": ("turbo3", {"sparse_budget": 1024, "sparse_dense_layers": 2}),
+    "sparse int2 2048": ("int2", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse int2 1024": ("int2", {"sparse_budget": 1024, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
+    "sparse turbo3 1024": ("turbo3", {"sparse_budget": 1024, "sparse_dense_layers": 2, **MEANSTD}),
 }
 #: the order of the tables' rows and columns (dense, then kvslim by bytes, each turbo
 #: row beside the int row of its bits, then the peer, then eviction)

@@ -278,6 +278,9 @@ def test_page_must_hold_whole_key_groups():
     plan = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_page=32)
     assert plan.layers[2].sparse.pages == (2048 - 128) // 32
     assert all(layer.sparse is not None for layer in plan.layers)  # sparse_dense_layers=0 by default: every layer
+    assert {layer.sparse.score for layer in plan.layers} == {"minmax"}  # min/max boxes by default (docs/sparse.md)
+    ms = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_score="meanstd")
+    assert {layer.sparse.score for layer in ms.layers} == {"meanstd"} and ms.cache_bytes(4096) == plan.cache_bytes(4096)
     two = METHODS["int4"].plan(shape, torch.float32, sparse_budget=2048, sparse_dense_layers=2)
     assert [layer.sparse is None for layer in two.layers] == [True, True, False]
     # what a step reads: everything within the budget, ~budget rows + the statistics past it (kvslim plan prints it)

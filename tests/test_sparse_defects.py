@@ -181,7 +181,11 @@ def _masked_oracle(h, written, keys, values, q, scaling, visible):
     spec, off, p, npg = h.stats.spec, h.stats.offset, h.stats.spec.page, h.pages
     b, hk, t, d = keys.shape
     region = written[:, :, off:off + npg * p].double().reshape(b, hk, npg, p, d)
-    c, r = region.mean(3), region.std(3, unbiased=False)
+    if spec.score == "minmax":
+        lo, hi = region.amin(3), region.amax(3)
+        c, r = (lo + hi) / 2, (hi - lo) / 2
+    else:
+        c, r = region.mean(3), region.std(3, unbiased=False)
     qg = q.double().reshape(b, hk, -1, d)
     bound = torch.einsum("bhgd,bhpd->bhgp", qg, c) + torch.einsum("bhgd,bhpd->bhgp", qg.abs(), r)
     seen = visible[:, off:off + npg * p].reshape(b, npg, p).any(-1)

@@ -53,7 +53,7 @@ class SparseSpec:
 
     budget: int
     page: int = 32
-    score: str = "meanstd"
+    score: str = "minmax"
     select: str = "step"
     window: int = RECENT
     sinks_in_pages: bool = True

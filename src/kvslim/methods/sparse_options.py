@@ -2,7 +2,7 @@
 
 ``sparse_budget`` (tokens a single-token step reads; ``"auto"``: max(2,048, an eighth of the context), the
 recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
-two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (``"meanstd"``, default, or Quest's ``"minmax"``), ``sparse_dense_layers``
+two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (Quest's ``"minmax"``, default since 2026-11-29, or ``"meanstd"``), ``sparse_dense_layers``
 (layers read in full: an int N = the first N, default 0, or a list of indices) and ``sparse_select`` (``"step"``,
 default, or ``"prompt"``: chosen at the first step after a multi-token call, kept for the answer). Spelled the same
 in ``kvslim.apply(model, "int4", sparse_budget=2048)`` and ``--option int4.sparse_budget=2048``.
@@ -24,7 +24,7 @@ from ..caches.sparse import (
 from ..plan import Plan
 
 SPARSE_OPTIONS = ("sparse_budget", "sparse_page", "sparse_score", "sparse_dense_layers", "sparse_select")
-DEFAULTS = dict(sparse_budget=None, sparse_page=None, sparse_score="meanstd", sparse_dense_layers=0,
+DEFAULTS = dict(sparse_budget=None, sparse_page=None, sparse_score="minmax", sparse_dense_layers=0,
                 sparse_select="step")
 #: the default page: 32 tokens (a 64-token page's mean and spread diluted a pass key's sentence below dozens of
 #: pages at 32k; docs/sparse.md), or a layer's KIVI key group where it is longer
