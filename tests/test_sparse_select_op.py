@@ -60,53 +60,6 @@ def test_op_matches_twin_and_float64(dtype, force_first, shape):
         assert bool((got[..., 0] == 0).all())
 
 
-def _oracle_both(q, boxes, n_pages, k, scaling, force_first, scales=None):
-    """float64: each head's log-softmax of each box's bound, the two summed (logaddexp), logsumexp over the group."""
-    d = q.shape[-1]
-    box = ss.values(boxes[:, :, :n_pages], scales).double()
-    q64 = q.double()
-    est = []
-    for i in range(2):
-        c, r = box[..., 2 * i * d:(2 * i + 1) * d], box[..., (2 * i + 1) * d:(2 * i + 2) * d]
-        bound = torch.einsum("bhgd,bhpd->bhgp", q64, c) + torch.einsum("bhgd,bhpd->bhgp", q64.abs(), r)
-        est.append(torch.log_softmax(bound * scaling, -1))
-    s = torch.logaddexp(*est).logsumexp(2)
-    if force_first:
-        s[..., 0] = float("inf")
-    return s.topk(k, -1).indices.sort(-1).values
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, "int8"])
-@pytest.mark.parametrize("shape", [(1, 2, 7, 64, 512, 30), (2, 3, 1, 32, 97, 5), (1, 2, 2, 128, 50, 7),
-                                   (1, 1, 3, 24, 30, 4)])
-def test_two_boxes_per_page(dtype, shape):
-    """``sparse_score="both"``: a page row holds the mean ± std box and the min/max box ((B, H, P, 4D), their int8
-    scales side by side); each head's estimate is the log of the sum of the two boxes' softmaxes (one head too: no
-    ranking shortcut then). The op equals the twin and a float64 oracle, with and without page 0 forced."""
-    if not ss.available():
-        pytest.skip("C++ op not built")
-    b, h, g, d, pages, k = shape
-    gen = torch.Generator().manual_seed(sum(shape) + 1)
-    halves = []
-    for _ in range(2):
-        v = torch.randn(b, h, pages + 9, 2 * d, generator=gen)
-        v[..., d:] = v[..., d:].abs() * (3 if halves else 1)  # the second box wider, as min/max is
-        v[..., :3] += 150.0
-        halves.append(_boxes(v, dtype))
-    boxes = torch.cat([x[0] for x in halves], -1)
-    scales = None if dtype != "int8" else torch.cat([x[1] for x in halves], -1)
-    q = torch.randn(b, h, g, d, generator=gen)
-    q[..., :3] += 20.0
-    for force_first in (False, True):
-        got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, d ** -0.5, force_first, 2, scales=scales)
-        twin = ss.reference(q, boxes, pages, k, d ** -0.5, force_first, 2, scales=scales)
-        assert torch.equal(got, twin)
-        assert torch.equal(got[..., :k], _oracle_both(q, boxes, pages, k, d ** -0.5, force_first, scales))
-        one = torch.ops.kvslim.sparse_select(q, boxes[..., :2 * d].contiguous(), pages, k, d ** -0.5, force_first, 2,
-                                             scales=None if scales is None else scales[..., :scales.shape[-1] // 2])
-        assert not torch.equal(one, got) or k >= pages - 1  # the second box changes the choice
-
-
 def test_op_refuses_bad_input():
     if not ss.available():
         pytest.skip("C++ op not built")

@@ -26,9 +26,7 @@ import torch
 
 from .fused import markers
 
-SCORES = ("meanstd", "minmax", "both")
-#: boxes a page keeps per score: "both" keeps the mean ± std box and the min/max box side by side
-BOXES = {"meanstd": 1, "minmax": 1, "both": 2}
+SCORES = ("meanstd", "minmax")
 SELECTS = ("step", "prompt")
 #: rows always read outright by a layer that keeps no full-precision window of its own (dense, int8): the most
 #: recent ``RECENT`` tokens (the int4/int3/int2/turbo defaults keep 4 sinks + 124 recent tokens = 128 outright)
@@ -83,14 +81,13 @@ class SparseSpec:
         return max(self.pages, (int(self.fraction * tokens) - self.window) // self.page)
 
     def stats_bytes_per_token(self, dim: int) -> float:
-        """Bytes of statistics per token and KV head (2·D int8 codes and their fp16 scales per page and box)."""
-        return stats_bytes_per_page(dim, self.score) / self.page
+        """Bytes of statistics per token and KV head (2·D int8 codes and their fp16 scales per page)."""
+        return stats_bytes_per_page(dim) / self.page
 
 
-def stats_bytes_per_page(dim: int, score: str = "minmax") -> int:
-    """Bytes of one page's boxes per KV head: 2·D int8 codes and their fp16 scales per box (two with
-    ``score="both"``)."""
-    return BOXES[score] * (2 * dim + 2 * (2 * dim // box_group(dim)))
+def stats_bytes_per_page(dim: int) -> int:
+    """Bytes of one page's box per KV head: 2·D int8 codes and their fp16 scales."""
+    return 2 * dim + 2 * (2 * dim // box_group(dim))
 
 
 def box_group(dim: int) -> int:
@@ -210,32 +207,28 @@ class PageStats:
         self.write(self.offset + first, reader(self.offset + first, self.offset + keep))
 
     def values(self) -> torch.Tensor:
-        """The complete pages' boxes as fp32 ``[centre | radius]`` (B, H, complete, 2D; ``"both"``: 4D, the mean ±
-        std box then the min/max box), μ added back to each centre."""
+        """The complete pages' boxes as fp32 ``[centre | radius]`` (B, H, complete, 2D), μ added back."""
         from ..kernels.sparse_select import values
 
-        n, d = self.complete, self.mu.shape[-1]
+        n, d = self.complete, self.boxes.shape[-1] // 2
         v = values(self.boxes[:, :, :n], self.scales)
-        for i in range(BOXES[self.spec.score]):
-            v[..., 2 * i * d:(2 * i + 1) * d] += self.mu[:, :, None]
+        v[..., :d] += self.mu[:, :, None]
         return v
 
     @property
     def centre(self) -> torch.Tensor:
-        """(B, H, complete, D) fp32: the centre of the pages' (last) box."""
-        return self.values()[..., -2 * self.mu.shape[-1]:-self.mu.shape[-1]]
+        return self.values()[..., :self.boxes.shape[-1] // 2]
 
     @property
     def radius(self) -> torch.Tensor:
-        return self.values()[..., -self.mu.shape[-1]:]
+        return self.values()[..., self.boxes.shape[-1] // 2:]
 
     def _grow(self, b: int, h: int, d: int, pages: int, device: torch.device) -> None:
-        m = BOXES[self.spec.score]
-        if self.boxes is None or self.boxes.shape[:2] != (b, h) or self.boxes.shape[3] != 2 * m * d:
+        if self.boxes is None or self.boxes.shape[:2] != (b, h) or self.boxes.shape[3] != 2 * d:
             cap = max(pages, 16)
-            self.boxes = torch.zeros(b, h, cap, 2 * m * d, dtype=torch.int8, device=device)
-            self.scales = torch.zeros(b, h, cap, 2 * m * d // box_group(d), dtype=torch.float16, device=device)
-            self.acc = torch.zeros(b, h, 2 * m, d, dtype=torch.float32, device=device)
+            self.boxes = torch.zeros(b, h, cap, 2 * d, dtype=torch.int8, device=device)
+            self.scales = torch.zeros(b, h, cap, 2 * d // box_group(d), dtype=torch.float16, device=device)
+            self.acc = torch.zeros(b, h, 2, d, dtype=torch.float32, device=device)
             self.mu = None
         elif pages > self.boxes.shape[2]:
             cap = max(pages, self.boxes.shape[2] * 3 // 2)
@@ -274,48 +267,36 @@ class PageStats:
                 self._finish(pos // p - 1)
         self.length = hi
 
-    def _kinds(self) -> tuple[str, ...]:
-        """The boxes a page keeps, in their order (acc rows 2i, 2i + 1 are box i's running statistics)."""
-        return ("meanstd", "minmax") if self.spec.score == "both" else (self.spec.score,)
-
     def _accumulate(self, part: torch.Tensor, first: bool) -> None:
-        for i, kind in enumerate(self._kinds()):
-            lo, hi = self.acc[:, :, 2 * i], self.acc[:, :, 2 * i + 1]
-            if kind == "minmax":
-                mn, mx = part.amin(dim=2), part.amax(dim=2)
-                if first:
-                    lo.copy_(mn)
-                    hi.copy_(mx)
-                else:
-                    torch.minimum(lo, mn, out=lo)
-                    torch.maximum(hi, mx, out=hi)
-                continue
-            s, s2 = part.sum(dim=2), (part * part).sum(dim=2)
+        if self.spec.score == "minmax":
+            mn, mx = part.amin(dim=2), part.amax(dim=2)
             if first:
-                lo.copy_(s)
-                hi.copy_(s2)
+                self.acc[:, :, 0], self.acc[:, :, 1] = mn, mx
             else:
-                lo += s
-                hi += s2
+                torch.minimum(self.acc[:, :, 0], mn, out=self.acc[:, :, 0])
+                torch.maximum(self.acc[:, :, 1], mx, out=self.acc[:, :, 1])
+            return
+        s, s2 = part.sum(dim=2), (part * part).sum(dim=2)
+        if first:
+            self.acc[:, :, 0], self.acc[:, :, 1] = s, s2
+        else:
+            self.acc[:, :, 0] += s
+            self.acc[:, :, 1] += s2
 
     def _finish(self, index: int) -> None:
-        codes, scales = [], []
-        for i, kind in enumerate(self._kinds()):
-            a, b = self.acc[:, :, 2 * i], self.acc[:, :, 2 * i + 1]
-            if kind == "minmax":
-                c, r = (a + b) * 0.5, (b - a) * 0.5
-                r = torch.maximum(r, torch.maximum(b - c, c - a))  # the fp32 midpoint's rounding
-            else:
-                n = self.spec.page
-                c = a / n
-                r = (b / n - c * c).clamp_min(0).sqrt()
-            if i == 0 and (index == 0 or self.mu is None):  # the reference every later centre is coded against
-                self.mu = c.clone()
-            code, scale = encode_box(self.mu, c, r, box_group(c.shape[-1]))
-            codes.append(code)
-            scales.append(scale)
-        self.boxes[:, :, index] = torch.cat(codes, dim=-1)
-        self.scales[:, :, index] = torch.cat(scales, dim=-1)
+        a, b = self.acc[:, :, 0], self.acc[:, :, 1]
+        if self.spec.score == "minmax":
+            c, r = (a + b) * 0.5, (b - a) * 0.5
+            r = torch.maximum(r, torch.maximum(b - c, c - a))  # the fp32 midpoint's rounding
+        else:
+            n = self.spec.page
+            c = a / n
+            r = (b / n - c * c).clamp_min(0).sqrt()
+        if index == 0 or self.mu is None:  # the reference every later page's centre is coded against
+            self.mu = c.clone()
+        codes, scales = encode_box(self.mu, c, r, box_group(c.shape[-1]))
+        self.boxes[:, :, index] = codes
+        self.scales[:, :, index] = scales
 
     def map_sequences(self, fn) -> None:
         for name in ("boxes", "scales", "mu", "acc"):

@@ -46,29 +46,12 @@ def values(boxes: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Ten
     return boxes.float() * scales[:, :, :boxes.shape[2]].float().repeat_interleave(group, dim=-1)
 
 
-def head_scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float, scales: torch.Tensor | None = None,
-                pad: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes ``[c | r]`` or (B, H, P, 4D) two boxes per page (``"both"``)
-    -> (B, H, G, P) fp32: each head's estimated log-attention over the pages, the log-softmax of its bound
-    ``q·c + |q|·r`` (fp32, the boxes converted as read) at ``scaling``; with two boxes the log of the two
-    estimates' sum (less log 2). ``pad`` (B, P) bool: pages left out of every head's softmax (−inf)."""
-    d = q.shape[-1]
-    v = values(boxes, scales)
-    out = None
-    for i in range(v.shape[-1] // (2 * d)):
-        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), v[..., 2 * i * d:2 * (i + 1) * d].transpose(-1, -2))
-        bound = bound * scaling
-        if pad is not None:
-            bound = bound.masked_fill(pad[:, None, None], float("-inf"))
-        lsm = torch.log_softmax(bound, dim=-1)
-        out = lsm if out is None else torch.logaddexp(out, lsm)
-    return out
-
-
 def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, H, G, D) fp32 queries, (B, H, P, 2D or 4D) boxes (with ``scales``: int8 codes, :func:`values`)
-    -> (B, H, P) fp32: each head's estimated log-attention (:func:`head_scores`), logsumexp over the group."""
-    return head_scores(q, boxes, scaling, scales).logsumexp(dim=2)
+    """(B, H, G, D) fp32 queries, (B, H, P, 2D) boxes ``[c | r]`` (with ``scales``: int8 codes, :func:`values`)
+    -> (B, H, P) fp32: each head's bound ``q·c + |q|·r`` (fp32, the boxes converted as read) scaled, log-softmax
+    over the pages, logsumexp over the group."""
+    bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes, scales).transpose(-1, -2))  # (B, H, G, P)
+    return torch.log_softmax(bound * scaling, dim=-1).logsumexp(dim=2)
 
 
 def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
@@ -85,7 +68,9 @@ def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scalin
     else:
         b = q.shape[0]
         pad = torch.arange(n_pages, device=q.device)[None, :] < first[:, None]  # (B, P)
-        s = head_scores(q, boxes[:, :, :n_pages], scaling, scales, pad).logsumexp(dim=2)  # padding pages -inf
+        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes[:, :, :n_pages], scales).transpose(-1, -2))
+        bound = (bound * scaling).masked_fill(pad[:, None, None], float("-inf"))
+        s = torch.log_softmax(bound, dim=-1).logsumexp(dim=2)  # (B, H, P), padding pages -inf
         hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
         s.scatter_(2, hit, torch.where(force.view(b, 1, 1), float("inf"), s.gather(2, hit)))
     idx = s.topk(min(k, n_pages), dim=-1).indices.sort(dim=-1).values

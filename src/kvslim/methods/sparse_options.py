@@ -112,7 +112,7 @@ def apply(plan: Plan, sp: dict, num_kv_heads: int, head_dim: int) -> Plan:
         pages.add(ss.page)
         offset = spec.sink if spec.sink and spec.residual else 0
         layers.append(replace(lp, note=f"{lp.note}; {note}" if lp.note else note, sparse=ss, sparse_offset=offset,
-                              sparse_page_bytes=num_kv_heads * stats_bytes_per_page(head_dim, sp["sparse_score"]),
+                              sparse_page_bytes=num_kv_heads * stats_bytes_per_page(head_dim),
                               factory=append_factory(spec, lp.factory.keywords["chunk"], sparse=ss)))
     budget = (f"max({AUTO_FLOOR}, {AUTO_FRACTION:g} of the context)" if sp["sparse_budget"] == "auto"
               else sp["sparse_budget"])

@@ -197,37 +197,9 @@ void top_pages(const float* score, int64_t n, int64_t kk, int64_t* idx) {
     if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
 }
 
-void bounds(const float* q, const float* qa, const Box& bx, int64_t G, int64_t D, int64_t n_pages, float scaling,
-            float* s, float* row) {
-  if (bx.kind == kI8 && bx.group == 16 && (D == 64 || D == 128) && has_avx512()) {
-    if (D == 64)
-      bounds_i8g16<4>(q, qa, bx, G, n_pages, scaling, s);
-    else
-      bounds_i8g16<8>(q, qa, bx, G, n_pages, scaling, s);
-  } else if (D % 8 == 0 && (bx.kind != kI8 || bx.group % 8 == 0) && has_avx2())
-    bounds_avx2(q, qa, bx, G, D, n_pages, scaling, s, row);
-  else
-    bounds_scalar(q, qa, bx, G, D, n_pages, scaling, s, row);
-}
-
-// each head's bounds -> its log-softmax over the pages, in place
-void log_softmax_rows(float* s, int64_t G, int64_t n_pages) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n_pages;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n_pages; ++p) mx = std::max(mx, sg[p]);
-    double sum = 0.0;
-    for (int64_t p = 0; p < n_pages; ++p) sum += std::exp(sg[p] - mx);
-    const float lse = mx + static_cast<float>(std::log(sum));
-    for (int64_t p = 0; p < n_pages; ++p) sg[p] -= lse;
-  }
-}
-
 void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, float scaling, int64_t k,
-                 bool force_first, int64_t rest, int64_t* out, int64_t nbox, int64_t p0 = 0) {
-  // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written;
-  // nbox = 2 (score "both"): each page row holds two boxes [c | r] side by side, each head's estimate is the log of
-  // the sum of the two boxes' softmaxes
+                 bool force_first, int64_t rest, int64_t* out, int64_t p0 = 0) {
+  // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written
   const int64_t esz = bx.kind == kF32 ? 4 : bx.kind == kF16 ? 2 : 1;
   bx.p = static_cast<const char*>(bx.p) + p0 * bx.stride * esz;
   if (bx.sc) bx.sc += p0 * bx.sc_stride;
@@ -237,28 +209,32 @@ void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, 
   std::vector<float> row(static_cast<size_t>(2 * D));
   std::vector<float> qa(static_cast<size_t>(G * D));
   for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(q[i]);
-  bounds(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
-  if (nbox == 2) {  // the second box: 2D values further along the row, its scales 2D / group further
-    Box b2 = bx;
-    b2.p = static_cast<const char*>(bx.p) + 2 * D * esz;
-    if (b2.sc) b2.sc += 2 * D / b2.group;
-    std::vector<float> s2(static_cast<size_t>(G * n_pages));
-    bounds(q, qa.data(), b2, G, D, n_pages, scaling, s2.data(), row.data());
-    log_softmax_rows(s.data(), G, n_pages);
-    log_softmax_rows(s2.data(), G, n_pages);
-    for (int64_t i = 0; i < G * n_pages; ++i) {  // log(e^a + e^b)
-      const float a = s[i], b = s2[i], m = std::max(a, b);
-      s[i] = m == -std::numeric_limits<float>::infinity() ? m : m + std::log1p(std::exp(std::min(a, b) - m));
-    }
-  }
+  if (bx.kind == kI8 && bx.group == 16 && (D == 64 || D == 128) && has_avx512()) {
+    if (D == 64)
+      bounds_i8g16<4>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+    else
+      bounds_i8g16<8>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+  } else if (D % 8 == 0 && (bx.kind != kI8 || bx.group % 8 == 0) && has_avx2())
+    bounds_avx2(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
+  else
+    bounds_scalar(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
   std::vector<float> score(static_cast<size_t>(n_pages));
   if (G == 1) {  // one head: its log-softmax is its bound less a constant, the same ranking
     std::copy(s.begin(), s.end(), score.begin());
   } else {
-    if (nbox == 1) log_softmax_rows(s.data(), G, n_pages);
     std::vector<float> m(static_cast<size_t>(n_pages), -std::numeric_limits<float>::infinity());
-    for (int64_t g = 0; g < G; ++g)  // logsumexp over the heads of their log-softmaxes
-      for (int64_t p = 0; p < n_pages; ++p) m[p] = std::max(m[p], s[g * n_pages + p]);
+    for (int64_t g = 0; g < G; ++g) {  // log-softmax of each head over the pages, then logsumexp over the heads
+      float* sg = s.data() + g * n_pages;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < n_pages; ++p) mx = std::max(mx, sg[p]);
+      double sum = 0.0;
+      for (int64_t p = 0; p < n_pages; ++p) sum += std::exp(sg[p] - mx);
+      const float lse = mx + static_cast<float>(std::log(sum));
+      for (int64_t p = 0; p < n_pages; ++p) {
+        sg[p] -= lse;
+        m[p] = std::max(m[p], sg[p]);
+      }
+    }
     for (int64_t p = 0; p < n_pages; ++p) {
       float sum = 0.f;
       for (int64_t g = 0; g < G; ++g) sum += std::exp(s[g * n_pages + p] - m[p]);
@@ -279,16 +255,13 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
                     "kvslim::sparse_select: q must be a contiguous (B, H, G, D) fp32 tensor, got ", q.sizes(), " ",
                     q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  TORCH_CHECK_VALUE(boxes.dim() == 4 && boxes.size(0) == B && boxes.size(1) == H &&
-                        (boxes.size(3) == 2 * D || boxes.size(3) == 4 * D) &&
+  TORCH_CHECK_VALUE(boxes.dim() == 4 && boxes.size(0) == B && boxes.size(1) == H && boxes.size(3) == 2 * D &&
                         boxes.stride(3) == 1 &&
                         (boxes.scalar_type() == at::kHalf || boxes.scalar_type() == at::kFloat ||
                          boxes.scalar_type() == at::kChar),
-                    "kvslim::sparse_select: boxes must be (B, H, pages, 2D or 4D) fp16/fp32/int8 with unit last stride, "
-                    "got ",
+                    "kvslim::sparse_select: boxes must be (B, H, pages, 2D) fp16/fp32/int8 with unit last stride, got ",
                     boxes.sizes(), " ", boxes.scalar_type());
   const bool coded = boxes.scalar_type() == at::kChar;
-  const int64_t nbox = boxes.size(3) / (2 * D);
   const bool has_scales = scales.has_value() && scales->defined();
   TORCH_CHECK_VALUE(coded == has_scales, "kvslim::sparse_select: int8 boxes need scales and only they take them, got ",
                     boxes.scalar_type(), " boxes ", has_scales ? "with" : "without", " scales");
@@ -296,12 +269,12 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
   if (coded) {
     const at::Tensor& sc = *scales;
     TORCH_CHECK_VALUE(sc.device().is_cpu() && sc.scalar_type() == at::kHalf && sc.dim() == 4 && sc.size(0) == B &&
-                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 * nbox &&
-                          sc.size(3) <= 2 * nbox * D && (2 * nbox * D) % sc.size(3) == 0 &&
-                          D % ((2 * nbox * D) / sc.size(3)) == 0 && sc.stride(3) == 1,
-                      "kvslim::sparse_select: scales must be fp16 (B, H, >= n_pages, boxes' width / group) with a "
-                      "group dividing D=", D, " and unit last stride, got ", sc.sizes(), " ", sc.scalar_type());
-    group = (2 * nbox * D) / sc.size(3);
+                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 && sc.size(3) <= 2 * D &&
+                          (2 * D) % sc.size(3) == 0 &&
+                          D % ((2 * D) / sc.size(3)) == 0 && sc.stride(3) == 1,
+                      "kvslim::sparse_select: scales must be fp16 (B, H, >= n_pages, 2D / group) with a group "
+                      "dividing D=", D, " and unit last stride, got ", sc.sizes(), " ", sc.scalar_type());
+    group = (2 * D) / sc.size(3);
   }
   TORCH_CHECK_VALUE(n_pages >= 0 && n_pages <= boxes.size(2), "kvslim::sparse_select: n_pages=", n_pages,
                     " outside the boxes' ", boxes.size(2), " pages");
@@ -350,9 +323,9 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
         bx.group = group;
       }
       if (padded)
-        select_task(qt, bx, G, D, n_pages, sc, kk, fo[b], rest, ot, nbox, fp[b]);
+        select_task(qt, bx, G, D, n_pages, sc, kk, fo[b], rest, ot, fp[b]);
       else
-        select_task(qt, bx, G, D, n_pages, sc, kk, force_first, rest, ot, nbox);
+        select_task(qt, bx, G, D, n_pages, sc, kk, force_first, rest, ot);
     }
   });
   return out;
