@@ -95,9 +95,10 @@ def test_bench_group_interleaves_kinds_on_separate_copies(monkeypatch):
     model = tiny_model("llama")
     order, real = [], decode.time_decode
 
-    def spy(m, cache, batch, context, steps, warmup=1):
+    def spy(m, cache, batch, context, steps, warmup=1, pads=None):
         order.append((kvslim.get_plan(m).method if kvslim.get_plan(m) else "hf", context))
-        return real(m, cache, batch, context, steps, warmup)
+        assert pads is None  # an unpadded group
+        return real(m, cache, batch, context, steps, warmup, pads)
 
     monkeypatch.setattr(decode, "time_decode", spy)
     recs = decode.measure_group(model, "tiny", ["hf-dynamic", "kvslim-int8"], 2, 32, 2, 3, 10.0)

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
+from triton_aot import assert_page_list, compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.caches.residual import ChannelQuantizedStore  # noqa: E402
@@ -158,16 +158,7 @@ def test_page_list_reads_rows_in_place(bits, asym, kcg, page):
                                     values="exact")
     assert_close(ref, oracle[0], F32, "twin over the gathered rows vs float64")
     args = _dev(q, kc, ksc, kz, vc, vs, vz, bits, 32, kcg, n, None, kt, vt, None, d ** -0.5)
-    for splits in (1, 3):
-        out, lse = (t.cpu() for t in tq.launch(*args, splits=splits, pages=pages.to(DEVICE), page=page))
-        assert_close(out, ref, F32, f"paged kernel vs twin (splits={splits})")
-        assert_close(lse, ref_lse, F32, f"paged kernel lse (splits={splits})")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVSLIM_BACKEND", "triton")
-        out, _ = kernel.quant_decode(*args, pages=pages.to(DEVICE), page=page)
-    assert_close(out.cpu(), ref, F32, "dispatch with a page list")
-    with pytest.raises(ValueError, match="pages must be"):
-        tq.launch(*args, pages=pages[:, :, :2].to(DEVICE), page=page)
+    assert_page_list(tq.launch, kernel.quant_decode, args, pages, page, ref, ref_lse)
 
 
 @pytest.mark.parametrize("bits,d,g", [(4, 64, 4), (8, 128, 1)])

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_quant_decode_lowbit import _oracle, _random_format  # noqa: E402
 from tolerances import assert_close  # noqa: E402
-from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
+from triton_aot import assert_page_list, compile_for_sm90, kernel_device  # noqa: E402
 
 import kvslim  # noqa: E402
 from kvslim.kernels import backend  # noqa: E402
@@ -237,16 +237,7 @@ def test_page_list_reads_rows_in_place(kb, vb, kivi, page):
     gathered = [paged_rows(t, pages, page) for t in codes]
     ref, ref_lse = kernel.reference(q, *gathered, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5)
     args = _to((q, *codes, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5))
-    for splits in (1, 3):
-        out, lse = tq.launch(*args, splits, pages=pages.to(DEVICE), page=page)
-        assert_close(out.cpu(), ref, F32, f"paged kernel (splits={splits}) vs twin")
-        assert_close(lse.cpu(), ref_lse, F32, f"paged kernel lse (splits={splits})")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVSLIM_BACKEND", "triton")
-        out, _ = kernel.quant_decode_lowbit(*args, pages=pages.to(DEVICE), page=page)
-    assert_close(out.cpu(), ref, F32, "dispatch with a page list")
-    with pytest.raises(ValueError, match="pages must be"):
-        tq.launch(*args, pages=pages[:, :, :2].to(DEVICE), page=page)
+    assert_page_list(tq.launch, kernel.quant_decode_lowbit, args, pages, page, ref, ref_lse)
 
 
 AOT = r'''

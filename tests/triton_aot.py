@@ -67,3 +67,23 @@ def kernel_device(cuda_only: bool = False) -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the Triton kernels cannot run here", allow_module_level=True)
     return torch.device("cuda")
+
+
+def assert_page_list(launch, dispatch, args: tuple, pages: torch.Tensor, page: int, ref: torch.Tensor,
+                     ref_lse: torch.Tensor) -> None:
+    """A Triton launcher with a page list (forced 1 and 3 splits) and the family's dispatch under
+    ``KVSLIM_BACKEND=triton`` equal the twin's ``(ref, ref_lse)`` over the gathered rows; a page list too short for
+    ``n`` is refused by name. ``args``: the launcher's positional arguments, on the kernels' device."""
+    from tolerances import assert_close
+
+    listed = pages.to(args[0].device)
+    for splits in (1, 3):
+        out, lse = launch(*args, splits=splits, pages=listed, page=page)
+        assert_close(out.cpu(), ref, torch.float32, f"paged kernel vs twin (splits={splits})")
+        assert_close(lse.cpu(), ref_lse, torch.float32, f"paged kernel lse (splits={splits})")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSLIM_BACKEND", "triton")
+        out, _ = dispatch(*args, pages=listed, page=page)
+    assert_close(out.cpu(), ref, torch.float32, "dispatch with a page list")
+    with pytest.raises(ValueError, match="pages must be"):
+        launch(*args, pages=listed[:, :, :2], page=page)
