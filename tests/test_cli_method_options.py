@@ -236,6 +236,17 @@ def test_bench_padded_steps_mask_each_rows_padding():
         assert (mask[:, -1] == 1).all() and pos[:, 0].tolist() == [64 + i - p for p in (0, 8, 16, 24)]
     plain = decode.measure_group(model, "tiny", ["kvslim-int4"], 4, 64, 1, 1, 10.0)
     assert "padded" not in plain[0] and seen[-1][0] is None
+    from kvslim.bench.report import markdown_table
+    from kvslim.cli.bench import points
+
+    assert points([1, 4], [64, 128], True) == [(1, 64, False), (1, 128, False), (4, 64, False), (4, 64, True),
+                                               (4, 128, False), (4, 128, True)]  # batch 1: nothing to pad
+    assert points([4], [64], False) == [(4, 64, False)]
+    table = markdown_table(plain + recs)  # a padded row is its own row, its ratios taken against padded rows
+    assert "| kvslim-int4 (padded) |" in table and "| kvslim-int4 |" in table
+    row = next(line for line in table.splitlines() if "| kvslim-int4 (padded) |" in line)
+    want = recs[0]["tokens_per_s"] / recs[1]["tokens_per_s"]
+    assert row.split("|")[7].strip() == f"{want:.2f}"  # × HF dynamic: the padded hf-dynamic of the same run
 
 
 @pytest.mark.parametrize("flags, expected", [

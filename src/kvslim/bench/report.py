@@ -31,21 +31,26 @@ def write_json(path: Path, records: list[dict], bandwidth: dict, extra: dict | N
     path.write_text(json.dumps(doc, indent=2))
 
 
+def label(r: dict) -> str:
+    """A record's method as the tables and plots name it: a left-padded batch's (``kvslim bench --padded``) marked."""
+    return r["method"] + (" (padded)" if r.get("padded") else "")
+
+
 def markdown_table(records: list[dict], baseline: str = "hf-static") -> str:
-    """One row per (model, context, batch, method) with tokens/s and ratios to ``baseline``, hf-dynamic and
-    kvslim-dense (same run)."""
+    """One row per (model, context, batch, method, padded or not) with tokens/s and ratios to ``baseline``,
+    hf-dynamic and kvslim-dense (same run, same padding)."""
     skipped = [r for r in records if "skipped" in r]
     records = [r for r in records if "skipped" not in r]
-    index = {(r["model"], r["context"], r["batch"], r["method"]): r for r in records}
+    index = {(r["model"], r["context"], r["batch"], label(r)): r for r in records}
     lines = ["| model | context | batch | method | tokens/s | × HF static | × HF dynamic | × kvslim dense | cache "
              "| GB/s | % roofline |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(r: dict, method: str) -> str:
-        base = index.get((r["model"], r["context"], r["batch"], method))
+        base = index.get((r["model"], r["context"], r["batch"], label({**r, "method": method})))
         return f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
 
     for r in records:
-        lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {label(r)} | {r['tokens_per_s']:.1f} | "
                      f"{ratio(r, baseline)} | {ratio(r, 'hf-dynamic')} | {ratio(r, 'kvslim-dense')} | "
                      f"{human_bytes(r['cache_bytes'])} | {r['gbps']:.1f} | "
                      f"{100 * r['roofline_fraction']:.0f} |")
@@ -68,8 +73,8 @@ def plot(records: list[dict], path: Path, roofline_gbps: float) -> None:
     fig, axes = plt.subplots(2, len(groups), figsize=(4.6 * len(groups), 7.5), squeeze=False)
     for col, (model, batch) in enumerate(groups):
         rows = [r for r in records if r["model"] == model and r["batch"] == batch]
-        for method in dict.fromkeys(r["method"] for r in rows):
-            pts = sorted((r["context"], r["tokens_per_s"], r["gbps"]) for r in rows if r["method"] == method)
+        for method in dict.fromkeys(label(r) for r in rows):
+            pts = sorted((r["context"], r["tokens_per_s"], r["gbps"]) for r in rows if label(r) == method)
             ctx = [p[0] for p in pts]
             axes[0][col].plot(ctx, [p[1] for p in pts], marker="o", label=method)
             axes[1][col].plot(ctx, [p[2] for p in pts], marker="o", label=method)

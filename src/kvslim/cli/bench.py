@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_per_layer_file(p, "the CPU table (each model of --models is checked against it)")
     p.add_argument("--padded", action="store_true",
-                   help="left-padded batches (the CPU table): row r's first r·context/(2·batch) tokens are padding, "
-                        "an attention mask every step")
+                   help="the CPU table: every point of batch > 1 measured twice, as given and left-padded (row r's "
+                        "first r·context/(2·batch) tokens padding, an attention mask every step)")
     p.add_argument("--steps", type=int, default=3, help="timed decode steps per method per round")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds (A B C A B C ...); the median over rounds × steps is reported")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from ..bench.decode import measure_group
-    from ..bench.report import markdown_table, plot, write_json
+    from ..bench.report import label, markdown_table, plot, write_json
     from ..bench.roofline import measure_bandwidth
     from ..methods.base import parse_dtype
 
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"measured bandwidth: read {bandwidth['read_gbps']:.1f} GB/s, copy {bandwidth['copy_gbps']:.1f} "
                   f"GB/s (roofline {bandwidth['roofline_gbps']:.1f} GB/s), {torch.get_num_threads()} threads")
     records = []
-    total = len(models) * len(contexts) * len(batches)
+    total = len(models) * len(points(batches, contexts, getattr(args, "padded", False)))
     with Progress(console=console) as progress:
         task = progress.add_task("decode points", total=total)
         for model_name in models:
@@ -141,23 +141,21 @@ def run(args: argparse.Namespace) -> int:
                 model_options = with_per_layer_file(options, calib, model, model_name)
             except ValueError as e:  # e.g. the default --models runs mha-100m too: name the model to leave out
                 raise ValueError(f"{e} (--models {model_name}; run the models the file was calibrated for)") from None
-            for batch in batches:
-                for context in contexts:
-                    group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,
-                                          bandwidth["roofline_gbps"], model_options,
-                                          padded=getattr(args, "padded", False))
-                    records += group
-                    base = next((r for r in group if r["method"] == "kvslim-dense"), None)
-                    for rec in group:
-                        if "skipped" in rec:
-                            progress.console.print(f"{model_name:9s} {rec['method']}: not run ({rec['skipped']})")
-                            continue
-                        vs = f" {rec['tokens_per_s'] / base['tokens_per_s']:5.2f}× dense" if base else ""
-                        progress.console.print(
-                            f"{model_name:9s} b{batch:<3d} ctx {context:6d} {rec['method']:13s} "
-                            f"{rec['tokens_per_s']:8.2f} tok/s{vs} {rec['gbps']:6.1f} GB/s "
-                            f"({100 * rec['roofline_fraction']:.0f}% roofline)")
-                    progress.advance(task)
+            for batch, context, padded in points(batches, contexts, getattr(args, "padded", False)):
+                group = measure_group(model, model_name, kinds, batch, context, args.steps, args.rounds,
+                                      bandwidth["roofline_gbps"], model_options, padded=padded)
+                records += group
+                base = next((r for r in group if r["method"] == "kvslim-dense"), None)
+                for rec in group:
+                    if "skipped" in rec:
+                        progress.console.print(f"{model_name:9s} {rec['method']}: not run ({rec['skipped']})")
+                        continue
+                    vs = f" {rec['tokens_per_s'] / base['tokens_per_s']:5.2f}× dense" if base else ""
+                    progress.console.print(
+                        f"{model_name:9s} b{batch:<3d} ctx {context:6d} {label(rec):13s} "
+                        f"{rec['tokens_per_s']:8.2f} tok/s{vs} {rec['gbps']:6.1f} GB/s "
+                        f"({100 * rec['roofline_fraction']:.0f}% roofline)")
+                progress.advance(task)
             del model
     out = Path(args.out)
     write_json(out / f"{args.name}.json", records, bandwidth)
@@ -166,6 +164,12 @@ def run(args: argparse.Namespace) -> int:
     (out / f"{args.name}.md").write_text(table + "\n")
     console.print(table)
     return 0
+
+
+def points(batches: list[int], contexts: list[int], padded: bool) -> list[tuple[int, int, bool]]:
+    """(batch, context, left-padded) of the CPU table, in order: with ``--padded`` each point of batch > 1 twice,
+    as given and left-padded (a batch of one has no padding to add)."""
+    return [(b, c, p) for b in batches for c in contexts for p in ((False, True) if padded and b > 1 else (False,))]
 
 
 def positive_seconds(text, name: str) -> float:
