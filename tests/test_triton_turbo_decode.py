@@ -138,6 +138,8 @@ def test_page_list_reads_rows_in_place(spec, page):
     torch.testing.assert_close(out.cpu(), ref[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="pages must be"):
         tt.check(q, *codes, *bits, n, kt, vt, None, pages=pages[:, :, :2], page=page)
+    with pytest.raises(ValueError, match="page must be a power of two ≥ 16"):
+        tt.check(q, *codes, *bits, n, kt, vt, None, pages=pages, page=8)
 
 
 def test_kernel_compiles_for_sm90():

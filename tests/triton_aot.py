@@ -73,7 +73,8 @@ def assert_page_list(launch, dispatch, args: tuple, pages: torch.Tensor, page: i
                      ref_lse: torch.Tensor) -> None:
     """A Triton launcher with a page list (forced 1 and 3 splits) and the family's dispatch under
     ``KVSLIM_BACKEND=triton`` equal the twin's ``(ref, ref_lse)`` over the gathered rows; a page list too short for
-    ``n`` is refused by name. ``args``: the launcher's positional arguments, on the kernels' device."""
+    ``n``, a float one and a page size that is no power of two are refused by name. ``args``: the launcher's
+    positional arguments, on the kernels' device."""
     from tolerances import assert_close
 
     listed = pages.to(args[0].device)
@@ -87,3 +88,7 @@ def assert_page_list(launch, dispatch, args: tuple, pages: torch.Tensor, page: i
     assert_close(out.cpu(), ref, torch.float32, "dispatch with a page list")
     with pytest.raises(ValueError, match="pages must be"):
         launch(*args, pages=listed[:, :, :2], page=page)
+    with pytest.raises(ValueError, match="pages must be"):
+        launch(*args, pages=listed.float(), page=page)
+    with pytest.raises(ValueError, match="page must be a power of two"):
+        launch(*args, pages=listed, page=page + 1)

@@ -13,7 +13,8 @@ quantized path). Per sequence and KV head (one choice for the G query heads of t
 full-precision window, the step's token) with the math a full read uses (int8/int4/int3/int2 and turbo: the C++
 op, or on CUDA the Triton kernel, through the page list; dense: SDPA with packed GQA queries over gathered rows;
 other coded layers: the fused op over gathered codes; a masked step: only the chosen rows dequantized, fp32
-attention with the mask; anything else: :func:`reference`). All on the device: no host synchronisation, no process-wide state changed.
+attention with the mask; anything else: :func:`reference`). All on the device: no host synchronisation, no
+process-wide state changed.
 
 :func:`reference` is the twin: the layer's own full reads (dequantized), the same rows gathered, fp32 softmax.
 """

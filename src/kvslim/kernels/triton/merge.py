@@ -104,3 +104,20 @@ def merge_splits(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, 
 def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` with a unit stride on its last dim (the kernels index channels directly), copied only if needed."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_pages(name: str, pages: torch.Tensor | None, page: int, b: int, hk: int, n: int, multiple: int = 1,
+                least: int = 1) -> int:
+    """A launcher's page list (sparse decode): ``None``, or an integer (B, Hk, ≥ ⌈n / page⌉) tensor with ``page`` a
+    power of two ≥ ``least`` and a multiple of ``multiple`` (a key group). Returns the rows each buffer must hold:
+    ``n`` without a list, else one page (the ids themselves are not read here: no device sync). ``ValueError``
+    naming the argument otherwise."""
+    if pages is None:
+        return n
+    if page < least or page & (page - 1) or page % max(multiple, 1):
+        raise ValueError(f"{name}: page must be a power of two ≥ {least} and a multiple of {max(multiple, 1)} (the "
+                         f"key groups), got {page}")
+    if pages.dim() != 3 or tuple(pages.shape[:2]) != (b, hk) or pages.shape[2] * page < n or pages.is_floating_point():
+        raise ValueError(f"{name}: pages must be an integer (B={b}, Hk={hk}, ≥{-(-n // page)}) page list, got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+    return page

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
-from .merge import check_dot, finish, mm, softmax_step, unit_last
+from .merge import check_dot, check_pages, finish, mm, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -236,16 +236,7 @@ def _check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_si
            k_tail, v_tail, mask, v_unrot, pages=None, page=0) -> None:
     b, hk, g, d = q.shape
     width = d * bits // 8
-    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
-    if pages is not None:
-        if page <= 0 or page & (page - 1) or (key_channel_group and page % key_channel_group):
-            raise ValueError(f"page must be a power of two and a multiple of key_channel_group="
-                             f"{key_channel_group}, got {page}")
-        if (pages.dim() != 3 or tuple(pages.shape[:2]) != (b, hk) or pages.shape[2] * page < n
-                or pages.is_floating_point()):
-            raise ValueError(f"pages must be an integer ({b}, {hk}, ≥{-(-n // page)}) page list, got {pages.dtype} "
-                             f"{tuple(pages.shape)}")
-        stored = page
+    stored = check_pages("kvslim::quant_decode_triton", pages, page, b, hk, n, key_channel_group)
     if bits == 4 and d % 2:
         raise ValueError(f"q: int4 codes pack two channels per byte, the head dim must be even, got {d}")
     if n < 0:

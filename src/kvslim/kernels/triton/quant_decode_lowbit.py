@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
-from .merge import check_dot, finish, merge_splits, mm, softmax_step, unit_last
+from .merge import check_dot, check_pages, finish, merge_splits, mm, softmax_step, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -216,16 +216,7 @@ def check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits, v_bits,
     if n < 0:
         raise ValueError(f"{name}: n must be ≥ 0, got {n}")
     kivi = key_channel_group
-    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
-    if pages is not None:
-        if page < 16 or page & (page - 1) or (kivi and page % kivi):
-            raise ValueError(f"{name}: page must be a power of two ≥ 16 and a multiple of key_channel_group="
-                             f"{kivi}, got {page}")
-        if pages.dim() != 3 or tuple(pages.shape[:2]) != (b, hk) or pages.shape[2] * page < n or \
-                pages.is_floating_point():
-            raise ValueError(f"{name}: pages must be an integer (B={b}, Hk={hk}, ≥{-(-n // page)}) page list, got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
-        stored = page
+    stored = check_pages(name, pages, page, b, hk, n, kivi, least=16)  # blocks are cut to the page
     ktokens = -(-stored // kivi) * kivi if kivi else stored
     kparams = d // kivi if kivi else d // group_size
     for t, what, tokens, width in ((k_codes, "k_codes", stored, d * k_bits // 8),
@@ -331,8 +322,9 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
     _lowbit_stage1[(b * hk, s)](
         q, kc, ks, kz, vc, vs, vz, lengths if lengths is not None else dummy, kt_, vt_,
         mask if mask is not None else dummy, part_o, part_l, pg if pg is not None else dummy,
-        *q.stride()[:3], *(pg.stride()[:2] if pg is not None else (0, 0)), *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3],
-        *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3], *st_k, *st_v, s_mb,
+        *q.stride()[:3], *(pg.stride()[:2] if pg is not None else (0, 0)),
+        *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3],
+        *st_k, *st_v, s_mb,
         hk, g, n, r, chunk, float(scaling),
         D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
         GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..backend import check_lengths
 from . import interpreter_scalars
-from .merge import finish, softmax_step, unit_last
+from .merge import check_pages, finish, softmax_step, unit_last
 
 MAX_HEAD_DIM = 256
 
@@ -137,18 +137,10 @@ def check(q, k_codes, k_scale, v_codes, v_scale, k_out, k_bits, v_bits, n, k_tai
     """The C++ op's argument checks, as named ValueErrors."""
     name = "kvslim::turbo_decode_triton"
     check_lengths(name, lengths, q, n)
-    stored = n  # rows the buffers must hold: the n slots, or with a page list whole pages (ids not read here)
-    if pages is not None:
-        if page < 16 or page & (page - 1):
-            raise ValueError(f"{name}: page must be a power of two ≥ 16, got {page}")
-        if pages.dim() != 3 or tuple(pages.shape[:2]) != tuple(q.shape[:2]) or pages.shape[2] * page < n or \
-                pages.is_floating_point():
-            raise ValueError(f"{name}: pages must be an integer (B, Hk, ≥{-(-n // page)}) page list, got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
-        stored = page
     if q.dim() != 4 or q.dtype != torch.float32:
         raise ValueError(f"{name}: q must be float32 (B, Hk, G, D), got {q.dtype} {tuple(q.shape)}")
     b, hk, _, d = q.shape
+    stored = check_pages(name, pages, page, b, hk, n, least=16)  # blocks are cut to the page
     if k_bits not in (2, 3, 4) or v_bits not in (2, 3, 4):
         raise ValueError(f"{name}: k_bits and v_bits must be 2, 3 or 4, got {k_bits} / {v_bits}")
     if not 0 <= k_out < d or (k_out and k_bits == 4) or d > MAX_HEAD_DIM:
@@ -225,8 +217,9 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_code
     _turbo_decode[(b * hk,)](
         q, k_codes, k_scale, v_codes, v_scale, levels.float().contiguous().to(q.device), kt, vt, m, ab, brows,
         q if lengths is None else lengths, out, lse, q if pg is None else pg,
-        q.stride(0), q.stride(1), q.stride(2), *((0, 0) if pg is None else pg.stride()[:2]), *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3],
-        *v_scale.stride()[:3], *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
+        q.stride(0), q.stride(1), q.stride(2), *((0, 0) if pg is None else pg.stride()[:2]),
+        *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3], *v_scale.stride()[:3],
+        *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
         hk, g, n, r, scaling,
         D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32 if pg is None else min(32, page),
         KOUT=k_out, KB=k_bits, VB=v_bits,
