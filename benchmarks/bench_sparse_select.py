@@ -32,12 +32,13 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 RECENT = 128  # rows a dense layer reads outright (kvslim.caches.sparse.RECENT)
 RETRIEVAL = 0.10
-#: page summaries scored: the box bound on mean ± std and on min/max boxes, a Gaussian estimate z·‖q ⊙ σ‖ beside
+#: page summaries scored: the box bound on mean ± std, on min/max boxes and on min/max boxes in the keys' principal
+#: axes (``pca``: the basis from the haystack's keys, as PageStats takes it from the prompt's), a Gaussian estimate z·‖q ⊙ σ‖ beside
 #: the centre's q·c (z = 1, 2, 3), the centre alone
-SCORES = ("meanstd", "minmax", "l2z1", "l2z2", "l2z3", "l2z0")  # a query head is retrieving when the full read puts this much attention on the sentence's rows
+SCORES = ("meanstd", "minmax", "pca", "l2z1", "l2z2", "l2z3", "l2z0")  # a query head is retrieving when the full read puts this much attention on the sentence's rows
 
 
-def record_queries(model, tok, cache, question) -> tuple[list[dict], str]:
+def record_queries(model, tok, cache, question, by_token: bool = False) -> tuple[list[dict], str]:
     """Answer ``question`` through ``cache`` (full read) and return every attention call's post-RoPE query:
     ``[{"layer": i, "q": (H, S, D) fp32, "pos": first position}]`` in call order, and the answer text."""
     from kvslim.adapters import sdpa
@@ -52,7 +53,7 @@ def record_queries(model, tok, cache, question) -> tuple[list[dict], str]:
 
     sdpa._forward = spy
     try:
-        text, _ = answer(model, tok, cache, question)
+        text, _ = answer(model, tok, cache, question, by_token=by_token)
     finally:
         sdpa._forward = inner
     return calls, text
@@ -63,11 +64,19 @@ def boxes(keys: torch.Tensor, page: int, score: str) -> torch.Tensor:
     (before its fp16 rounding)."""
     h, t, d = keys.shape
     x = keys[:, : t // page * page].reshape(h, t // page, page, d)
-    if score == "minmax":
+    if score in ("minmax", "pca"):
         lo, hi = x.amin(2), x.amax(2)
         return torch.stack(((lo + hi) / 2, (hi - lo) / 2), dim=2)
     c = x.mean(2)
     return torch.stack((c, (x.pow(2).mean(2) - c * c).clamp_min(0).sqrt()), dim=2)
+
+
+def principal_axes(x: torch.Tensor) -> torch.Tensor:
+    """(H, T, D) keys -> (H, D, D) orthonormal columns: the eigenvectors of the keys' covariance (float64). Boxes
+    of the rotated keys ``k·R`` scored with ``q·R`` bound the same ``q·k``, tighter where keys are anisotropic
+    (tried 2026-11-29: on the tuning haystacks no better than the model's axes, so not in the library)."""
+    xc = x.double() - x.double().mean(dim=1, keepdim=True)
+    return torch.linalg.eigh(xc.transpose(-1, -2) @ xc).eigenvectors.float()
 
 
 def union_pages(s_head: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,7 @@ def union_pages(s_head: torch.Tensor) -> torch.Tensor:
 
 
 def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[int], rules, budgets, pages,
-            dense_layers: int) -> dict:
+            dense_layers: int, scores=SCORES) -> dict:
     """Per (rule, page, budget): attention mass kept and the needle pages' ranks (see the module docstring)."""
     out: dict = {}
     memo: dict = {}
@@ -106,20 +115,24 @@ def analyse(calls, kv, length: int, needle: tuple[int, int], answer_calls: set[i
             tail_mass = att[..., n_pages * page:].sum(-1)
             needle_pages = sorted({t // page for t in range(lo, hi) if t // page < n_pages})
             exact = logits[..., : n_pages * page].reshape(hk, g, n_pages, page).amax(-1)  # (Hk, G, P)
-            for score in SCORES:
-                stats = "minmax" if score == "minmax" else "meanstd"
+            for score in scores:
+                stats = score if score in ("minmax", "pca") else "meanstd"
+                if (layer, "basis") not in memo:
+                    memo[(layer, "basis")] = principal_axes(keys_h[:, 4:])  # (Hk, D, D), int4's sinks apart
+                basis = memo[(layer, "basis")] if stats == "pca" else None
                 if (layer, page, stats) not in memo:
-                    memo[(layer, page, stats)] = boxes(keys_h, page, stats)[:, :n_pages]
+                    memo[(layer, page, stats)] = boxes(keys_h if basis is None else keys_h @ basis, page,
+                                                       stats)[:, :n_pages]
                 box = memo[(layer, page, stats)]
                 c, r = box[:, :, 0], box[:, :, 1]
-                qg = q.view(hk, g, d)
+                qg = q.view(hk, g, d) if basis is None else q.view(hk, g, d) @ basis
                 s_head = torch.einsum("hgd,hpd->hgp", qg, c)
-                if score in ("meanstd", "minmax"):  # the box bound: Σ_d |q_d| r_d
+                if score in ("meanstd", "minmax", "pca"):  # the box bound: Σ_d |q_d| r_d
                     s_head = s_head + torch.einsum("hgd,hpd->hgp", qg.abs(), r)
                 elif score.startswith("l2z"):  # a Gaussian estimate of the page's best q·k: z·sqrt(Σ q_d² r_d²)
                     s_head = s_head + float(score[3:]) * torch.einsum("hgd,hpd->hgp", qg * qg, r * r).sqrt()
                 for rule in rules:
-                    if score not in ("meanstd", "minmax") and rule not in ("sum", "softmax"):
+                    if score not in ("meanstd", "minmax", "pca") and rule not in ("sum", "softmax"):
                         continue
                     if rule == "union":
                         s = union_pages(s_head)
@@ -208,6 +221,10 @@ def main() -> None:
     p.add_argument("--budgets", default="1024,2048,4096")
     p.add_argument("--pages", default="64,32,16")
     p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--scores", default=",".join(SCORES), help=f"page summaries, some of {list(SCORES)}")
+    p.add_argument("--by-token", action="store_true",
+                   help="feed the question one token per call (as bench_longctx --question-by-token): every "
+                        "question token is then a decode step, and the needle is checked at every single-token step")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stem", default="bench_sparse_select")
     p.add_argument("--record", nargs="+", default=None, metavar="JSONL",
@@ -235,7 +252,7 @@ def main() -> None:
     rules, budgets, pages = args.rules.split(","), [int(x) for x in args.budgets.split(",")], [
         int(x) for x in args.pages.split(",")]
     log = RESULTS / f"{args.stem}.jsonl"
-    done = {(r["length"], r["trial"], r["task"]) for r in map(json.loads, log.read_text().splitlines())} \
+    done = {(r["seed"], r["length"], r["trial"], r["task"]) for r in map(json.loads, log.read_text().splitlines())} \
         if log.is_file() else set()
     for trial in range(args.trials):
         for n in [int(x) for x in args.lengths.split(",")]:
@@ -249,18 +266,22 @@ def main() -> None:
             assert torch.equal(saved["ids"], hay.ids), path
             kv = saved["kv"]
             for qn in hay.questions:
-                if (n, trial, qn.task) in done:
+                if (args.seed, n, trial, qn.task) in done:
                     continue
-                calls, text = record_queries(model, tok, fill(make(), kv), qn)
+                calls, text = record_queries(model, tok, fill(make(), kv), qn, args.by_token)
                 ok = correct(text, qn.instance)
                 n_layers = len(kv)
                 first_step = next(i for i, c in enumerate(calls) if c["q"].shape[1] == 1) if any(
                     c["q"].shape[1] == 1 for c in calls) else len(calls)
                 answer_calls = set(range(max(0, first_step - n_layers), len(calls)))  # the question's last + steps
+                if args.by_token:  # every call is one token: the question's steps and the answer's
+                    answer_calls = set(range(len(calls)))
                 lo = qn.positions[0]
                 needle = (lo, lo + 24)  # the inserted sentence's first rows (a sentence is 15-25 tokens)
-                cells = analyse(calls, kv, n, needle, answer_calls, rules, budgets, pages, args.dense_layers)
+                cells = analyse(calls, kv, n, needle, answer_calls, rules, budgets, pages, args.dense_layers,
+                                args.scores.split(","))
                 rec = {"seed": args.seed, "length": n, "trial": trial, "task": qn.task, "answer": text,
+                       "question": "token by token" if args.by_token else "one call",
                        "dense_correct": ok, "depth": qn.depth_measured,
                        "cells": summary(cells)}
                 with open(log, "a") as f:
