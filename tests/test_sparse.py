@@ -201,9 +201,10 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
                          output_scores=True, return_dict_in_generate=True)
     kvslim.apply(model, method, sparse_budget=256, sparse_dense_layers=2)  # one layer sparse: calls counted below
     calls = []
-    original, masked = attn.select_pages, attn._masked
+    original, masked, listed = attn.select_pages, attn._masked, attn._page_list
     attn.select_pages = lambda h, *a, **kw: calls.append(h.pages) or original(h, *a, **kw)
     attn._masked = lambda h, *a: calls.append(h.pages) or masked(h, *a)
+    attn._page_list = lambda h, *a: calls.append(h.pages) or listed(h, *a)  # the ops' in-call choice
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
@@ -211,7 +212,7 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
         padded = model.generate(pids, attention_mask=pmask, max_new_tokens=2, do_sample=False,
                                 output_scores=True, return_dict_in_generate=True)
     finally:
-        attn.select_pages, attn._masked = original, masked
+        attn.select_pages, attn._masked, attn._page_list = original, masked, listed
         kvslim.restore(model)
     assert len(calls) == 2 * 1 + 1 * 1  # 2 decode steps, then 1 (padded), on the one layer past sparse_dense_layers=2
     for a, b in zip(ref.scores, out.scores):
@@ -460,11 +461,81 @@ def test_sparse_turbo3_reads_pages_in_place(model, monkeypatch):
     assert h is not None and h.fused is not None
     seen = []
     real = td.turbo_decode
-    monkeypatch.setattr(td, "turbo_decode", lambda *a, **k: seen.append(k.get("pages")) or real(*a, **k))
+    monkeypatch.setattr(td, "turbo_decode", lambda *a, **k: seen.append(k.get("select")) or real(*a, **k))
     from kvslim.attention import quant as quant_attn
 
     monkeypatch.setattr(quant_attn, "turbo_decode", td.turbo_decode)
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(1))
     out = attn.decode(h, q, None, 0.25)
-    assert seen and seen[0] is not None, "the step did not read pages in place"
+    assert seen and seen[0] is not None, "the step did not read pages in place (the op choosing them in its call)"
     torch.testing.assert_close(out, attn.reference(h, q, None, 0.25), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int3", "int2", "turbo3"])
+@pytest.mark.parametrize("select", ["step", "prompt"])
+def test_op_chooses_its_pages_in_the_call(model, method, select, monkeypatch):
+    """The C++ decode ops choose a step's pages in their own call (``select=PageChoice``): the output equals, bit
+    for bit, the two-call path (``kvslim::sparse_select``, then the op through that page list), the Python
+    selection never runs, and a ``select="prompt"`` cache's buffer receives the same choice."""
+    from kvslim.kernels import quant_decode as qd
+    from kvslim.kernels import sparse_select as ss
+
+    if qd._backend("cpu") != "cpp" or not ss.available():
+        pytest.skip("C++ ops not built")
+    layer, _ = _layer(model, method, sparse_budget=256, sparse_dense_layers=0, sparse_select=select)
+    _, _, h = _step(layer, 2, 2, 16, 700)
+    assert h is not None and h.fused is not None and h.pages > h.stats.spec.pages
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    qg = q.float().reshape(2, 2, 2, 16)
+    p = h.stats.spec.page
+    extra = -(-(h.n - h.pages * p) // p)
+    listed = ss.sparse_select(qg, h.stats.boxes, h.pages, h.k, 0.25, h.stats.spec.sinks_in_pages, extra,
+                              scales=h.stats.scales)
+    k = listed.shape[-1] - extra
+    import dataclasses
+
+    from kvslim.attention import quant as quant_attn
+
+    two = quant_attn.decode(dataclasses.replace(h.fused, n=k * p + h.n - h.pages * p, lengths=None, pages=listed,
+                                                page=p), q, None, 0.25)
+    calls = []
+    monkeypatch.setattr(ss, "sparse_select", lambda *a, **kw: calls.append(1))  # would break the step if called
+    if h.kept is not None:
+        h.kept.zero_()
+    one = attn.decode(h, q, None, 0.25)
+    assert calls == [], "the selection ran outside the op"
+    assert torch.equal(one, two)
+    if select == "prompt":
+        assert torch.equal(h.kept, listed[..., :k])
+
+
+def test_in_call_choice_refuses_bad_input(model):
+    """A page list and boxes together, boxes without the queries, a ``chosen`` buffer of another shape: refused by
+    name, nothing written."""
+    from kvslim.kernels import quant_decode as qd
+    from kvslim.kernels import sparse_select as ss
+
+    if qd._backend("cpu") != "cpp" or not ss.available():
+        pytest.skip("C++ ops not built")
+    layer, _ = _layer(model, "int4", sparse_budget=256, sparse_dense_layers=0)
+    _, _, h = _step(layer, 1, 2, 16, 700)
+    f, st = h.fused, h.stats
+    q = torch.randn(1, 2, 2, 16)
+    base = (q, f.k.data, f.k.scale, f.k.zero, f.v.data, f.v.scale, f.v.zero, 4, f.k.spec.group_size,
+            f.k.spec.channel_group, 32 * 4, None, None, None, None, 0.25)
+    listed = ss.sparse_select(q, st.boxes, h.pages, 4, 0.25, True, 0, scales=st.scales)
+    with pytest.raises(ValueError, match="exclude"):
+        qd.quant_decode(*base, pages=listed, page=32,
+                        select=ss.PageChoice(q, st.boxes, st.scales, h.pages, 4, True))
+    op = torch.ops.kvslim.quant_decode
+    with pytest.raises(ValueError, match="sel_q"):
+        op(*base, page=32, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4)
+    bad = torch.full((1, 2, 3), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="chosen"):
+        op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
+           sel_force=True, chosen=bad)
+    assert bool((bad == -1).all())
+    out, _ = op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
+                sel_force=True)
+    ref, _ = op(*base, pages=listed, page=32)
+    assert torch.equal(out, ref)

@@ -157,14 +157,15 @@ def history(h: FusedKV, q: torch.Tensor, mask: torch.Tensor | None, scaling: flo
             vt = vt @ vrot
         out, lse = quant_decode_lowbit(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                                        vbits, spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt,
-                                       h.kernel_mask(mask), scaling, pages=h.pages, page=h.page)
+                                       h.kernel_mask(mask), scaling, pages=h.pages, page=h.page,
+                                       select=h.select)
         if vrot is not None:
             out = (out.reshape(-1, d) @ vrot.T).view(out.shape)  # one 2-D product (a batched one copies R per head)
         return out, lse
     # the int8/int4 op takes the tail in the values' own basis (fused.append_handle hands it over unrotated)
     return quant_decode(q, h.k.data, h.k.scale, h.k.zero, h.v.data, h.v.scale, h.v.zero, spec.bits,
                         spec.group_size, spec.channel_group, h.n, h.lengths, kt, vt, h.kernel_mask(mask), scaling,
-                        v_unrot=h.v.unrotation, pages=h.pages, page=h.page)
+                        v_unrot=h.v.unrotation, pages=h.pages, page=h.page, select=h.select)
 
 
 def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tensor | None, mask, scaling: float
@@ -179,13 +180,15 @@ def _turbo(h: FusedKV, q: torch.Tensor, kt: torch.Tensor | None, vt: torch.Tenso
     # plainly centred keys score q·(k − μ): the softmax is the same, the log-sum-exp short by q·μ (a merge needs it)
     shift = None if k.mean is None or k.spec.rope_centred else torch.einsum("bhgd,bhd->bhg", q, k.mean[:, :, 0])
     q, ab = k.move_query(q)  # scores: (q ⊙ c)·k̃ in the coded basis; RoPE-centred keys: + ab·[cos|sin]_t per row
-    rows = h.n if h.pages is None else k.data.shape[2]  # a page list reads bias rows by stored row
+    paged = h.pages is not None or h.select is not None
+    rows = k.data.shape[2] if paged else h.n  # a page list reads bias rows by stored row
     bias = (None, None) if ab is None else (ab, k.bias_rows(rows, ab.shape[-1]))
     if kt is not None:  # an append layer's tails come in the coded bases (caches/fused.turbo_tail), kept per step
         kt = kt if h.k_tail_rotated else k.to_coded_basis(kt)
         vt = vt if h.v_tail_rotated else v.to_coded_basis(vt)
     out, lse = turbo_decode(q, k.data, k.scale, v.data, v.scale, k.spec.outliers, k.spec.bits, v.spec.bits, h.n, kt,
-                            vt, h.kernel_mask(mask), scaling, *bias, lengths=h.lengths, pages=h.pages, page=h.page)
+                            vt, h.kernel_mask(mask), scaling, *bias, lengths=h.lengths, pages=h.pages, page=h.page,
+                            select=h.select)
     if shift is not None:
         lse = lse + scaling * shift
     return (out.reshape(b * hk * g, d) @ v.rotations[0].T).view(b, hk, g, d), lse

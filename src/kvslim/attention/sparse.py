@@ -88,16 +88,15 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     q = query.float().reshape(b, hk, heads // hk, d)
     p = h.stats.spec.page
     if attention_mask is None and h.fused is not None and _in_place(h.fused, p):
-        # int8/int4/int3/int2 on the C++ ops: one call chooses the pages and lists the region's rest after them,
-        # one call attends through the list (the codes read where they are)
+        # int8/int4/int3/int2 and turbo on the C++ ops: one call chooses the pages, lists the region's rest after
+        # them and attends through the list (the codes read where they are; other backends choose first)
         lo, extra = h.pages * p, -(-(h.n - h.pages * p) // p)
-        listed = select_pages(h, q, scaling, rest=extra)
-        k = listed.shape[-1] - extra
-        f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, pages=listed, page=p)
+        k = min(h.k, h.pages)
+        f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, page=p, **_page_list(h, q, scaling, extra))
         out = quant.decode(f, query, None, scaling)
         if out is not None:
             return out
-        idx = listed[..., :k]
+        idx = select_pages(h, q, scaling)
         return reference(h, query, None, scaling, rows_of(h, idx), _chosen_reads(h, idx))
     if attention_mask is not None:
         return _masked(h, query, q, attention_mask, scaling)
@@ -110,6 +109,16 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
         if out is not None:  # None: a store the fused op declines (the twin below, over the same rows)
             return out
     return reference(h, query, None, scaling, rows_of(h, idx), _chosen_reads(h, idx))
+
+
+def _page_list(h: SparseKV, q: torch.Tensor, scaling, rest: int) -> dict:
+    """The page list of an unmasked step through a decode op: the choice made earlier (``select="prompt"``, read
+    with the pages completed since), or the boxes for the op to choose from in its own call (writing the choice
+    into the cache's buffer when the cache keeps one)."""
+    if h.kept is not None and not h.choose:
+        return {"pages": select_pages(h, q, scaling, rest)}
+    return {"select": sparse_select.PageChoice(q, h.stats.boxes, h.stats.scales, h.pages, h.k,
+                                               h.stats.spec.sinks_in_pages, rest, h.kept)}
 
 
 def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, scaling) -> torch.Tensor:

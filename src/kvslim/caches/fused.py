@@ -67,6 +67,9 @@ class FusedKV:
     #: ``pages[b, h, t // page]·page + t % page`` ((B, H, k) int64); the int8/int4 op reads them in place
     pages: torch.Tensor | None = None
     page: int = 0
+    #: or the page list to choose in the op's own call (``kernels.sparse_select.PageChoice``: the step's queries, the
+    #: layer's page boxes, the budget), read the same way once chosen
+    select: object | None = None
     #: a multi-token call (:func:`history_handle`): the call's own keys and values (B, H, S, D) exactly as given,
     #: after everything above (the history); attention merges their causal block with the op's output
     own: tuple[torch.Tensor, torch.Tensor] | None = None

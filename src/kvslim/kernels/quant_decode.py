@@ -47,6 +47,7 @@ from ..ops.quant import dequantize
 from ..ops.quant_formats import dequantize_asym, unpack_codes
 from . import backend
 from .build import load_ops
+from .sparse_select import PageChoice, op_args, resolve
 
 FAMILY = "quant_decode"
 SCORES = ("int8", "exact")
@@ -278,7 +279,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  mask: torch.Tensor | None = None, scaling: float = 1.0,
                  splits: int = 0, scores: str | None = None,
                  values: str | None = None, v_unrot: torch.Tensor | None = None, pages: torch.Tensor | None = None,
-                 page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 page: int = 0, select: PageChoice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` names: the C++
     op (CPU), the Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``) or the twin; an input the chosen kernel
     does not take runs the twin.
@@ -286,6 +287,8 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row
     t stored at ``pages[b, h, t // page]·page + t % page``; the C++ op and the Triton kernels read them in place, the
     twin reads :func:`paged_rows` (a gathered copy: same values, same math).
+    ``select`` (:class:`~kvslim.kernels.sparse_select.PageChoice`, instead of ``pages``): the page list chosen in
+    the same call (the C++ op scores the boxes and attends through its choice; other backends choose first).
 
     Shapes as in :func:`reference`; ``q``, the tail and the mask are widened to fp32 here (small). ``splits``
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs);
@@ -308,6 +311,8 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     device = backend.same_device("quant_decode", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
                                  k_tail, v_tail, mask, v_unrot, pages)
     which = _backend(str(device.type))
+    if select is not None and not (which == "cpp" and supported(q, k_codes, bits) and select.in_call()):
+        pages, select = resolve(select, pages, scaling), None
     if which == "triton":
         from .triton import quant_decode as tq  # imports Triton: only when a call takes this path
 
@@ -322,7 +327,7 @@ def quant_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
         return torch.ops.kvslim.quant_decode(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                              int(bits), int(group_size), int(key_channel_group), int(n), lengths,
                                              k_tail, v_tail, mask, float(scaling), int(splits), mode == "int8",
-                                             vmode == "int8", v_unrot, pages, int(page))
+                                             vmode == "int8", v_unrot, pages, int(page), *op_args(select, pages))
     if pages is not None:  # the twin reads the listed rows gathered (same values, same math)
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
             None if t is None else paged_rows(t, pages, page) for t in (k_codes, k_scale, k_zero, v_codes, v_scale,

@@ -31,6 +31,7 @@ import torch
 from ..ops.quant_formats import unpack_codes
 from . import backend
 from .build import load_ops
+from .sparse_select import PageChoice, op_args, resolve
 
 FAMILY = "quant_decode_lowbit"
 BITS = (2, 3)
@@ -145,7 +146,7 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                         k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                         mask: torch.Tensor | None = None, scaling: float = 1.0,
                         splits: int = 0, pages: torch.Tensor | None = None,
-                        page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        page: int = 0, select: PageChoice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`reference` through the backend :func:`kvslim.kernels.backend.pick` chooses: the
     Triton kernels (``kernels/triton/quant_decode_lowbit.py``; CUDA, or CPU under ``TRITON_INTERPRET=1``), the C++
     op (CPU), or the twin; an input the chosen kernel does not take runs the twin.
@@ -154,6 +155,8 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     forces the number of sequence splits per (sequence, KV head) (0: chosen from the work and the threads / SMs).
     ``pages`` / ``page``: a page list (sparse decode) as in :func:`kvslim.kernels.quant_decode.quant_decode`: the C++
     op and the Triton kernels read the rows in place, the twin a gathered copy.
+    ``select`` (:class:`~kvslim.kernels.sparse_select.PageChoice`, instead of ``pages``): the page list chosen in
+    the same call (the C++ op scores the boxes and attends through its choice; other backends choose first).
 
     Raises:
         ValueError: bad bits, a tail half given, no zero-points, tensors on several devices, or a backend forced by
@@ -168,6 +171,8 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     device = backend.same_device(FAMILY, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, k_tail,
                                  v_tail, mask, pages)
     which = _backend(device.type)
+    if select is not None and not (which == "cpp" and supported(q, k_codes, group_size) and select.in_call()):
+        pages, select = resolve(select, pages, scaling), None
     if which == "triton":
         tq = _triton()
         why = tq.covers(q)
@@ -185,7 +190,8 @@ def quant_decode_lowbit(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
             return torch.ops.kvslim.quant_decode_lowbit(q.float(), k_codes, k_scale, k_zero, v_codes, v_scale,
                                                         v_zero, int(k_bits), int(v_bits), int(group_size),
                                                         int(key_channel_group), int(n), lengths, k_tail, v_tail,
-                                                        mask, float(scaling), int(splits), pages, int(page))
+                                                        mask, float(scaling), int(splits), pages, int(page),
+                                                        *op_args(select, pages))
         if backend.forced() == "cpp":
             backend.warn_fallback(f"{FAMILY} (cpp)", "head dim or group size not a multiple of 16, or autograd")
     if pages is not None:  # the twin reads the listed rows gathered (same values, same math)

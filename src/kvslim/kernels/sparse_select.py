@@ -12,6 +12,7 @@ the twin (the torch ops). Source: ``csrc/sparse_select.cpp``, built by :func:`kv
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -97,3 +98,58 @@ def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, sc
         return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
                                               bool(force_first), int(rest), first, force, scales)
     return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force, scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageChoice:
+    """A page list for a decode op to choose in its own call (the int8/int4, low-bit and turbo C++ ops take it:
+    one call scores the pages, keeps the best and attends through them; any other backend chooses here first,
+    :func:`resolve`): the step's queries ``q`` (B, Hk, G, D) fp32 in the model's basis, the layer's ``boxes`` /
+    ``scales``, ``n_pages`` candidates, the ``k`` best (page 0 forced when ``force_first``) ascending, then ``rest``
+    pages after the candidates (:func:`sparse_select`'s arguments); ``chosen`` (B, Hk, min(k, n_pages)) int64: a
+    buffer the chosen part is copied into (``select="prompt"``)."""
+
+    q: torch.Tensor
+    boxes: torch.Tensor
+    scales: torch.Tensor | None
+    n_pages: int
+    k: int
+    force_first: bool
+    rest: int = 0
+    chosen: torch.Tensor | None = None
+
+    def op_args(self) -> tuple:
+        """The decode ops' trailing arguments (``sel_q, boxes, box_scales, sel_pages, sel_k, sel_force, sel_rest,
+        chosen``)."""
+        return (self.q.contiguous(), self.boxes, self.scales, int(self.n_pages), int(self.k), bool(self.force_first),
+                int(self.rest), self.chosen)
+
+    def in_call(self) -> bool:
+        """Whether a C++ decode op can choose in its call (what :func:`applies` asks of the selection op)."""
+        return applies(self.q, self.boxes, self.scales)
+
+
+NO_CHOICE = (None, None, None, 0, 0, False, 0, None)
+
+
+def resolve(choice: PageChoice | None, pages: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+    """The page list a decode backend that does not choose in its call reads: ``pages`` as given, or ``choice``
+    made here (:func:`sparse_select`, the ``chosen`` buffer written). ``ValueError`` for both at once."""
+    if choice is None:
+        return pages
+    if pages is not None:
+        raise ValueError("pages and select exclude each other (a page list, or the boxes to choose one from)")
+    listed = sparse_select(choice.q, choice.boxes, choice.n_pages, choice.k, scaling, choice.force_first, choice.rest,
+                           scales=choice.scales)
+    if choice.chosen is not None:
+        choice.chosen.copy_(listed[..., :choice.chosen.shape[-1]])
+    return listed
+
+
+def op_args(choice: PageChoice | None, pages: torch.Tensor | None) -> tuple:
+    """The C++ decode ops' selection arguments for ``choice`` (none without one)."""
+    if choice is None:
+        return NO_CHOICE
+    if pages is not None:
+        raise ValueError("pages and select exclude each other (a page list, or the boxes to choose one from)")
+    return choice.op_args()

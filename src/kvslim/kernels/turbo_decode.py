@@ -33,6 +33,7 @@ import torch
 from ..ops import turbo
 from . import backend
 from .build import load_ops
+from .sparse_select import PageChoice, op_args, resolve
 
 FAMILY = "turbo_decode"
 
@@ -138,13 +139,16 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
                  k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, scaling: float = 1.0, bias_ab: torch.Tensor | None = None,
                  bias_rows: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                 pages: torch.Tensor | None = None, page: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 pages: torch.Tensor | None = None, page: int = 0, select: PageChoice | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reference`'s contract on the backend :func:`kvslim.kernels.backend.pick` chooses for ``q``'s device
     (the C++ op takes head dims and outlier widths that are multiples of 8; others go to the twin on CPU).
 
     ``pages`` (B, Hk, k) int64 with ``page`` (sparse decode, docs/sparse.md): the ``n`` coded rows are logical, row t
     stored at ``pages[b, h, t // page]·page + t % page`` (its bias row too); the C++ op and the Triton kernel read them
     in place, the twin a gathered copy (with a bias: per-sequence-and-head rows, the table the twin takes).
+    ``select`` (:class:`~kvslim.kernels.sparse_select.PageChoice`, instead of ``pages``): the page list chosen in
+    the same call (the C++ op scores the boxes and attends through its choice; other backends choose first).
 
     Raises:
         ValueError: ``lengths`` not an int64 (B,) tensor on ``q``'s device, or (eagerly) a value outside [0, n].
@@ -153,6 +157,8 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     cpp_ok = (q.device.type == "cpu" and q.shape[-1] % 8 == 0 and int(k_out) % 8 == 0
               and (bias_ab is None or bias_ab.shape[-1] % 8 == 0) and _cpp_available())
     kind = backend.pick(q.device, cpp_ok)
+    if select is not None and not (kind == "cpp" and select.in_call()):
+        pages, select = resolve(select, pages, scaling), None
     if kind == "triton":
         from .triton.turbo_decode import turbo_decode_triton
 
@@ -170,5 +176,5 @@ def turbo_decode(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, 
     args = (q, k_codes, k_scale, v_codes, v_scale, int(k_out), int(k_bits), int(v_bits))
     if kind == "cpp":
         return torch.ops.kvslim.turbo_decode(*args, levels("cpu"), int(n), k_tail, v_tail, mask, float(scaling),
-                                             bias_ab, bias_rows, 0, lengths, pages, int(page))
+                                             bias_ab, bias_rows, 0, lengths, pages, int(page), *op_args(select, pages))
     return reference(*args, n, k_tail, v_tail, mask, scaling, bias_ab, bias_rows, lengths)

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "sparse_select_body.h"
 #include "vec_quant.h"
 
 #pragma GCC visibility push(hidden)
@@ -206,7 +207,10 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
     const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, bool int_scores, bool int_values,
-    const c10::optional<at::Tensor>& v_unrot, const c10::optional<at::Tensor>& pages, int64_t page) {
+    const c10::optional<at::Tensor>& v_unrot, const c10::optional<at::Tensor>& pages_in, int64_t page,
+    const c10::optional<at::Tensor>& sel_q, const c10::optional<at::Tensor>& boxes,
+    const c10::optional<at::Tensor>& box_scales, int64_t sel_pages, int64_t sel_k, bool sel_force, int64_t sel_rest,
+    const c10::optional<at::Tensor>& chosen) {
   using namespace kvslim_quant;
   QArgs a;
   kvslim_decode::read_query_shape(OP, a, q);
@@ -226,6 +230,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_cpu(
   a.asym = k_zero.has_value();
   const at::ScalarType code_t = (bits == 8 && !a.asym) ? at::kChar : at::kByte;
   const int64_t width = a.D * bits / 8;
+  const c10::optional<at::Tensor> pages = kvslim_select::in_call(OP, pages_in, sel_q, boxes, box_scales, sel_pages,
+                                                                  sel_k, sel_force, sel_rest, chosen, scaling);
   a.paged = kvslim_decode::bind_pages(OP, pages, page, a.B, a.Hk, n, a.kivi,
                                       std::min(k_codes.size(2), v_codes.size(2)));
   const int64_t rows = a.paged.pages ? 0 : n;  // rows the codes must hold (a page list: its own check above)
@@ -294,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, "
         "Tensor? v_zero, int bits, int group_size, int key_channel_group, int n, Tensor? lengths, Tensor? k_tail, "
         "Tensor? v_tail, Tensor? mask, float scaling, int splits=0, bool int_scores=False, bool int_values=False, "
-        "Tensor? v_unrot=None, Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
+        "Tensor? v_unrot=None, Tensor? pages=None, int page=0, Tensor? sel_q=None, Tensor? boxes=None, Tensor? box_scales=None, int sel_pages=0, int sel_k=0, bool sel_force=False, int sel_rest=0, Tensor(a!)? chosen=None) -> (Tensor, Tensor)");
   m.def("quant_decode_isa(int head_dim) -> str", &quant_decode_isa);
   m.def("quant_decode_set_isa(str isa) -> str", &quant_decode_set_isa);
 }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "sparse_select_body.h"
 #include "vec_lowbit.h"
 
 #pragma GCC visibility push(hidden)
@@ -111,8 +112,11 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
     const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero, int64_t k_bits, int64_t v_bits,
     int64_t group_size, int64_t key_channel_group, int64_t n, const c10::optional<at::Tensor>& lengths,
     const c10::optional<at::Tensor>& k_tail, const c10::optional<at::Tensor>& v_tail,
-    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, const c10::optional<at::Tensor>& pages,
-    int64_t page) {
+    const c10::optional<at::Tensor>& mask, double scaling, int64_t splits, const c10::optional<at::Tensor>& pages_in,
+    int64_t page,
+    const c10::optional<at::Tensor>& sel_q, const c10::optional<at::Tensor>& boxes,
+    const c10::optional<at::Tensor>& box_scales, int64_t sel_pages, int64_t sel_k, bool sel_force, int64_t sel_rest,
+    const c10::optional<at::Tensor>& chosen) {
   using namespace kvslim_lowbit;
   LArgs a;
   kvslim_decode::read_query_shape(OP, a, q);
@@ -130,6 +134,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
   a.kivi = key_channel_group;
   TORCH_CHECK_VALUE(n >= 0, OP, ": n must be ≥ 0, got ", n);
   a.n = n;
+  const c10::optional<at::Tensor> pages = kvslim_select::in_call(OP, pages_in, sel_q, boxes, box_scales, sel_pages,
+                                                                  sel_k, sel_force, sel_rest, chosen, scaling);
   a.paged = kvslim_decode::bind_pages(OP, pages, page, a.B, a.Hk, n, a.kivi, std::min(k_codes.size(2),
                                                                                       v_codes.size(2)));
   const int64_t rows = a.paged.pages ? 0 : n;  // a page list: its own check above
@@ -173,7 +179,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("quant_decode_lowbit(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
         "Tensor v_scale, Tensor v_zero, int k_bits, int v_bits, int group_size, int key_channel_group, int n, "
         "Tensor? lengths, Tensor? k_tail, Tensor? v_tail, Tensor? mask, float scaling, int splits=0, "
-        "Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
+        "Tensor? pages=None, int page=0, Tensor? sel_q=None, Tensor? boxes=None, Tensor? box_scales=None, int sel_pages=0, int sel_k=0, bool sel_force=False, int sel_rest=0, Tensor(a!)? chosen=None) -> (Tensor, Tensor)");
   m.def("quant_decode_lowbit_isa() -> str", &quant_decode_lowbit_isa);
   m.def("quant_decode_lowbit_set_isa(str isa) -> str", &quant_decode_lowbit_set_isa);
 }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "sparse_select_body.h"
 #include "vec_turbo.h"
 
 #pragma GCC visibility push(hidden)
@@ -107,7 +108,10 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
                                                 const c10::optional<at::Tensor>& bias_ab,
                                                 const c10::optional<at::Tensor>& bias_rows, int64_t splits,
                                                 const c10::optional<at::Tensor>& lengths,
-                                                const c10::optional<at::Tensor>& pages, int64_t page) {
+                                                const c10::optional<at::Tensor>& pages_in, int64_t page,
+    const c10::optional<at::Tensor>& sel_q, const c10::optional<at::Tensor>& boxes,
+    const c10::optional<at::Tensor>& box_scales, int64_t sel_pages, int64_t sel_k, bool sel_force, int64_t sel_rest,
+    const c10::optional<at::Tensor>& chosen) {
   TArgs a;
   TORCH_CHECK_VALUE(q_in.dim() == 4 && q_in.device().is_cpu(), kOp, ": q must be a (B, Hk, G, D) CPU tensor, got ",
                     q_in.sizes(), " on ", q_in.device());
@@ -129,6 +133,8 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
   // a page list: the n rows are logical, every listed page a whole page of the rows every coded tensor holds
   const int64_t stored = std::min({k_codes.dim() == 4 ? k_codes.size(2) : 0, v_codes.dim() == 4 ? v_codes.size(2) : 0,
                                    k_scale.dim() == 4 ? k_scale.size(2) : 0, v_scale.dim() == 4 ? v_scale.size(2) : 0});
+  const c10::optional<at::Tensor> pages = kvslim_select::in_call(kOp, pages_in, sel_q, boxes, box_scales, sel_pages,
+                                                                  sel_k, sel_force, sel_rest, chosen, scaling);
   a.paged = kvslim_decode::bind_pages(kOp, pages, page, a.B, a.Hk, n, 0, stored);
   const int64_t min_rows = a.paged.pages ? 0 : n;
   TORCH_CHECK_VALUE(!a.paged.pages || !(lengths.has_value() && lengths->defined()), kOp,
@@ -205,7 +211,7 @@ TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("turbo_decode(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_codes, Tensor v_scale, int k_out, "
         "int k_bits, int v_bits, Tensor levels, int n, Tensor? k_tail, Tensor? v_tail, Tensor? mask, "
         "float scaling, Tensor? bias_ab=None, Tensor? bias_rows=None, int splits=0, Tensor? lengths=None, "
-        "Tensor? pages=None, int page=0) -> (Tensor, Tensor)");
+        "Tensor? pages=None, int page=0, Tensor? sel_q=None, Tensor? boxes=None, Tensor? box_scales=None, int sel_pages=0, int sel_k=0, bool sel_force=False, int sel_rest=0, Tensor(a!)? chosen=None) -> (Tensor, Tensor)");
   m.def("turbo_decode_isa() -> str", &turbo_decode_isa);
   m.def("turbo_decode_set_isa(str isa) -> str", &turbo_decode_set_isa);
 }

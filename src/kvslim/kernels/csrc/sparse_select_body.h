@@ -1,0 +1,352 @@
+// The page choice of a sparse decode step (kvslim::sparse_select, and the decode ops' in-call selection):
+// shared by sparse_select.cpp and, through decode_common.h, the decode ops. See sparse_select.cpp for the rule.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace kvslim_select {
+
+
+// Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it (the library is
+// compiled without -march flags: the path is chosen at run time), else one by one.
+inline bool has_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+// the box formats: fp32 values, fp16 values, int8 codes × one fp16 scale per `group` channels
+enum BoxKind { kF32 = 0, kF16 = 1, kI8 = 2 };
+struct Box {
+  const void* p;  // page 0 of this (b, h)
+  int64_t stride;  // elements between pages
+  BoxKind kind;
+  const c10::Half* sc = nullptr;  // int8: scales of page 0 of this (b, h)
+  int64_t sc_stride = 0, group = 0;
+};
+
+__attribute__((target("avx2,fma,f16c"))) inline void bounds_avx2(const float* q, const float* qa, const Box& bx, int64_t G,
+                                                          int64_t D, int64_t n_pages, float scaling, float* s,
+                                                          float* row) {
+  const bool half = bx.kind == kF16;
+  const void* box = bx.p;
+  const int64_t stride = bx.stride;
+  for (int64_t p = 0; p < n_pages; ++p) {
+    if (bx.kind == kI8) {  // eight codes at a time (a group is a multiple of eight channels: checked)
+      const int8_t* bp = static_cast<const int8_t*>(box) + p * stride;
+      const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
+      for (int64_t g = 0, i = 0; i < 2 * D; ++g) {  // group by group: one scale each
+        const __m256 sc = _mm256_set1_ps(_cvtsh_ss(sp[g]));
+        for (const int64_t e = i + bx.group; i < e; i += 8) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp + i))));
+          _mm256_storeu_ps(row + i, _mm256_mul_ps(v, sc));
+        }
+      }
+    } else if (half) {
+      const uint16_t* bp = static_cast<const uint16_t*>(box) + p * stride;
+      for (int64_t i = 0; i < 2 * D; i += 8)
+        _mm256_storeu_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + i))));
+    } else {
+      const float* bp = static_cast<const float*>(box) + p * stride;
+      for (int64_t i = 0; i < 2 * D; i += 8) _mm256_storeu_ps(row + i, _mm256_loadu_ps(bp + i));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), _mm256_loadu_ps(row + i), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qa + g * D + i), _mm256_loadu_ps(row + D + i), acc);
+      }
+      __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+      lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+      s[g * n_pages + p] = _mm_cvtss_f32(lo) * scaling;
+    }
+  }
+}
+
+// D = 16·NC with int8 boxes in groups of 16 (the library's format at head dims 64 and 128), AVX-512: the page's
+// 2·NC vectors converted into registers and scaled there, nothing stored per page but its G bounds. The selection
+// is compute-bound once the boxes are int8: this path took it from 0.16 to 0.055 ms at batch 1 (one mha-100m layer
+// at 32k); other head dims and the fp16/fp32 boxes a caller may pass take the AVX2 path above.
+template <int NC>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void bounds_i8g16(
+    const float* q, const float* qa, const Box& bx, int64_t G, int64_t n_pages, float scaling, float* s) {
+  constexpr int64_t D = 16 * NC;
+  for (int64_t p = 0; p < n_pages; ++p) {
+    const int8_t* bp = static_cast<const int8_t*>(bx.p) + p * bx.stride;
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
+    const __m512 scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (2 * NC)) - 1), sp));
+    __m512 row[2 * NC];
+    for (int i = 0; i < 2 * NC; ++i)
+      row[i] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16 * i)))),
+          _mm512_permutexvar_ps(_mm512_set1_epi32(i), scales));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int i = 0; i < NC; ++i) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * i), row[i], acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qa + g * D + 16 * i), row[NC + i], acc);
+      }
+      s[g * n_pages + p] = _mm512_reduce_add_ps(acc) * scaling;
+    }
+  }
+}
+
+inline bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && has_avx2();
+  return ok;
+}
+
+inline void bounds_scalar(const float* q, const float* qa, const Box& bx, int64_t G, int64_t D, int64_t n_pages,
+                   float scaling, float* s, float* row) {
+  for (int64_t p = 0; p < n_pages; ++p) {
+    const int64_t o = p * bx.stride;
+    for (int64_t i = 0; i < 2 * D; ++i)
+      row[i] = bx.kind == kI8   ? static_cast<float>(static_cast<const int8_t*>(bx.p)[o + i]) *
+                                    static_cast<float>(bx.sc[p * bx.sc_stride + i / bx.group])
+               : bx.kind == kF16 ? static_cast<float>(static_cast<const c10::Half*>(bx.p)[o + i])
+                                 : static_cast<const float*>(bx.p)[o + i];
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < D; ++i) acc += q[g * D + i] * row[i] + qa[g * D + i] * row[D + i];
+      s[g * n_pages + p] = acc * scaling;
+    }
+  }
+}
+
+// order-preserving unsigned key of a score (a larger score, a larger key; −0 and +0 one key, as they compare
+// equal); NaN below every number
+inline uint32_t order_key(float f) {
+  if (f != f) return 0;
+  if (f == 0.f) f = 0.f;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// the kk best of score[0, n) (the larger first, ties to the lower page) into idx, ascending: a radix select on the
+// scores' order-preserving bits (digits of 11, 11 and 10 bits, each pass over the candidates the last one left:
+// after the first, the few pages in the bucket that holds the kk-th), which fixes the kk-th best key T and how many
+// pages equal to it are taken; then one pass in page order takes every page above T and the lowest pages at T.
+// Branch-light where a heap of the best so far mispredicted its insertions: 60 % of the op at k = 64, 74 % at
+// k = 128 (one mha-100m layer at 32k × 8: 0.72 / 1.10 ms against 0.29 ms at k = 1).
+inline void top_pages(const float* score, int64_t n, int64_t kk, int64_t* idx) {
+  if (kk <= 0) return;
+  if (kk >= n) {
+    for (int64_t p = 0; p < n; ++p) idx[p] = p;
+    return;
+  }
+  std::vector<uint32_t> key(static_cast<size_t>(n));
+  std::vector<int32_t> cand(static_cast<size_t>(n));
+  constexpr int kShift[3] = {21, 10, 0}, kBits[3] = {11, 11, 10};
+  int32_t hist[1 << 11];
+  uint32_t t = 0;  // the kk-th best key, built digit by digit
+  int64_t need = kk, nc = 0;  // the best still to take among the nc candidates (keys matching t so far)
+  for (int l = 0; l < 3; ++l) {
+    const int sh = kShift[l];
+    const uint32_t dm = (1u << kBits[l]) - 1;
+    std::fill(hist, hist + dm + 1, 0);
+    if (l == 0) {  // every page: its key, and the histogram of the top digit
+      for (int64_t p = 0; p < n; ++p) ++hist[(key[p] = order_key(score[p])) >> sh];
+    } else {
+      for (int64_t i = 0; i < nc; ++i) ++hist[(key[cand[i]] >> sh) & dm];
+    }
+    uint32_t d = dm;
+    for (; d > 0 && hist[d] < need; --d) need -= hist[d];  // whole buckets above the kk-th: all taken
+    t |= d << sh;
+    int64_t m = 0;
+    if (l == 0) {
+      for (int64_t p = 0; p < n; ++p)
+        if ((key[p] >> sh) == d) cand[m++] = static_cast<int32_t>(p);
+    } else {
+      for (int64_t i = 0; i < nc; ++i)
+        if (((key[cand[i]] >> sh) & dm) == d) cand[m++] = cand[i];
+    }
+    nc = m;
+  }
+  int64_t o = 0;
+  for (int64_t p = 0; p < n; ++p)
+    if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
+}
+
+inline void select_task(const float* q, Box bx, int64_t G, int64_t D, int64_t n_pages, float scaling, int64_t k,
+                 bool force_first, int64_t rest, int64_t* out, int64_t p0 = 0) {
+  // candidates: pages [p0, n_pages) (p0 > 0: a padded sequence), their indices shifted back when written
+  const int64_t esz = bx.kind == kF32 ? 4 : bx.kind == kF16 ? 2 : 1;
+  bx.p = static_cast<const char*>(bx.p) + p0 * bx.stride * esz;
+  if (bx.sc) bx.sc += p0 * bx.sc_stride;
+  const int64_t all_pages = n_pages;
+  n_pages -= p0;
+  std::vector<float> s(static_cast<size_t>(G * n_pages));
+  std::vector<float> row(static_cast<size_t>(2 * D));
+  std::vector<float> qa(static_cast<size_t>(G * D));
+  for (int64_t i = 0; i < G * D; ++i) qa[i] = std::fabs(q[i]);
+  if (bx.kind == kI8 && bx.group == 16 && (D == 64 || D == 128) && has_avx512()) {
+    if (D == 64)
+      bounds_i8g16<4>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+    else
+      bounds_i8g16<8>(q, qa.data(), bx, G, n_pages, scaling, s.data());
+  } else if (D % 8 == 0 && (bx.kind != kI8 || bx.group % 8 == 0) && has_avx2())
+    bounds_avx2(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
+  else
+    bounds_scalar(q, qa.data(), bx, G, D, n_pages, scaling, s.data(), row.data());
+  std::vector<float> score(static_cast<size_t>(n_pages));
+  if (G == 1) {  // one head: its log-softmax is its bound less a constant, the same ranking
+    std::copy(s.begin(), s.end(), score.begin());
+  } else {
+    std::vector<float> m(static_cast<size_t>(n_pages), -std::numeric_limits<float>::infinity());
+    for (int64_t g = 0; g < G; ++g) {  // log-softmax of each head over the pages, then logsumexp over the heads
+      float* sg = s.data() + g * n_pages;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < n_pages; ++p) mx = std::max(mx, sg[p]);
+      double sum = 0.0;
+      for (int64_t p = 0; p < n_pages; ++p) sum += std::exp(sg[p] - mx);
+      const float lse = mx + static_cast<float>(std::log(sum));
+      for (int64_t p = 0; p < n_pages; ++p) {
+        sg[p] -= lse;
+        m[p] = std::max(m[p], sg[p]);
+      }
+    }
+    for (int64_t p = 0; p < n_pages; ++p) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < G; ++g) sum += std::exp(s[g * n_pages + p] - m[p]);
+      score[p] = m[p] + std::log(sum);
+    }
+  }
+  if (force_first && n_pages > 0) score[0] = std::numeric_limits<float>::infinity();
+  const int64_t kk = std::min(k, n_pages);
+  top_pages(score.data(), n_pages, kk, out);
+  for (int64_t i = 0; i < kk; ++i) out[i] += p0;
+  for (int64_t i = 0; i < rest; ++i) out[kk + i] = all_pages + i;
+}
+
+inline at::Tensor select(const char* OP, const at::Tensor& q, const at::Tensor& boxes, int64_t n_pages, int64_t k,
+                         double scaling, bool force_first, int64_t rest, const c10::optional<at::Tensor>& first,
+                         const c10::optional<at::Tensor>& force, const c10::optional<at::Tensor>& scales) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+                    OP, ": q must be a contiguous (B, H, G, D) fp32 tensor, got ", q.sizes(), " ",
+                    q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK_VALUE(boxes.dim() == 4 && boxes.size(0) == B && boxes.size(1) == H && boxes.size(3) == 2 * D &&
+                        boxes.stride(3) == 1 &&
+                        (boxes.scalar_type() == at::kHalf || boxes.scalar_type() == at::kFloat ||
+                         boxes.scalar_type() == at::kChar),
+                    OP, ": boxes must be (B, H, pages, 2D) fp16/fp32/int8 with unit last stride, got ",
+                    boxes.sizes(), " ", boxes.scalar_type());
+  const bool coded = boxes.scalar_type() == at::kChar;
+  const bool has_scales = scales.has_value() && scales->defined();
+  TORCH_CHECK_VALUE(coded == has_scales, OP, ": int8 boxes need scales and only they take them, got ",
+                    boxes.scalar_type(), " boxes ", has_scales ? "with" : "without", " scales");
+  int64_t group = 0;
+  if (coded) {
+    const at::Tensor& sc = *scales;
+    TORCH_CHECK_VALUE(sc.device().is_cpu() && sc.scalar_type() == at::kHalf && sc.dim() == 4 && sc.size(0) == B &&
+                          sc.size(1) == H && sc.size(2) >= n_pages && sc.size(3) >= 2 && sc.size(3) <= 2 * D &&
+                          (2 * D) % sc.size(3) == 0 &&
+                          D % ((2 * D) / sc.size(3)) == 0 && sc.stride(3) == 1,
+                      OP, ": scales must be fp16 (B, H, >= n_pages, 2D / group) with a group "
+                      "dividing D=", D, " and unit last stride, got ", sc.sizes(), " ", sc.scalar_type());
+    group = (2 * D) / sc.size(3);
+  }
+  TORCH_CHECK_VALUE(n_pages >= 0 && n_pages <= boxes.size(2), OP, ": n_pages=", n_pages,
+                    " outside the boxes' ", boxes.size(2), " pages");
+  TORCH_CHECK_VALUE(k >= 1 && rest >= 0, OP, ": k must be >= 1 and rest >= 0, got ", k, ", ", rest);
+  const int64_t kk = std::min(k, n_pages);
+  const bool padded = first.has_value() && first->defined();
+  TORCH_CHECK_VALUE(padded == (force.has_value() && force->defined()),
+                    OP, ": first and force come together");
+  at::Tensor first_c, force_c;
+  const int64_t* fp = nullptr;
+  const bool* fo = nullptr;
+  if (padded) {
+    TORCH_CHECK_VALUE(first->device().is_cpu() && first->scalar_type() == at::kLong && first->dim() == 1 &&
+                          first->size(0) == B && force->device().is_cpu() && force->scalar_type() == at::kBool &&
+                          force->dim() == 1 && force->size(0) == B,
+                      OP, ": first must be int64 (B=", B, ",) and force bool (B,) on CPU, got ",
+                      first->sizes(), " ", first->scalar_type(), " and ", force->sizes(), " ", force->scalar_type());
+    first_c = first->contiguous();
+    force_c = force->contiguous();
+    fp = first_c.data_ptr<int64_t>();
+    fo = force_c.data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK_VALUE(fp[b] >= 0 && n_pages - fp[b] >= kk, OP, ": first[", b, "] = ", fp[b],
+                        " leaves fewer than k=", kk, " of the ", n_pages, " pages");
+  }
+  at::Tensor out = at::empty({B, H, kk + rest}, q.options().dtype(at::kLong));
+  const float* qp = q.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t s0 = boxes.stride(0), s1 = boxes.stride(1), s2 = boxes.stride(2);
+  const BoxKind kind = coded ? kI8 : boxes.scalar_type() == at::kHalf ? kF16 : kF32;
+  const int64_t esz = boxes.element_size();
+  const char* bp = static_cast<const char*>(boxes.data_ptr());
+  const c10::Half* scp = coded ? scales->data_ptr<c10::Half>() : nullptr;
+  const int64_t c0 = coded ? scales->stride(0) : 0, c1 = coded ? scales->stride(1) : 0,
+                c2 = coded ? scales->stride(2) : 0;
+  const float sc = static_cast<float>(scaling);
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / H, h = t % H;
+      const float* qt = qp + t * G * D;
+      int64_t* ot = op + t * (kk + rest);
+      Box bx{bp + (b * s0 + h * s1) * esz, s2, kind};
+      if (coded) {
+        bx.sc = scp + b * c0 + h * c1;
+        bx.sc_stride = c2;
+        bx.group = group;
+      }
+      if (padded)
+        select_task(qt, bx, G, D, n_pages, sc, kk, fo[b], rest, ot, fp[b]);
+      else
+        select_task(qt, bx, G, D, n_pages, sc, kk, force_first, rest, ot);
+    }
+  });
+  return out;
+}
+
+
+// A decode op's page list, chosen in the call: with `boxes`, the pages of the step's queries `sel_q` (B, Hk, G, D)
+// fp32 (the model's basis, as kvslim::sparse_select takes them) over the first `n_pages` boxes, the best `k` (page 0
+// forced when `force_first`) ascending, then pages [n_pages, n_pages + rest) (select above); the chosen part copied
+// into `chosen` (B, Hk, min(k, n_pages)) int64 when given (select="prompt": the cache's buffer). Without `boxes`:
+// `pages` as given (a list chosen elsewhere, or none).
+inline c10::optional<at::Tensor> in_call(const char* OP, const c10::optional<at::Tensor>& pages,
+                                         const c10::optional<at::Tensor>& sel_q, const c10::optional<at::Tensor>& boxes,
+                                         const c10::optional<at::Tensor>& box_scales, int64_t n_pages, int64_t k,
+                                         bool force_first, int64_t rest, const c10::optional<at::Tensor>& chosen,
+                                         double scaling) {
+  if (!boxes.has_value()) {
+    TORCH_CHECK_VALUE(!sel_q.has_value() && !box_scales.has_value() && !chosen.has_value(), OP,
+                      ": sel_q, box_scales and chosen come with boxes (the page choice made in the call)");
+    return pages;
+  }
+  TORCH_CHECK_VALUE(!pages.has_value(), OP, ": pages and boxes exclude each other (a page list, or the boxes to "
+                    "choose one from)");
+  TORCH_CHECK_VALUE(sel_q.has_value(), OP, ": boxes need sel_q, the step's queries (B, Hk, G, D) fp32");
+  at::Tensor listed = select(OP, *sel_q, *boxes, n_pages, k, scaling, force_first, rest, c10::nullopt, c10::nullopt,
+                             box_scales);
+  if (chosen.has_value()) {
+    const at::Tensor& c = *chosen;
+    const int64_t kk = listed.size(2) - rest;
+    TORCH_CHECK_VALUE(c.device().is_cpu() && c.scalar_type() == at::kLong && c.dim() == 3 &&
+                          c.size(0) == listed.size(0) && c.size(1) == listed.size(1) && c.size(2) == kk,
+                      OP, ": chosen must be an int64 CPU tensor of shape (", listed.size(0), ", ", listed.size(1),
+                      ", ", kk, "), got ", c.scalar_type(), " ", c.sizes());
+    c.copy_(listed.narrow(2, 0, kk));
+  }
+  return listed;
+}
+
+}  // namespace kvslim_select
