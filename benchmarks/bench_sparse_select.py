@@ -188,6 +188,12 @@ def summary(cells: dict) -> dict:
     return out
 
 
+def _commit() -> str:
+    import subprocess
+
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+
+
 def write_record(path: Path, studies: list[str], answers: list[str]) -> None:
     """One JSON record: every study question's summaries (per statistics|rule|page|budget) and the end-to-end
     answers of the tuning runs, with the commit."""
@@ -280,7 +286,8 @@ def main() -> None:
                 needle = (lo, lo + 24)  # the inserted sentence's first rows (a sentence is 15-25 tokens)
                 cells = analyse(calls, kv, n, needle, answer_calls, rules, budgets, pages, args.dense_layers,
                                 args.scores.split(","))
-                rec = {"seed": args.seed, "length": n, "trial": trial, "task": qn.task, "answer": text,
+                rec = {"commit": _commit(), "seed": args.seed, "length": n, "trial": trial, "task": qn.task,
+                       "answer": text,
                        "question": "token by token" if args.by_token else "one call",
                        "dense_correct": ok, "depth": qn.depth_measured,
                        "cells": summary(cells)}
