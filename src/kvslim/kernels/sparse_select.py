@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from . import backend
 from .build import load_ops
 
 FAMILY = "sparse_select"
@@ -74,9 +75,14 @@ def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scalin
         s = torch.log_softmax(bound, dim=-1).logsumexp(dim=2)  # (B, H, P), padding pages -inf
         hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
         s.scatter_(2, hit, torch.where(force.view(b, 1, 1), float("inf"), s.gather(2, hit)))
+    return top_pages(s, k, n_pages, rest)
+
+
+def top_pages(s: torch.Tensor, k: int, n_pages: int, rest: int) -> torch.Tensor:
+    """Scores (B, H, n_pages) -> the ``k`` best pages ascending, then ``rest`` pages after the candidates."""
     idx = s.topk(min(k, n_pages), dim=-1).indices.sort(dim=-1).values
     if rest:
-        after = torch.arange(n_pages, n_pages + rest, device=q.device).expand(*idx.shape[:2], rest)
+        after = torch.arange(n_pages, n_pages + rest, device=s.device).expand(*idx.shape[:2], rest)
         idx = torch.cat((idx, after), dim=-1)
     return idx
 
@@ -93,11 +99,27 @@ def applies(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None = 
 def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
                   rest: int = 0, first: torch.Tensor | None = None, force: torch.Tensor | None = None,
                   scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`reference` through the C++ op where it applies (:func:`applies`), else through the twin."""
-    if applies(q, boxes, scales):
+    """:func:`reference` through the C++ op where it applies (:func:`applies`); on CUDA (and under
+    ``KVSLIM_BACKEND=triton`` with ``TRITON_INTERPRET=1``) the scores from one Triton kernel
+    (``kernels/triton/sparse_select.py``), then the twin's ``topk``; else through the twin."""
+    if backend.forced() != "triton" and applies(q, boxes, scales):
         return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
                                               bool(force_first), int(rest), first, force, scales)
+    if first is None and _triton_scores(q, boxes, scales):
+        from .triton.sparse_select import page_scores  # imports Triton: only when a call takes this path
+
+        s = page_scores(q, boxes, n_pages, scaling, scales)
+        if force_first and n_pages:
+            s[..., 0] = float("inf")
+        return top_pages(s, k, n_pages, rest)
     return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force, scales)
+
+
+def _triton_scores(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether the Triton scores take this call: the backend for the queries' device is Triton, unit last strides."""
+    if torch.compiler.is_compiling() or backend.pick(q.device, available() and q.device.type == "cpu") != "triton":
+        return False
+    return boxes.stride(-1) == 1 and (scales is None or scales.stride(-1) == 1)
 
 
 @dataclasses.dataclass(frozen=True)
