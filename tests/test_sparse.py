@@ -539,3 +539,39 @@ def test_in_call_choice_refuses_bad_input(model):
                 sel_force=True)
     ref, _ = op(*base, pages=listed, page=32)
     assert torch.equal(out, ref)
+
+
+def test_a_step_reads_its_mask_once_for_every_layer(model, monkeypatch):
+    """The layers of one cache share a step's view of its attention mask (padding pages, each row's first page):
+    computed for the first layer, reused by the next; recomputed for another mask object or after the mask was
+    changed in place. Outputs equal a fresh computation."""
+    from kvslim.attention import quant as quant_attn
+
+    pool = ScratchPool()
+    handles = []
+    for index in (1, 2):
+        layer, _ = _layer(model, "int4", index=index, sparse_budget=256, sparse_dense_layers=0)
+        layer.scratch_pool = pool
+        handles.append(_step(layer, 2, 2, 16, 700, seed=index)[2])
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2))
+    total = handles[0].tokens
+    mask = torch.ones(2, 1, 1, total, dtype=torch.bool)
+    mask[1, ..., :100] = False  # row 1 left-padded
+    seen = []
+    real = quant_attn.additive_mask
+    monkeypatch.setattr(quant_attn, "additive_mask", lambda m, t: seen.append(m) or real(m, t))
+    views = (lambda m: sum(x is m for x in seen))  # the view computed for mask m
+    outs = [attn.decode(h, q, mask, 0.25) for h in handles]
+    assert views(mask) == 1  # the second layer reused the first's view
+    mask[1, ..., :164] = False  # changed in place: the view is computed again
+    again = attn.decode(handles[1], q, mask, 0.25)
+    assert views(mask) == 2
+    other = mask.clone()
+    attn.decode(handles[1], q, other, 0.25)
+    assert views(mask) == 2 and views(other) == 1
+    pool.memo.clear()
+    torch.testing.assert_close(attn.decode(handles[1], q, mask, 0.25), again, atol=0, rtol=0)
+    mask[1, ..., :164] = True
+    mask[1, ..., :100] = False
+    pool.memo.clear()
+    torch.testing.assert_close(attn.decode(handles[0], q, mask, 0.25), outs[0], atol=0, rtol=0)

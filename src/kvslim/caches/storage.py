@@ -80,9 +80,16 @@ class ScratchPool:
     def __init__(self, chunk: int = 256):
         self.chunk = chunk
         self.buffers: dict[str, torch.Tensor] = {}
+        #: values one decode step derives once for every layer (sparse decode's view of the step's attention mask,
+        #: keyed by that mask's identity and version): ``attention/sparse.py``
+        self.memo: dict = {}
 
     def __getstate__(self) -> dict:
         return {"chunk": self.chunk, "buffers": {}}  # scratch holds nothing to keep: a copied cache makes its own
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.memo = {}
 
     def flat(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable 1-D buffer of at least ``numel`` elements of ``dtype`` (sparse decode's gathered pages,
