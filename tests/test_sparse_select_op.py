@@ -21,6 +21,19 @@ def _boxes(values: torch.Tensor, dtype):
     return encode_box(c[:, :, :1], c, r, box_group(d))
 
 
+def case(b: int, h: int, g: int, d: int, pages: int, dtype, seed: int, spare: int = 9):
+    """Random queries (B, H, G, D) and boxes of ``pages + spare`` pages (capacity beyond the pages in use) with
+    Qwen-like shared offsets on a few channels: ``(q, boxes, scales)`` (:func:`_boxes`)."""
+    gen = torch.Generator().manual_seed(seed)
+    boxes = torch.randn(b, h, pages + spare, 2 * d, generator=gen)
+    boxes[..., d:] = boxes[..., d:].abs()
+    boxes[..., :3] += 150.0  # Qwen-like shared key offsets on a few channels
+    boxes, scales = _boxes(boxes, dtype)
+    q = torch.randn(b, h, g, d, generator=gen)
+    q[..., :3] += 20.0
+    return q, boxes, scales
+
+
 def _oracle(q, boxes, n_pages, k, scaling, force_first, scales=None):
     d = q.shape[-1]
     box = ss.values(boxes[:, :, :n_pages], scales).double()
@@ -41,13 +54,7 @@ def test_op_matches_twin_and_float64(dtype, force_first, shape):
     if not ss.available():
         pytest.skip("C++ op not built")
     b, h, g, d, pages, k = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    boxes = torch.randn(b, h, pages + 9, 2 * d, generator=gen)  # capacity beyond the pages in use
-    boxes[..., d:] = boxes[..., d:].abs()
-    boxes[..., :3] += 150.0  # Qwen-like shared key offsets on a few channels
-    boxes, scales = _boxes(boxes, dtype)
-    q = torch.randn(b, h, g, d, generator=gen)
-    q[..., :3] += 20.0
+    q, boxes, scales = case(b, h, g, d, pages, dtype, sum(shape))
     scaling = d ** -0.5
     rest = 3
     got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, scaling, force_first, rest, scales=scales)

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_sparse_select_op import _boxes, _oracle  # noqa: E402
+from test_sparse_select_op import _oracle, case  # noqa: E402
 from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
 
 from kvslim.kernels import sparse_select as ss  # noqa: E402
@@ -23,16 +23,8 @@ pytestmark = pytest.mark.usefixtures("kernel_dev")  # stage 1 of gpu_check selec
 
 
 def _case(shape, dtype, seed=0):
-    b, h, g, d, pages = shape
-    gen = torch.Generator().manual_seed(seed + sum(shape))
-    boxes = torch.randn(b, h, pages + 5, 2 * d, generator=gen)  # capacity beyond the pages in use
-    boxes[..., d:] = boxes[..., d:].abs()
-    boxes[..., :3] += 150.0  # Qwen-like shared key offsets on a few channels
-    boxes, scales = _boxes(boxes, dtype)
-    q = torch.randn(b, h, g, d, generator=gen)
-    q[..., :3] += 20.0
-    to = (lambda t: None if t is None else t.to(DEVICE))
-    return to(q), to(boxes), to(scales)
+    q, boxes, scales = case(*shape, dtype, seed + sum(shape), spare=5)
+    return tuple(None if t is None else t.to(DEVICE) for t in (q, boxes, scales))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "int8"])
