@@ -172,11 +172,15 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
 def _mask_pages(h: SparseKV, attention_mask: torch.Tensor, total: int, b: int):
     """A step's mask as the sparse step reads it: ``(additive mask (B|1, total), page_seen (B, P) bool: a page with a
     visible row, first_page (B,) int64: the first such page)``. Computed once per step: the layers of one cache see
-    the same mask tensor, so the result is kept in the cache's scratch pool under that tensor's identity and version
-    and the layout it was computed for (at 32k × 8 the mask's passes took ~0.9 ms a layer)."""
+    the same mask tensor, so the result is kept in the cache's scratch pool under that tensor's identity, its
+    version counter (an inference-mode tensor has none), its storage and the step's layout, the visible length
+    among them (one more every step): a mask changed in place between steps is read again; one changed in place
+    between the layers of a step is not (HF builds a step's mask once). At 32k × 8 the mask's passes took ~0.9 ms
+    a layer."""
     off, p, pages = h.stats.offset, h.stats.spec.page, h.pages
     pool = h.scratch
-    key = (attention_mask._version, tuple(attention_mask.shape), total, off, p, pages, b)
+    version = None if attention_mask.is_inference() else attention_mask._version
+    key = (version, attention_mask.data_ptr(), tuple(attention_mask.shape), total, off, p, pages, b)
     if pool is not None:
         hit = pool.memo.get("sparse_mask")
         if hit is not None and hit[0]() is attention_mask and hit[1] == key:
