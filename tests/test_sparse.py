@@ -204,7 +204,7 @@ def test_generate_sparse_end_to_end(model, method, one_thread):
     original, masked, listed = attn.select_pages, attn._masked, attn._page_list
     attn.select_pages = lambda h, *a, **kw: calls.append(h.pages) or original(h, *a, **kw)
     attn._masked = lambda h, *a: calls.append(h.pages) or masked(h, *a)
-    attn._page_list = lambda h, *a: calls.append(h.pages) or listed(h, *a)  # the ops' in-call choice
+    attn._page_list = lambda h, *a: calls.append(h.pages) or listed(h, *a)  # the op's list (or its in-call choice)
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
@@ -585,3 +585,20 @@ def test_a_step_reads_its_mask_once_for_every_layer(model, monkeypatch):
     assert views(frozen) == 1
     for a, b in zip(got, outs):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["int4", "int2", "turbo3"])
+def test_prompt_choice_read_after_new_pages(model, method):
+    """``select="prompt"``: steps after the choice read the kept pages and every page completed since, through the
+    op's page list; the output equals the twin over the same rows (the list is longer than the budget's pages)."""
+    layer, _ = _layer(model, method, sparse_budget=256, sparse_dense_layers=0, sparse_select="prompt")
+    keys, values, h = _step(layer, 2, 2, 16, 700)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(4))
+    attn.decode(h, q, None, 0.25)  # the choice, kept
+    g = torch.Generator().manual_seed(5)
+    for _ in range(70):  # two more pages complete (page 32 or 64 tokens)
+        k = torch.randn(2, 2, 1, 16, generator=g)
+        h = sparse_of(layer.update(k, torch.randn(2, 2, 1, 16, generator=g))[0])
+    assert h is not None and not h.choose and h.pages > h.stats.kept_pages
+    out = attn.decode(h, q, None, 0.25)
+    torch.testing.assert_close(out, attn.reference(h, q, None, 0.25), atol=2e-5, rtol=1e-5)

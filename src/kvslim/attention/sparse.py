@@ -92,8 +92,8 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
         # int8/int4/int3/int2 and turbo on the C++ ops: one call chooses the pages, lists the region's rest after
         # them and attends through the list (the codes read where they are; other backends choose first)
         lo, extra = h.pages * p, -(-(h.n - h.pages * p) // p)
-        k = min(h.k, h.pages)
-        f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, page=p, **_page_list(h, q, scaling, extra))
+        listed, k = _page_list(h, q, scaling, extra)
+        f = dataclasses.replace(h.fused, n=k * p + h.n - lo, lengths=None, page=p, **listed)
         out = quant.decode(f, query, None, scaling)
         if out is not None:
             return out
@@ -112,14 +112,16 @@ def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None
     return reference(h, query, None, scaling, rows_of(h, idx), _chosen_reads(h, idx))
 
 
-def _page_list(h: SparseKV, q: torch.Tensor, scaling, rest: int) -> dict:
-    """The page list of an unmasked step through a decode op: the choice made earlier (``select="prompt"``, read
-    with the pages completed since), or the boxes for the op to choose from in its own call (writing the choice
-    into the cache's buffer when the cache keeps one)."""
+def _page_list(h: SparseKV, q: torch.Tensor, scaling, rest: int) -> tuple[dict, int]:
+    """The page list of an unmasked step through a decode op, and how many pages it reads before the region's
+    ``rest``: the choice made earlier (``select="prompt"``: the kept pages and every page completed since, so more
+    than the budget's), or the boxes for the op to choose from in its own call (the budget's pages; the choice
+    written into the cache's buffer when the cache keeps one)."""
     if h.kept is not None and not h.choose:
-        return {"pages": select_pages(h, q, scaling, rest)}
+        listed = select_pages(h, q, scaling, rest)
+        return {"pages": listed}, listed.shape[-1] - rest
     return {"select": sparse_select.PageChoice(q, h.stats.boxes, h.stats.scales, h.pages, h.k,
-                                               h.stats.spec.sinks_in_pages, rest, h.kept)}
+                                               h.stats.spec.sinks_in_pages, rest, h.kept)}, min(h.k, h.pages)
 
 
 def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, scaling) -> torch.Tensor:
