@@ -180,9 +180,10 @@ def _mask_pages(h: SparseKV, attention_mask: torch.Tensor, total: int, b: int):
     between the layers of a step is not (HF builds a step's mask once). At 32k × 8 the mask's passes took ~0.9 ms
     a layer."""
     off, p, pages = h.stats.offset, h.stats.spec.page, h.pages
-    pool = h.scratch
-    version = None if attention_mask.is_inference() else attention_mask._version
-    key = (version, attention_mask.data_ptr(), tuple(attention_mask.shape), total, off, p, pages, b)
+    pool = None if torch.compiler.is_compiling() else h.scratch  # (a traced step recomputes it)
+    version = None if pool is None or attention_mask.is_inference() else attention_mask._version
+    key = None if pool is None else (version, attention_mask.data_ptr(), tuple(attention_mask.shape), total, off, p,
+                                      pages, b)
     if pool is not None:
         hit = pool.memo.get("sparse_mask")
         if hit is not None and hit[0]() is attention_mask and hit[1] == key:
