@@ -535,6 +535,14 @@ def test_in_call_choice_refuses_bad_input(model):
         op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
            sel_force=True, chosen=bad)
     assert bool((bad == -1).all())
+    good = torch.full((1, 2, 4), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="pages"):  # the list's rest reaches past the stored rows: checked later
+        op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
+           sel_force=True, sel_rest=10_000, chosen=good)
+    assert bool((good == -1).all())  # the buffer is written only once every check passed
+    out, _ = op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
+                sel_force=True, chosen=good)
+    assert torch.equal(good, listed)
     out, _ = op(*base, page=32, sel_q=q, boxes=st.boxes, box_scales=st.scales, sel_pages=h.pages, sel_k=4,
                 sel_force=True)
     ref, _ = op(*base, pages=listed, page=32)

@@ -66,6 +66,19 @@ def test_backend_triton_routes_the_choice_through_the_kernel(monkeypatch, force_
     assert torch.equal(padded, ss.reference(q, boxes, 200, 30, 0.125, False, 0, first, force, scales))
 
 
+def test_triton_path_refuses_bad_input(monkeypatch):
+    """The Triton path checks what the op checks: int8 boxes without scales, boxes of another head dim, a page count
+    past the boxes'; refused by name."""
+    monkeypatch.setenv("KVSLIM_BACKEND", "triton")
+    q, boxes, scales = _case((1, 2, 7, 64, 40), "int8")
+    with pytest.raises(ValueError, match="scales"):
+        ss.sparse_select(q, boxes, 40, 5, 0.125, True)
+    with pytest.raises(ValueError, match="boxes must be"):
+        ss.sparse_select(q[..., :32].contiguous(), boxes, 40, 5, 0.125, True, scales=scales)
+    with pytest.raises(ValueError, match="n_pages"):
+        ss.sparse_select(q, boxes, boxes.shape[2] + 1, 5, 0.125, True, scales=scales)
+
+
 def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import sparse_select as ts

@@ -33,17 +33,10 @@ def values(boxes: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Ten
     """(B, H, P, 2D) boxes as fp32 values: fp16/fp32 converted, int8 codes times their fp16 ``scales``
     (B, H, ≥ P, 2D / group), one per ``group`` channels (the op's conversion, product for product). ``ValueError``
     for int8 boxes without scales, scales beside value boxes, or scales of another shape (the op's checks)."""
-    if (boxes.dtype == torch.int8) != (scales is not None):
-        raise ValueError(f"sparse_select: int8 boxes need scales and only they take them, got {boxes.dtype} boxes "
-                         f"{'with' if scales is not None else 'without'} scales")
+    check_scales(boxes, scales)
     if scales is None:
         return boxes.float()
     d2 = boxes.shape[-1]
-    if (scales.dim() != 4 or scales.dtype != torch.float16 or scales.shape[:2] != boxes.shape[:2]
-            or scales.shape[2] < boxes.shape[2] or not 2 <= scales.shape[3] <= d2 or d2 % scales.shape[3]
-            or (d2 // 2) % (d2 // scales.shape[3])):
-        raise ValueError(f"sparse_select: scales must be fp16 (B, H, >= pages, 2D / group) with a group dividing "
-                         f"D={d2 // 2}, got {tuple(scales.shape)} {scales.dtype} for boxes {tuple(boxes.shape)}")
     group = d2 // scales.shape[-1]
     return boxes.float() * scales[:, :, :boxes.shape[2]].float().repeat_interleave(group, dim=-1)
 
@@ -54,6 +47,22 @@ def scores(q: torch.Tensor, boxes: torch.Tensor, scaling: float, scales: torch.T
     over the pages, logsumexp over the group."""
     bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes, scales).transpose(-1, -2))  # (B, H, G, P)
     return torch.log_softmax(bound * scaling, dim=-1).logsumexp(dim=2)
+
+
+def check_scales(boxes: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """``ValueError`` (the op's checks) for int8 boxes without scales, scales beside value boxes, or scales of
+    another shape than (B, H, ≥ pages, 2D / group) fp16 with a group dividing D."""
+    if (boxes.dtype == torch.int8) != (scales is not None):
+        raise ValueError(f"sparse_select: int8 boxes need scales and only they take them, got {boxes.dtype} boxes "
+                         f"{'with' if scales is not None else 'without'} scales")
+    if scales is None:
+        return
+    d2 = boxes.shape[-1]
+    if (scales.dim() != 4 or scales.dtype != torch.float16 or scales.shape[:2] != boxes.shape[:2]
+            or scales.shape[2] < boxes.shape[2] or not 2 <= scales.shape[3] <= d2 or d2 % scales.shape[3]
+            or (d2 // 2) % (d2 // scales.shape[3])):
+        raise ValueError(f"sparse_select: scales must be fp16 (B, H, >= pages, 2D / group) with a group dividing "
+                         f"D={d2 // 2}, got {tuple(scales.shape)} {scales.dtype} for boxes {tuple(boxes.shape)}")
 
 
 def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scaling: float, force_first: bool,
@@ -108,11 +117,28 @@ def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, sc
     if first is None and _triton_scores(q, boxes, scales):
         from .triton.sparse_select import page_scores  # imports Triton: only when a call takes this path
 
+        _check_shapes(q, boxes, n_pages, k, rest)
+        check_scales(boxes, scales)
         s = page_scores(q, boxes, n_pages, scaling, scales)
         if force_first and n_pages:
             s[..., 0] = float("inf")
         return top_pages(s, k, n_pages, rest)
     return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force, scales)
+
+
+def _check_shapes(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, rest: int) -> None:
+    """``ValueError`` (the op's checks) for queries that are not (B, H, G, D) fp32, boxes not (B, H, ≥ n_pages, 2D)
+    with unit last stride and a box dtype the scores take, or a page count, ``k`` or ``rest`` out of range."""
+    if q.dim() != 4 or q.dtype != torch.float32:
+        raise ValueError(f"sparse_select: q must be a (B, H, G, D) fp32 tensor, got {tuple(q.shape)} {q.dtype}")
+    b, h, _, d = q.shape
+    if (boxes.dim() != 4 or tuple(boxes.shape[:2]) != (b, h) or boxes.shape[3] != 2 * d or boxes.stride(-1) != 1
+            or boxes.dtype not in (torch.int8, torch.float16, torch.float32)):
+        raise ValueError(f"sparse_select: boxes must be (B, H, pages, 2D) fp16/fp32/int8 with unit last stride for q "
+                         f"{tuple(q.shape)}, got {tuple(boxes.shape)} {boxes.dtype}")
+    if not 0 <= n_pages <= boxes.shape[2] or k < 1 or rest < 0:
+        raise ValueError(f"sparse_select: n_pages={n_pages} must lie in [0, {boxes.shape[2]}] (the boxes' pages), "
+                         f"k={k} >= 1 and rest={rest} >= 0")
 
 
 def _triton_scores(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None) -> bool:
@@ -159,8 +185,7 @@ def resolve(choice: PageChoice | None, pages: torch.Tensor | None, scaling: floa
     made here (:func:`sparse_select`, the ``chosen`` buffer written). ``ValueError`` for both at once."""
     if choice is None:
         return pages
-    if pages is not None:
-        raise ValueError("pages and select exclude each other (a page list, or the boxes to choose one from)")
+    _exclusive(pages)
     listed = sparse_select(choice.q, choice.boxes, choice.n_pages, choice.k, scaling, choice.force_first, choice.rest,
                            scales=choice.scales)
     if choice.chosen is not None:
@@ -172,6 +197,10 @@ def op_args(choice: PageChoice | None, pages: torch.Tensor | None) -> tuple:
     """The C++ decode ops' selection arguments for ``choice`` (none without one)."""
     if choice is None:
         return NO_CHOICE
+    _exclusive(pages)
+    return choice.op_args()
+
+
+def _exclusive(pages: torch.Tensor | None) -> None:
     if pages is not None:
         raise ValueError("pages and select exclude each other (a page list, or the boxes to choose one from)")
-    return choice.op_args()

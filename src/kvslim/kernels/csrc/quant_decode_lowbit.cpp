@@ -162,6 +162,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decode_lowbit_cpu(
   const kvslim_decode::Held held = kvslim_decode::bind_common(OP, a, q, scaling, lengths, k_tail, v_tail, mask);
   at::Tensor out = at::empty({a.B, a.Hk, a.G, a.D}, q.options());
   at::Tensor lse = at::empty({a.B, a.Hk, a.G}, q.options());
+  kvslim_select::write_chosen(chosen, pages);  // every check passed
   if (a.B * a.Hk * a.G > 0) run(a, splits, out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }

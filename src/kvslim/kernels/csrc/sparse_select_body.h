@@ -1,5 +1,5 @@
 // The page choice of a sparse decode step (kvslim::sparse_select, and the decode ops' in-call selection):
-// shared by sparse_select.cpp and, through decode_common.h, the decode ops. See sparse_select.cpp for the rule.
+// included by sparse_select.cpp and by each decode op's source. See sparse_select.cpp for the rule.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,7 +17,6 @@
 #include <vector>
 
 namespace kvslim_select {
-
 
 // Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it (the library is
 // compiled without -march flags: the path is chosen at run time), else one by one.
@@ -320,8 +319,9 @@ inline at::Tensor select(const char* OP, const at::Tensor& q, const at::Tensor& 
 // A decode op's page list, chosen in the call: with `boxes`, the pages of the step's queries `sel_q` (B, Hk, G, D)
 // fp32 (the model's basis, as kvslim::sparse_select takes them) over the first `n_pages` boxes, the best `k` (page 0
 // forced when `force_first`) ascending, then pages [n_pages, n_pages + rest) (select above); the chosen part copied
-// into `chosen` (B, Hk, min(k, n_pages)) int64 when given (select="prompt": the cache's buffer). Without `boxes`:
-// `pages` as given (a list chosen elsewhere, or none).
+// into `chosen` (B, Hk, min(k, n_pages)) int64 when given (select="prompt": the cache's buffer) by write_chosen, which
+// the op calls once every check has passed (a refused call writes nothing). Without `boxes`: `pages` as given (a
+// list chosen elsewhere, or none).
 inline c10::optional<at::Tensor> in_call(const char* OP, const c10::optional<at::Tensor>& pages,
                                          const c10::optional<at::Tensor>& sel_q, const c10::optional<at::Tensor>& boxes,
                                          const c10::optional<at::Tensor>& box_scales, int64_t n_pages, int64_t k,
@@ -344,9 +344,13 @@ inline c10::optional<at::Tensor> in_call(const char* OP, const c10::optional<at:
                           c.size(0) == listed.size(0) && c.size(1) == listed.size(1) && c.size(2) == kk,
                       OP, ": chosen must be an int64 CPU tensor of shape (", listed.size(0), ", ", listed.size(1),
                       ", ", kk, "), got ", c.scalar_type(), " ", c.sizes());
-    c.copy_(listed.narrow(2, 0, kk));
   }
   return listed;
+}
+
+// the chosen part of an in-call list into `chosen` (checked by in_call), after the op's own checks
+inline void write_chosen(const c10::optional<at::Tensor>& chosen, const c10::optional<at::Tensor>& listed) {
+  if (chosen.has_value() && listed.has_value()) chosen->copy_(listed->narrow(2, 0, chosen->size(2)));
 }
 
 }  // namespace kvslim_select

@@ -188,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor> turbo_decode(const at::Tensor& q_in, const at
     a.bias_rs = rows.stride(0);
   }
   at::Tensor out = at::empty({a.B, a.Hk, a.G, D}, q.options()), lse = at::empty({a.B, a.Hk, a.G}, q.options());
+  kvslim_select::write_chosen(chosen, pages);  // every check passed
   if (a.B * a.Hk * a.G == 0) return {out, lse};
   const bool outl = k_out > 0;
   const int kb = static_cast<int>(k_bits), vb = static_cast<int>(v_bits);
