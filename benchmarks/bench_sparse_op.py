@@ -39,10 +39,11 @@ def _commit() -> str:
         return "unknown"
 
 
-def layer_for(method: str, budget: int, page: int):
+def layer_for(method: str, budget: int, page: int, max_length: int | None = None):
+    """One cache layer as a cache of ``max_length`` tokens builds it (``kvslim.make_cache(model, max_length)``)."""
     shape = shape_from_config(LlamaConfig(**CFG))
     plan = METHODS[method].plan(shape, torch.float32, sparse_budget=budget, sparse_page=page)
-    layer = plan.layers[2].factory(None)
+    layer = plan.layers[2].factory(max_length)
     layer.fused_decode = True
     layer.sparse_attention = True
     layer.scratch_pool = ScratchPool()  # as a KVSlimCache gives its layers
@@ -62,7 +63,7 @@ def flush_caches() -> None:
 
 def point(method: str, context: int, batch: int, budget, page, rounds: int, reps: int, padded: bool = False,
           cold: bool = False) -> dict:
-    layer = layer_for(method, budget, page)
+    layer = layer_for(method, budget, page, context + 2)  # the prefill and the two steps below
     g = torch.Generator().manual_seed(0)
     h, d = CFG["num_key_value_heads"], CFG["hidden_size"] // CFG["num_attention_heads"]
     for s in range(0, context, 4096):  # the prefill, in chunks (as a chunked prefill writes)

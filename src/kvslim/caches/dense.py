@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from . import fused
+from . import fused, memory
 from .base import KVStoreLayer, check_crop
 from .capture import CapturableMixin, graph_step, reset_static_state
 from .sparse import PageStats, SparseKV, SparseSpec, candidate_pages, sparse_markers
@@ -58,6 +58,16 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             super().lazy_initialization(key_states, value_states)
         if self._static_format():
             self._init_static()
+        self._advise()
+
+    def _advise(self) -> None:
+        """Huge pages under a sparse layer's history when ``max_length`` fixed its capacity (caches/memory.py: its
+        steps read pages at random; a 2 MB page is resident once written to, so a growing cache, whose capacity runs
+        up to 1.5× ahead of its tokens, keeps 4 KB pages)."""
+        if self.sparse is not None and self.max_length is not None:
+            for store in self._stores():
+                for t in store.tensors():
+                    memory.advise(t)
 
     def _ensure_capacity(self, needed: int) -> None:
         cap = self.k_store.capacity
