@@ -50,8 +50,10 @@ inline void prefetch_span(const void* p, int64_t bytes) {
 // the next listed page's stored rows of the N tensors PF[i] (values of EL[i] bytes) while it computes this one: a
 // listed page sits anywhere in memory, where the loops' fixed-distance prefetch and the hardware prefetchers never
 // reach it (one int4 layer at 32k × 8, cold: 4.4 → 2.8 ms). Nothing without a list or at the task's last block. A
-// macro, not a function: the same code as an inline function (or a template on the op's args) measured no gain
-// (3.4-4.3 ms; the prefetches ran, the debug print showed their rows), for a reason not found.
+// macro, not a function: the same code as an inline function (or a template on the op's args) measured no gain. The
+// reason, found later (sparse_select_body.h's prefetch_box): GCC keeps a function whose only effect is a prefetch
+// out of line and treats it as pure, so it deletes the calls (objdump: no prefetch instruction left in the .so);
+// such a helper must be always_inline.
 #define KVSLIM_PREFETCH_NEXT_PAGE(a, b, h, t0, m, t_end, PF, EL, N)                                                  \
   if ((a).paged.pages && (t0) + (m) < (t_end)) {                                                                    \
     const int64_t tn_ = (t0) + (m), mn_ = std::min((a).paged.page - tn_ % (a).paged.page, (t_end) - tn_);         \
