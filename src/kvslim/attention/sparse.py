@@ -141,8 +141,8 @@ def _masked(h: SparseKV, query: torch.Tensor, q: torch.Tensor, attention_mask, s
     # the sinks: page 0 where the layer keeps them in its pages, else its own full-precision sinks; a row whose
     # first tokens are padding gets its first visible page instead
     force = torch.full((b,), spec.sinks_in_pages, dtype=torch.bool, device=q.device)
-    if off:
-        force |= ~torch.isfinite(mask).expand(b, total)[:, 0]
+    if off:  # column 0 alone (isfinite over the whole (B, T) mask was ~0.3 ms a layer at 32k × 8)
+        force |= ~torch.isfinite(mask.expand(b, total)[:, 0])
     k = min(h.k, h.pages)
     pages = torch.arange(h.pages, device=q.device)
     left = bool((page_seen == (pages[None] >= first_page[:, None])).all()) and bool((h.pages - first_page >= k).all())
