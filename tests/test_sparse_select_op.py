@@ -158,3 +158,25 @@ def test_ties_go_to_the_lower_page(k, force_first):
         lvl[0] = float("inf")
     want = sorted(sorted(range(pages), key=lambda p: (-lvl[p], p))[:k])
     assert got.tolist() == [[want] * h] * b
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, "int8"])
+def test_every_instruction_set_chooses_the_same_pages(isa, dtype):
+    """The selection's paths (scalar; AVX2 bounds; AVX-512 int8 bounds in blocks of 16 pages and the vectorised
+    logsumexp over a GQA group), each capped in turn: the twin's pages and the float64 ranking's, at G 1, 4 and 7
+    and head dims 64, 128 and 24 (a dim no vector path takes whole)."""
+    if not ss.available():
+        pytest.skip("C++ op not built")
+    previous = torch.ops.kvslim.sparse_select_set_isa(isa)
+    try:
+        for b, h, g, d, pages, k in [(2, 3, 1, 64, 301, 17), (1, 2, 7, 64, 130, 9), (1, 2, 4, 128, 77, 11),
+                                     (1, 1, 3, 24, 40, 6)]:
+            q, boxes, scales = case(b, h, g, d, pages, dtype, 7 * pages + g)
+            got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, d ** -0.5, True, 2, scales=scales)
+            assert torch.equal(got, ss.reference(q, boxes, pages, k, d ** -0.5, True, 2, scales=scales)), (b, h, g, d)
+            assert torch.equal(got[..., :k], _oracle(q, boxes, pages, k, d ** -0.5, True, scales)), (b, h, g, d)
+    finally:
+        torch.ops.kvslim.sparse_select_set_isa(previous)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        torch.ops.kvslim.sparse_select_set_isa("sse9")

@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "sparse_select_body.h"
 
 namespace {
@@ -31,11 +33,24 @@ at::Tensor sparse_select_cpu(const at::Tensor& q, const at::Tensor& boxes, int64
                                scales);
 }
 
+// cap the selection's instruction set ("scalar", "avx2", "avx512"; the CPU's best is used when it is lower); returns
+// the previous cap. Tests compare the paths in one process.
+std::string sparse_select_set_isa(const std::string& isa) {
+  static const char* const names[] = {"scalar", "avx2", "avx512"};
+  int level = -1;
+  for (int i = 0; i < 3; ++i)
+    if (isa == names[i]) level = i;
+  TORCH_CHECK_VALUE(level >= 0, "kvslim::sparse_select_set_isa: isa must be one of 'scalar', 'avx2', 'avx512', got '",
+                    isa, "'");
+  return names[kvslim_select::isa_cap().exchange(level)];
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvslim, m) {
   m.def("sparse_select(Tensor q, Tensor boxes, int n_pages, int k, float scaling, bool force_first, int rest, "
         "Tensor? first=None, Tensor? force=None, Tensor? scales=None) -> Tensor");
+  m.def("sparse_select_set_isa(str isa) -> str", &sparse_select_set_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvslim, CPU, m) { m.impl("sparse_select", &sparse_select_cpu); }

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,12 +21,19 @@
 
 namespace kvslim_select {
 
-// Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it (the library is
-// compiled without -march flags: the path is chosen at run time), else one by one.
+// The instruction sets the selection may use: the CPU's (the library is compiled without -march flags: the path
+// is chosen at run time), capped by kvslim::sparse_select_set_isa (0 scalar, 1 AVX2, 2 AVX-512; tests compare the
+// paths in one process).
+inline std::atomic<int>& isa_cap() {
+  static std::atomic<int> cap{2};
+  return cap;
+}
+
+// Page p's [c | r] row (2D values) into fp32 `row`: F16C eight at a time where the CPU has it, else one by one.
 inline bool has_avx2() {
   static const bool ok =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return ok;
+  return ok && isa_cap().load(std::memory_order_relaxed) >= 1;
 }
 
 // the box formats: fp32 values, fp16 values, int8 codes × one fp16 scale per `group` channels
@@ -152,8 +160,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void
 
 inline bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && has_avx2();
-  return ok;
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok && has_avx2() && isa_cap().load(std::memory_order_relaxed) >= 2;
 }
 
 inline void bounds_scalar(const float* q, const float* qa, const Box& bx, int64_t G, int64_t D, int64_t n_pages,
