@@ -3,7 +3,7 @@ kernel's own record of the mapping (/proc/self/smaps VmFlags ``hg``)."""
 
 from __future__ import annotations
 
-import sys
+import os
 
 import pytest
 import torch
@@ -14,7 +14,8 @@ from kvslim.caches import memory
 from kvslim.methods import METHODS
 
 pytestmark = [pytest.mark.usefixtures("no_grad"),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")]
+              pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                                 reason="madvise(MADV_HUGEPAGE) needs Linux with transparent huge pages")]
 
 
 def _advised(t: torch.Tensor) -> bool:
