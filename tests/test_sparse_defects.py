@@ -301,6 +301,24 @@ def test_a_budget_that_grows_with_the_context(model, method):
     assert len(seen) == 4  # it grew at every length
 
 
+@pytest.mark.parametrize("method", ["dense", "int4"])
+def test_auto_reads_everything_under_twice_its_floor(model, method):
+    """``auto`` (``fraction`` > 0) reads the whole context while its candidate pages are at most twice the step's pages
+    (there half the pages at random cost more than all of them: docs/sparse.md), a step past that is sparse; a fixed
+    budget stays sparse as soon as the candidates exceed it."""
+    import dataclasses
+
+    budget, page = 320, 32
+    for fraction, prompt, sparse in [(0.125, 480, False), (0.125, 560, True), (0.0, 480, True)]:
+        layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0, sparse_page=page)
+        spec = dataclasses.replace(layer.sparse, fraction=fraction)
+        layer.sparse = layer.page_stats.spec = spec
+        _, h = _fill(layer, 1, 2, 16, prompt=prompt)
+        assert (h is not None) == sparse, (fraction, prompt)
+        total = prompt + 1
+        assert spec.step_rows(total) == (total if not sparse else max(budget, int(fraction * total)) + page - 1)
+
+
 def test_auto_budget_option(model):
     from kvslim.caches.sparse import AUTO_FLOOR, AUTO_FRACTION
 

@@ -74,9 +74,10 @@ class LayerPlan:
         if self.sparse is None:
             return self.cache_bytes(context, batch)
         plain = replace(self, sparse=None)
-        rows = self.sparse.budget + self.sparse.page // 2
-        if context <= rows:
+        sp = self.sparse
+        if sp.step_rows(context) >= context:  # the whole context (within the budget, or auto's short contexts)
             return self.cache_bytes(context, batch)
+        rows = max(sp.budget, int(sp.fraction * context)) + sp.page // 2
         pages = max(0, context - self.sparse_offset) // self.sparse.page
         return plain.cache_bytes(rows, batch) + batch * pages * self.sparse_page_bytes
 

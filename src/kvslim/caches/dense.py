@@ -128,16 +128,16 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             h = fused.append_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
             n = h.n
             pages = candidate_pages(n, h.tokens - n, sp, st.complete)  # the sinks count among the rows read outright
-            k = sp.step_pages(end)
-            if pages <= k:
+            if sp.reads_all(pages, end):
                 return None
+            k = sp.step_pages(end)
             kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device, k)
             return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool, kept=kept, choose=kept is None or choose,
                             read=k)
         pages = candidate_pages(end - 1, 1, sp, st.complete)
-        k = sp.step_pages(end)
-        if pages <= k:
+        if sp.reads_all(pages, end):
             return None
+        k = sp.step_pages(end)
         kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device, k)
         return SparseKV(st, end - 1, pages, keys=self.k_store.read(0, end), values=self.v_store.read(0, end),
                         scratch=self.scratch_pool, kept=kept, choose=kept is None or choose, read=k)

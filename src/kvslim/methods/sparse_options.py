@@ -1,7 +1,7 @@
 """The sparse-decode options every append-only storage method takes (issue 43, ``caches/sparse.py``).
 
-``sparse_budget`` (tokens a single-token step reads; ``"auto"``: max(2,048, an eighth of the context), the
-recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
+``sparse_budget`` (tokens a single-token step reads; ``"auto"``: max(2,048, an eighth of the context), and the
+whole context up to ~4k tokens (``SparseSpec.reads_all``), the recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
 two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (Quest's ``"minmax"``, default since 2026-11-29, or ``"meanstd"``), ``sparse_dense_layers``
 (layers read in full: an int N = the first N, default 0, or a list of indices) and ``sparse_select`` (``"step"``,
 default, or ``"prompt"``: chosen at the first step after a multi-token call, kept for the answer). Spelled the same
