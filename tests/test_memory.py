@@ -70,3 +70,16 @@ def test_sparse_layers_with_max_length_get_huge_pages(monkeypatch, max_length, b
     assert len(big) == 2  # the key and value codes
     assert all(any(a is t for a in asked) == want for t in big)
     assert all(_advised(t) for t in big) or not want
+
+
+def test_no_advice_inside_a_traced_graph():
+    """A first update traced by torch.compile must not call into libc (a graph break, an error under fullgraph):
+    the advice is skipped there and the buffer keeps 4 KB pages."""
+    t = torch.empty(16 << 20, dtype=torch.uint8)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        return x.sum() if memory.advise(x) else x[:1].sum()
+
+    traced(t)
+    assert not _advised(t)

@@ -48,9 +48,10 @@ def enabled() -> bool:
 def advise(t: torch.Tensor | None) -> bool:
     """Ask for 2 MB pages under the whole 2 MB-aligned part of ``t``'s storage (CPU; at least one such page).
     Call it before the buffer is written: pages already written keep their 4 KB pages. Returns whether the kernel
-    took the advice (False off Linux, on other devices, with ``KVSLIM_HUGE_PAGES=0``, or for a small buffer)."""
-    if t is None or t.device.type != "cpu" or not enabled():
-        return False
+    took the advice (False off Linux, on other devices, while torch.compile traces, with ``KVSLIM_HUGE_PAGES=0``, or
+    for a small buffer)."""
+    if t is None or t.device.type != "cpu" or torch.compiler.is_compiling() or not enabled():
+        return False  # (a traced first update keeps 4 KB pages: no foreign call inside a graph)
     start = t.untyped_storage().data_ptr()
     end = start + t.untyped_storage().nbytes()
     lo, hi = -(-start // HUGE) * HUGE, end // HUGE * HUGE
