@@ -77,7 +77,7 @@ class LayerPlan:
         sp = self.sparse
         if sp.step_rows(context) >= context:  # the whole context (within the budget, or auto's short contexts)
             return self.cache_bytes(context, batch)
-        rows = max(sp.budget, int(sp.fraction * context)) + sp.page // 2
+        rows = sp.budget_at(context) + sp.page // 2
         pages = max(0, context - self.sparse_offset) // self.sparse.page
         return plain.cache_bytes(rows, batch) + batch * pages * self.sparse_page_bytes
 

@@ -73,19 +73,22 @@ class SparseSpec:
         """Pages a step reads at the floor budget (page 0 included when it holds the sinks)."""
         return (self.budget - self.window) // self.page
 
+    def budget_at(self, tokens: int) -> int:
+        """The rows a step over ``tokens`` visible tokens may read: ``budget``, or with ``fraction``
+        ``max(budget, fraction·tokens)``."""
+        return max(self.budget, int(self.fraction * tokens))
+
     def step_pages(self, tokens: int) -> int:
-        """Pages a step over ``tokens`` visible tokens reads: :attr:`pages`, or with ``fraction`` the pages of
-        ``fraction·tokens`` rows where that is more."""
-        if not self.fraction:
-            return self.pages
-        return max(self.pages, (int(self.fraction * tokens) - self.window) // self.page)
+        """Pages a step over ``tokens`` visible tokens reads: those of :meth:`budget_at` past the window."""
+        return (self.budget_at(tokens) - self.window) // self.page
 
     def reads_all(self, pages: int, tokens: int) -> bool:
         """Whether a step over ``tokens`` visible tokens with ``pages`` candidate pages reads everything (the full
         read, bit for bit): when the candidates fit the step's pages, and with ``fraction`` (``"auto"``) also while
-        they are at most twice them — there choosing half the pages cost more than reading all of them in every
-        format and batch measured (one mha-100m layer at 4k, budget 2,048, cold: sparse 0.72-0.97× the full read;
-        docs/sparse.md "Where sparse starts to pay")."""
+        they are at most twice them — there choosing half the pages cost more than reading all of them for int4 and
+        dense fp32 at batch 1 and 8 (one mha-100m layer at 4k, budget 2,048, cold: sparse 0.72-0.97× the full read;
+        turbo3 0.96× at batch 1 but 1.28× at batch 8, where this rule gives that up; docs/sparse.md "Where sparse
+        starts to pay")."""
         k = self.step_pages(tokens)
         return pages <= (2 * k if self.fraction else k)
 
@@ -95,7 +98,7 @@ class SparseSpec:
         part of a page not yet complete."""
         if self.reads_all(max(0, (tokens - self.window) // self.page), tokens):
             return tokens
-        return max(self.budget, int(self.fraction * tokens)) + self.page - 1
+        return self.budget_at(tokens) + self.page - 1
 
     def stats_bytes_per_token(self, dim: int) -> float:
         """Bytes of statistics per token and KV head (2·D int8 codes and their fp16 scales per page)."""

@@ -46,15 +46,15 @@ struct Box {
   int64_t sc_stride = 0, group = 0;
 };
 
-// page p + kAhead's box row (`bytes` long) and its scales into cache: a box scan is sequential, but the hardware
+// page p + kAhead's box row (`elems` values) and its scales into cache: a box scan is sequential, but the hardware
 // prefetchers stop at each 4 KB (one mha-100m layer at 32k × 8, cold, 2 threads: the selection 0.76 -> 0.55-0.60 ms).
 // always_inline: a function whose only effect is a prefetch is pure to GCC, which deletes its calls otherwise.
 constexpr int64_t kAhead = 16;
-__attribute__((always_inline)) inline void prefetch_box(const Box& bx, int64_t p, int64_t n_pages, int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_box(const Box& bx, int64_t p, int64_t n_pages, int64_t elems) {
   if (p + kAhead >= n_pages) return;
   const int64_t esz = bx.kind == kF32 ? 4 : bx.kind == kF16 ? 2 : 1;
   const char* r = static_cast<const char*>(bx.p) + (p + kAhead) * bx.stride * esz;
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < elems * esz; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
   if (bx.sc) _mm_prefetch(reinterpret_cast<const char*>(bx.sc + (p + kAhead) * bx.sc_stride), _MM_HINT_T0);
 }
 
@@ -64,9 +64,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void bounds_avx2(const float* q,
   const bool half = bx.kind == kF16;
   const void* box = bx.p;
   const int64_t stride = bx.stride;
-  const int64_t row_bytes = 2 * D * (bx.kind == kF32 ? 4 : bx.kind == kF16 ? 2 : 1);
   for (int64_t p = 0; p < n_pages; ++p) {
-    prefetch_box(bx, p, n_pages, row_bytes);
+    prefetch_box(bx, p, n_pages, 2 * D);
     if (bx.kind == kI8) {  // eight codes at a time (a group is a multiple of eight channels: checked)
       const int8_t* bp = static_cast<const int8_t*>(box) + p * stride;
       const uint16_t* sp = reinterpret_cast<const uint16_t*>(bx.sc + p * bx.sc_stride);
@@ -119,7 +118,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) inli
 // 2·NC vectors converted into registers and scaled there (each scale broadcast from a converted copy: no
 // permutes), each head's 16 products of a block of 16 pages kept and summed together by sum16. The selection is
 // compute-bound once the boxes are int8: the register path took it from 0.16 to 0.055 ms at batch 1 (one mha-100m
-// layer at 32k); the blocked sums from 1.06 to 0.65 ms at batch 8, one thread (below). Other head dims and the
+// layer at 32k); the blocked sums from 1.06 to 0.95 ms at batch 8, one thread, warm. Other head dims and the
 // fp16/fp32 boxes a caller may pass take the AVX2 path above. `part`: 16·16·G floats of scratch.
 template <int NC>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void bounds_i8g16(
