@@ -76,6 +76,8 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
                                          "sparse_dense_layers": 0}),
     "sparse int4 2048 mm p64": ("int4", {"sparse_budget": 2048, "sparse_page": 64, "sparse_score": "minmax",
                                          "sparse_dense_layers": 0}),
+    # max(2,048, T/8), the layers kvslim.calibrate_sparse picks on 8,192 tokens of Botchan read in full
+    "sparse int4 auto cal": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": "calibrated"}),
     "sparse int2 2048": ("int2", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
     "sparse int2 1024": ("int2", {"sparse_budget": 1024, "sparse_dense_layers": 2, **MEANSTD}),
     "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
@@ -89,18 +91,43 @@ TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "qua
                "sparse int2 2048", "sparse int2 1024", "sparse turbo3 2048", "sparse turbo3 1024",
                "sparse dense 2048 dl0", "sparse turbo3 2048 dl0", "sparse int4 2048 dl0", "sparse int4 auto mm",
                "sparse int4 2048 mm", "sparse int4 1024 mm", "sparse dense 2048 mm", "sparse int2 2048 mm",
-               "sparse turbo3 2048 mm", "sparse int4 auto mm p64", "sparse int4 2048 mm p64"]
+               "sparse turbo3 2048 mm", "sparse int4 auto mm p64", "sparse int4 2048 mm p64", "sparse int4 auto cal"]
 #: the label suffix of the rows whose question is fed one token per call (--question-by-token)
 BY_TOKEN = " (question by token)"
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),
           "smollm2": ("load_smollm2", "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)")}
 
 
-def cache_makers(model, labels) -> dict:
+def cache_makers(model, labels, tok=None) -> dict:
     """label -> a function building an empty cache of that row."""
     from kvslim.longctx.protocol import make_cache_fn
 
-    return {label: make_cache_fn(model, METHOD_ROWS[label][0], **METHOD_ROWS[label][1]) for label in labels}
+    out = {}
+    for label in labels:
+        method, options = METHOD_ROWS[label]
+        if options.get("sparse_dense_layers") == "calibrated":
+            options = {**options, "sparse_dense_layers": calibrated_layers(model, tok)}
+            print(f"{label}: layers {list(options['sparse_dense_layers'])} read in full (kvslim.calibrate_sparse)")
+        out[label] = make_cache_fn(model, method, **options)
+    return out
+
+
+def calibrated_layers(model, tok, tokens: int = 8192) -> list[int]:
+    """``kvslim.calibrate_sparse`` on the first ``tokens`` tokens of the shipped Botchan (never the haystacks'
+    filler), kept in ``~/.cache/kvslim`` per model and library version (~75 s for Qwen2.5-Coder-0.5B)."""
+    from importlib.resources import files
+
+    from kvslim import __version__, calibrate_sparse
+
+    path = Path.home() / ".cache" / "kvslim" / f"sparse-layers-{model.config.model_type}-{model.config.num_hidden_layers}-{__version__}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    ids = tok((files("kvslim.data") / "botchan.txt").read_text(), return_tensors="pt").input_ids[:, :tokens]
+    layers = calibrate_sparse(model, ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(layers))
+    return layers
+
 
 
 def git_commit() -> str:
@@ -330,7 +357,7 @@ def main() -> None:
                      Path(args.kv_dir))
         return
     RESULTS.mkdir(exist_ok=True)
-    caches = cache_makers(model, labels)
+    caches = cache_makers(model, labels, tok)
     if args.question_by_token:  # its own rows beside the one-call ones (same haystacks, another protocol)
         caches = {f"{label}{BY_TOKEN}": make for label, make in caches.items()}
     run(model, tok, caches, lengths=lengths, trials=args.trials, seed=args.seed,

@@ -13,16 +13,17 @@ from ._version import __version__
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
-            "calibrate": "calibration", "load_per_layer": "per_layer_file", "save_per_layer": "per_layer_file",
+            "calibrate": "calibration", "calibrate_sparse": "calibration_sparse", "load_per_layer": "per_layer_file", "save_per_layer": "per_layer_file",
             "load_cache": "prompt_cache", "save_cache": "prompt_cache", "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
 
-__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "get_plan",
+__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "calibrate_sparse", "get_plan",
            "load_cache", "load_per_layer", "make_cache", "plan_config", "restore", "save_cache", "save_per_layer"]
 
 if TYPE_CHECKING:
     from .api import apply, get_plan, make_cache, plan_config, restore
     from .caches import KVSlimCache
     from .calibration import calibrate
+    from .calibration_sparse import calibrate_sparse
     from .methods import METHODS
     from .per_layer_file import load_per_layer, save_per_layer
     from .plan import LayerPlan, Plan

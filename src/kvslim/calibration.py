@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 
-def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def capture_qkv(model, ids: torch.Tensor, each=None) -> list:
     """Per decoder layer, the prefill's (q, k, v) as (B, H, S, D), (B, Hk, S, D), (B, Hk, S, D) in fp32, RoPE
-    applied to q and k (Llama-style attention: ``q_proj``/``k_proj``/``v_proj`` and ``position_embeddings``)."""
+    applied to q and k (Llama-style attention: ``q_proj``/``k_proj``/``v_proj`` and ``position_embeddings``).
+    With ``each``: ``each(layer, q, k, v)``'s result per layer instead (nothing kept: long texts, large models)."""
     layers = model.model.layers
-    got: dict[int, tuple] = {}
+    got: dict[int, object] = {}
 
     def hook(mod, args, kwargs, i):
         h = kwargs.get("hidden_states", args[0] if args else None)
@@ -33,7 +34,7 @@ def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
         k = mod.k_proj(h).view(b, s, -1, d).transpose(1, 2)
         v = mod.v_proj(h).view(b, s, -1, d).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        got[i] = (q.float(), k.float(), v.float())
+        got[i] = (q.float(), k.float(), v.float()) if each is None else each(i, q.float(), k.float(), v.float())
 
     handles = [layer.self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: hook(mod, args, kwargs, i), with_kwargs=True) for i, layer in enumerate(layers)]
