@@ -119,7 +119,9 @@ def apply(plan: Plan, sp: dict, num_kv_heads: int, head_dim: int) -> Plan:
     notes = [f"sparse decode: single-token steps read ≤ {budget} tokens (+ a page being filled) per "
              f"layer and KV head, in pages of {'/'.join(map(str, sorted(pages))) or PAGE} scored by "
              f"{sp['sparse_score']}; layers "
-             f"{sorted(dense)} read everything (docs/sparse.md)"]
+             f"{sorted(dense)} read everything (docs/sparse.md)"
+             + ("" if dense else "; for retrieval, read in full the layers kvslim.calibrate_sparse(model, ids) "
+                                 "picks (sparse_dense_layers=)")]
     if sliding:
         notes.append(f"{sliding} sliding-window layer(s) read their own bounded window (no sparse decode there)")
     return replace(plan, layers=tuple(layers), notes=plan.notes + tuple(notes))
