@@ -80,6 +80,9 @@ METHOD_ROWS = {  # in the order each haystack runs them (a run stopped mid-hayst
     "sparse int4 auto cal": ("int4", {"sparse_budget": "auto", "sparse_dense_layers": "calibrated"}),
     "sparse int4 2048 cal": ("int4", {"sparse_budget": 2048, "sparse_dense_layers": "calibrated"}),
     "sparse int4 1024 cal": ("int4", {"sparse_budget": 1024, "sparse_dense_layers": "calibrated"}),
+    "sparse dense auto cal": ("dense", {"sparse_budget": "auto", "sparse_dense_layers": "calibrated"}),
+    "sparse turbo3 auto cal": ("turbo3", {"sparse_budget": "auto", "sparse_dense_layers": "calibrated"}),
+    "sparse int2 auto cal": ("int2", {"sparse_budget": "auto", "sparse_dense_layers": "calibrated"}),
     "sparse int2 2048": ("int2", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
     "sparse int2 1024": ("int2", {"sparse_budget": 1024, "sparse_dense_layers": 2, **MEANSTD}),
     "sparse turbo3 2048": ("turbo3", {"sparse_budget": 2048, "sparse_dense_layers": 2, **MEANSTD}),
@@ -94,7 +97,8 @@ TABLE_ORDER = ["dense", "int8", "int4", "int3", "turbo3", "int2", "turbo2", "qua
                "sparse dense 2048 dl0", "sparse turbo3 2048 dl0", "sparse int4 2048 dl0", "sparse int4 auto mm",
                "sparse int4 2048 mm", "sparse int4 1024 mm", "sparse dense 2048 mm", "sparse int2 2048 mm",
                "sparse turbo3 2048 mm", "sparse int4 auto mm p64", "sparse int4 2048 mm p64", "sparse int4 auto cal",
-               "sparse int4 2048 cal", "sparse int4 1024 cal"]
+               "sparse int4 2048 cal", "sparse int4 1024 cal", "sparse dense auto cal", "sparse turbo3 auto cal",
+               "sparse int2 auto cal"]
 #: the label suffix of the rows whose question is fed one token per call (--question-by-token)
 BY_TOKEN = " (question by token)"
 MODELS = {"qwen25": ("load_qwen25_coder", "Qwen2.5-Coder-0.5B-Instruct (GGUF dequantized, fp32)"),

@@ -286,7 +286,7 @@ def test_a_budget_that_grows_with_the_context(model, method):
     seen = set()
     for prompt in (700, 1500, 2600, 4000):
         layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0, sparse_page=page)
-        spec = dataclasses.replace(layer.sparse, fraction=0.25)
+        spec = dataclasses.replace(layer.sparse, fraction=0.25, full_read=(1.0, 1.0))  # sparse past the budget
         layer.sparse = layer.page_stats.spec = spec
         _, h = _fill(layer, 1, 2, 16, prompt=prompt)
         total = prompt + 1
@@ -301,22 +301,34 @@ def test_a_budget_that_grows_with_the_context(model, method):
     assert len(seen) == 4  # it grew at every length
 
 
-@pytest.mark.parametrize("method", ["dense", "int4"])
-def test_auto_reads_everything_under_twice_its_floor(model, method):
-    """``auto`` (``fraction`` > 0) reads the whole context while its candidate pages are at most twice the step's pages
-    (there half the pages at random cost more than all of them: docs/sparse.md), a step past that is sparse; a fixed
-    budget stays sparse as soon as the candidates exceed it."""
+@pytest.mark.parametrize("method, kind", [("dense", "dense"), ("int4", "int"), ("turbo3", "turbo")])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_auto_reads_everything_below_its_formats_crossover(model, method, kind, batch):
+    """``auto`` (``fraction`` > 0) reads the whole context while its candidate pages are at most ``FULL_READ[kind]``
+    (batch 1, larger batches) times the step's pages (there choosing cost more than reading all: docs/sparse.md),
+    a step with one page more is sparse; a fixed budget is sparse as soon as the candidates exceed it."""
     import dataclasses
 
+    from kvslim.caches.sparse import FULL_READ
+
     budget, page = 320, 32
-    for fraction, prompt, sparse in [(0.125, 480, False), (0.125, 560, True), (0.0, 480, True)]:
-        layer = _layer(model, method, sparse_budget=budget, sparse_dense_layers=0, sparse_page=page)
-        spec = dataclasses.replace(layer.sparse, fraction=fraction)
-        layer.sparse = layer.page_stats.spec = spec
-        _, h = _fill(layer, 1, 2, 16, prompt=prompt)
-        assert (h is not None) == sparse, (fraction, prompt)
-        total = prompt + 1
-        assert spec.step_rows(total) == (total if not sparse else max(budget, int(fraction * total)) + page - 1)
+    layer = _layer(model, method, sparse_budget="auto", sparse_dense_layers=0, sparse_page=page)
+    assert layer.sparse.full_read == FULL_READ[kind]
+    spec = dataclasses.replace(layer.sparse, budget=budget)
+    k = spec.pages
+    limit = int(spec.full_read[0 if batch == 1 else 1] * k)
+    layer.sparse = layer.page_stats.spec = spec
+    _, h = _fill(layer, batch, 2, 16, prompt=2048)
+    assert h is not None and spec.step_pages(2049) == k  # sparse, the floor budget: fraction·2,049 < 320
+    at_limit, at_k = (2048 - (h.pages - n) * page for n in (limit, k))
+    for fraction, prompt, sparse in [(spec.fraction, at_limit, False), (spec.fraction, at_limit + page, True),
+                                     (0.0, at_k, False), (0.0, at_k + page, True)]:
+        layer = _layer(model, method, sparse_budget="auto", sparse_dense_layers=0, sparse_page=page)
+        layer.sparse = layer.page_stats.spec = dataclasses.replace(spec, fraction=fraction)
+        _, h = _fill(layer, batch, 2, 16, prompt=prompt)
+        assert (h is not None) == sparse, (fraction, prompt, limit)
+        if sparse:
+            assert h.pages == (limit if fraction else k) + 1
 
 
 def test_auto_budget_option(model):

@@ -75,7 +75,7 @@ class LayerPlan:
             return self.cache_bytes(context, batch)
         plain = replace(self, sparse=None)
         sp = self.sparse
-        if sp.step_rows(context) >= context:  # the whole context (within the budget, or auto's short contexts)
+        if sp.step_rows(context, batch) >= context:  # the whole context (within the budget, or auto's short contexts)
             return self.cache_bytes(context, batch)
         rows = sp.budget_at(context) + sp.page // 2
         pages = max(0, context - self.sparse_offset) // self.sparse.page

@@ -128,14 +128,14 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
             h = fused.append_handle(self.k_store, self.v_store, start, key_states, value_states, reads)
             n = h.n
             pages = candidate_pages(n, h.tokens - n, sp, st.complete)  # the sinks count among the rows read outright
-            if sp.reads_all(pages, end):
+            if sp.reads_all(pages, end, key_states.shape[0]):
                 return None
             k = sp.step_pages(end)
             kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device, k)
             return SparseKV(st, n, pages, fused=h, scratch=self.scratch_pool, kept=kept, choose=kept is None or choose,
                             read=k)
         pages = candidate_pages(end - 1, 1, sp, st.complete)
-        if sp.reads_all(pages, end):
+        if sp.reads_all(pages, end, key_states.shape[0]):
             return None
         k = sp.step_pages(end)
         kept, choose = st.choice(pages, key_states.shape[0], key_states.shape[1], key_states.device, k)

@@ -39,6 +39,14 @@ BOX_GROUP = 16
 #: lost pass keys its full read found (docs/sparse.md); 4,096 (an eighth) kept every one measured
 AUTO_FLOOR = 2048
 AUTO_FRACTION = 0.125
+#: ``sparse_budget="auto"`` reads everything (the full read, bit for bit) while its candidate pages are at most this
+#: many times the pages it would choose, per format, at batch 1 and at larger batches: where choosing cost more than
+#: reading all. The crossovers measured on one mha-100m layer (12 KV heads × 64, fp32), budget 2,048, caches cold,
+#: 2 threads (docs/sparse.md "Where sparse starts to pay"): int4 ~9.7k tokens at batch 1 (candidates ~5.0× its 60
+#: pages), ~4.7k at batch 8 (2.4×); dense fp32 ~5.8k / ~5.5k (3.0× / 2.8×); turbo3 just above 4k at batch 1 (2×), below 4k at
+#: batch 8 (sparse 1.28× the full read there: only what fits the budget is read whole). int8/int3/int2 take int4's
+#: (not measured apart).
+FULL_READ = {"int": (5.0, 2.4), "dense": (3.0, 2.8), "turbo": (2.0, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,8 @@ class SparseSpec:
     are read whole). ``sinks_in_pages``: the layer keeps no full-precision sinks, so page 0 is always read (it holds
     the attention sinks); ``window``: rows always read after the pages (the layer's sinks + full-precision window,
     else :data:`RECENT`). ``fraction`` > 0: the budget grows with the context, a step of T tokens reads
-    ``max(budget, fraction·T)`` rows (``sparse_budget="auto"``)."""
+    ``max(budget, fraction·T)`` rows (``sparse_budget="auto"``), and everything while its candidates are at most
+    ``full_read`` (batch 1, larger batches) times its pages (:data:`FULL_READ`)."""
 
     budget: int
     page: int = 32
@@ -58,6 +67,7 @@ class SparseSpec:
     window: int = RECENT
     sinks_in_pages: bool = True
     fraction: float = 0.0
+    full_read: tuple[float, float] = FULL_READ["int"]  # with fraction: FULL_READ of the layer's format
 
     def __post_init__(self) -> None:
         check_sparse_options(self.budget, self.page, self.score, self.select)
@@ -82,21 +92,21 @@ class SparseSpec:
         """Pages a step over ``tokens`` visible tokens reads: those of :meth:`budget_at` past the window."""
         return (self.budget_at(tokens) - self.window) // self.page
 
-    def reads_all(self, pages: int, tokens: int) -> bool:
-        """Whether a step over ``tokens`` visible tokens with ``pages`` candidate pages reads everything (the full
-        read, bit for bit): when the candidates fit the step's pages, and with ``fraction`` (``"auto"``) also while
-        they are at most twice them — there choosing half the pages cost more than reading all of them for int4 and
-        dense fp32 at batch 1 and 8 (one mha-100m layer at 4k, budget 2,048, cold: sparse 0.72-0.97× the full read;
-        turbo3 0.96× at batch 1 but 1.28× at batch 8, where this rule gives that up; docs/sparse.md "Where sparse
-        starts to pay")."""
+    def reads_all(self, pages: int, tokens: int, batch: int = 1) -> bool:
+        """Whether a step of ``batch`` sequences over ``tokens`` visible tokens with ``pages`` candidate pages reads
+        everything (the full read, bit for bit): when the candidates fit the step's pages, and with ``fraction``
+        (``"auto"``) also while they are at most ``full_read`` times them (:data:`FULL_READ`: there choosing cost
+        more than reading all)."""
         k = self.step_pages(tokens)
-        return pages <= (2 * k if self.fraction else k)
+        if not self.fraction:
+            return pages <= k
+        return pages <= self.full_read[0 if batch == 1 else 1] * k
 
-    def step_rows(self, tokens: int) -> int:
-        """Rows a step over ``tokens`` tokens reads at most: ``tokens`` where :meth:`reads_all` (its whole context;
-        the candidates counted as a layer whose window is :attr:`window` has them), else the step's budget plus the
-        part of a page not yet complete."""
-        if self.reads_all(max(0, (tokens - self.window) // self.page), tokens):
+    def step_rows(self, tokens: int, batch: int = 1) -> int:
+        """Rows a step of ``batch`` sequences over ``tokens`` tokens reads at most: ``tokens`` where
+        :meth:`reads_all` (its whole context; the candidates counted as a layer whose window is :attr:`window` has
+        them), else the step's budget plus the part of a page not yet complete."""
+        if self.reads_all(max(0, (tokens - self.window) // self.page), tokens, batch):
             return tokens
         return self.budget_at(tokens) + self.page - 1
 

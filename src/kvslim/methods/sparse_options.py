@@ -1,7 +1,8 @@
 """The sparse-decode options every append-only storage method takes (issue 43, ``caches/sparse.py``).
 
 ``sparse_budget`` (tokens a single-token step reads; ``"auto"``: max(2,048, an eighth of the context), and the
-whole context up to ~4k tokens (``SparseSpec.reads_all``), the recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
+whole context below the measured crossover (``caches.sparse.FULL_READ``: ~9.7k tokens for int codes at batch 1,
+~4-6k otherwise), the recommended setting; ``None``: off), ``sparse_page`` (tokens per page, a power of
 two ≥ 16; default 32, or the KIVI key groups' tokens where they are longer: 64 for int3/int2), ``sparse_score`` (Quest's ``"minmax"``, default since 2026-11-29, or ``"meanstd"``), ``sparse_dense_layers``
 (layers read in full: an int N = the first N, default 0, or a list of indices) and ``sparse_select`` (``"step"``,
 default, or ``"prompt"``: chosen at the first step after a multi-token call, kept for the answer). Spelled the same
@@ -16,6 +17,7 @@ from ..caches.factories import append_factory
 from ..caches.sparse import (
     AUTO_FLOOR,
     AUTO_FRACTION,
+    FULL_READ,
     RECENT,
     SparseSpec,
     check_sparse_options,
@@ -84,8 +86,9 @@ def layer_spec(sp: dict, store_spec) -> SparseSpec:
                          f"(key_channel_group): e.g. sparse_page={max(cg, 64)}")
     own = bool(store_spec.residual)
     auto = sp["sparse_budget"] == "auto"
+    kind = "turbo" if store_spec.codec == "turbo" else "int" if store_spec.bits else "dense"
     return SparseSpec(AUTO_FLOOR if auto else sp["sparse_budget"], page, sp["sparse_score"], sp["sparse_select"],
-                      fraction=AUTO_FRACTION if auto else 0.0,
+                      fraction=AUTO_FRACTION if auto else 0.0, full_read=FULL_READ[kind],
                       window=store_spec.sink + store_spec.residual if own else RECENT,
                       sinks_in_pages=not (own and store_spec.sink))
 
