@@ -73,3 +73,26 @@ def test_bad_input_is_refused_by_name(kw, words):
     with pytest.raises(ValueError) as e:
         calibrate_sparse(m, ids, **kw)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_captured_keys_are_the_keys_the_cache_receives(kind):
+    """``capture_qkv``'s keys and values are what the model hands its cache (post-RoPE; Qwen3's per-head q/k norms
+    applied first: before they were left out, so calibrating a Qwen3 or Gemma 3 model measured other keys)."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    from kvslim.adapters.compat import CACHE_KW
+
+    if kind == "qwen3":
+        torch.manual_seed(0)
+        m = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    else:
+        m = tiny_model("llama", kv_heads=2, num_hidden_layers=2)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache()
+    with torch.no_grad():
+        m(ids, use_cache=True, **{CACHE_KW: cache})
+    for (q, k, v), layer in zip(capture_qkv(m, ids), cache.layers, strict=True):
+        torch.testing.assert_close(k, layer.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, layer.values, rtol=1e-5, atol=1e-5)

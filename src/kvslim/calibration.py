@@ -20,8 +20,8 @@ import torch
 
 def capture_qkv(model, ids: torch.Tensor, each=None) -> list:
     """Per decoder layer, the prefill's (q, k, v) as (B, H, S, D), (B, Hk, S, D), (B, Hk, S, D) in fp32, RoPE
-    applied to q and k (Llama-style attention: ``q_proj``/``k_proj``/``v_proj`` and ``position_embeddings``).
-    With ``each``: ``each(layer, q, k, v)``'s result per layer instead (nothing kept: long texts, large models)."""
+    applied to q and k (Llama-style attention: ``q_proj``/``k_proj``/``v_proj`` and ``position_embeddings``; a
+    layer's ``q_norm``/``k_norm`` first where it has them, as Qwen3 and Gemma 3). With ``each``: ``each(layer, q, k, v)``'s result per layer instead (nothing kept: long texts, large models)."""
     layers = model.model.layers
     got: dict[int, object] = {}
 
@@ -30,8 +30,12 @@ def capture_qkv(model, ids: torch.Tensor, each=None) -> list:
         cos, sin = kwargs["position_embeddings"]
         b, s, _ = h.shape
         d = mod.head_dim
-        q = mod.q_proj(h).view(b, s, -1, d).transpose(1, 2)
-        k = mod.k_proj(h).view(b, s, -1, d).transpose(1, 2)
+        q, k = mod.q_proj(h).view(b, s, -1, d), mod.k_proj(h).view(b, s, -1, d)
+        if getattr(mod, "q_norm", None) is not None:  # Qwen3, Gemma 3: per-head norms before RoPE
+            q = mod.q_norm(q)
+        if getattr(mod, "k_norm", None) is not None:
+            k = mod.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = mod.v_proj(h).view(b, s, -1, d).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         got[i] = (q.float(), k.float(), v.float()) if each is None else each(i, q.float(), k.float(), v.float())
