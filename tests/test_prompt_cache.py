@@ -49,6 +49,10 @@ CASES = [
                                       "sparse_page": 16, "sparse_dense_layers": 0}, None, False),
     ("turbo3-sparse", "llama", "turbo3", {"residual": 32, "sparse_budget": 64, "sparse_page": 16,
                                           "sparse_dense_layers": 0, "sparse_select": "prompt"}, None, False),
+    # a list of layers read in full (kvslim.calibrate_sparse's), as the option is saved in the file
+    ("int4-sparse-listed-layers", "llama", "int4", {"residual": 32, "sink": 2, "key_channel_group": 16,
+                                                    "sparse_budget": 64, "sparse_page": 16, "sparse_dense_layers": [1]}, None,
+     False),
 ]
 
 
