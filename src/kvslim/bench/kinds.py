@@ -13,6 +13,8 @@ KVSLIM_KINDS = {"kvslim-dense": ("dense", {}), "kvslim-int8": ("int8", {}), "kvs
                 "kvslim-turbo2-rc": ("turbo2", {"rope_centred_keys": True}),
                 # sparse decode (issue 43, docs/sparse.md): the method's defaults + a 2,048-token budget per step
                 "kvslim-dense-sparse": ("dense", {"sparse_budget": 2048}),
-                "kvslim-int4-sparse": ("int4", {"sparse_budget": 2048})}
+                "kvslim-int4-sparse": ("int4", {"sparse_budget": 2048}),
+                # the recommended budget: max(2,048, an eighth of the context), the full read below the crossover
+                "kvslim-int4-sparse-auto": ("int4", {"sparse_budget": "auto"})}
 HF_KINDS = ("hf-dynamic", "hf-static")
 ALL_KINDS = HF_KINDS + tuple(KVSLIM_KINDS)
