@@ -93,6 +93,30 @@ def test_captured_keys_are_the_keys_the_cache_receives(kind):
     cache = DynamicCache()
     with torch.no_grad():
         m(ids, use_cache=True, **{CACHE_KW: cache})
-    for (q, k, v), layer in zip(capture_qkv(m, ids), cache.layers, strict=True):
+    for (_, k, v), layer in zip(capture_qkv(m, ids), cache.layers, strict=True):
         torch.testing.assert_close(k, layer.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v, layer.values, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_prints_and_writes_the_layers(capsys, tmp_path):
+    """``kvslim calibrate --sparse``: per-layer events and misses, the layers the rule picks from them, the option
+    line that runs them, and the JSON file; ``--out`` stays required without ``--sparse``; other options refused."""
+    import json
+
+    from kvslim.calibration_sparse import choose
+    from kvslim.cli.main import main
+
+    out = tmp_path / "layers.json"
+    assert main(["calibrate", "--model", "smollm2", "--sparse", "--tokens", "1300", "--queries", "16", "--threads",
+                 "1", "--option", "int4.sparse_budget=auto", "--option", "int4.sparse_page=16", "--out",
+                 str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert (got["tokens"], got["page"], got["queries"]) == (1300, 16, 16) and len(got["rates"]) == 30
+    assert got["sparse_dense_layers"] == choose([tuple(r) for r in got["rates"]])
+    printed = capsys.readouterr().out
+    assert (f"--option int4.sparse_budget=auto --option int4.sparse_page=16 --option int4.sparse_dense_layers="
+            f"{json.dumps(got['sparse_dense_layers']).replace(' ', '')}") in printed
+    for argv, words in ((["--sparse", "--option", "int4.residual=32"], "--sparse takes sparse_budget"),
+                        ([], "--out is required")):
+        assert main(["calibrate", "--model", "smollm2", *argv]) == 2  # refused before the model is loaded
+        assert words in capsys.readouterr().err

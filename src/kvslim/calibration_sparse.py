@@ -115,7 +115,13 @@ def calibrate_sparse(model, ids: torch.Tensor, *, queries: int = 256, page: int 
         raise ValueError(f"threshold must be a number in [0, 1] (the share of missed events), got {threshold!r}")
     if not isinstance(min_events, int) or isinstance(min_events, bool) or min_events < 0:
         raise ValueError(f"min_events must be an int >= 0, got {min_events!r}")
-    rates = sparse_miss_rates(model, ids, queries=queries, page=page, fraction=fraction, score=score)
+    return choose(sparse_miss_rates(model, ids, queries=queries, page=page, fraction=fraction, score=score),
+                  threshold, min_events)
+
+
+def choose(rates: list[tuple[int, int]], threshold: float = THRESHOLD, min_events: int = MIN_EVENTS) -> list[int]:
+    """The layers of ``rates`` (:func:`sparse_miss_rates`) that read in full: ``misses ≥ threshold · events`` over at
+    least ``min_events`` events (and one)."""
     return [i for i, (events, misses) in enumerate(rates)
             if events >= max(min_events, 1) and misses >= threshold * events]
 
