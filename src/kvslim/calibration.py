@@ -53,6 +53,21 @@ def capture_qkv(model, ids: torch.Tensor, each=None) -> list:
     return [got[i] for i in range(len(layers))]
 
 
+def check_ids(ids) -> None:
+    """``ValueError`` naming ``ids`` unless it is a (1, T) tensor of token ids."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.is_floating_point():
+        raise ValueError(f"ids must be a (1, T) tensor of token ids, got "
+                         f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+
+
+def check_model(model, what: str) -> None:
+    """``ValueError`` naming ``model`` unless its layers have the Llama-style attention :func:`capture_qkv` reads."""
+    attn = getattr(getattr(getattr(model, "model", None), "layers", [None])[0], "self_attn", None)
+    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "head_dim")):
+        raise ValueError(f"model: {what} needs Llama-style attention (model.model.layers[i].self_attn with "
+                         f"q_proj, k_proj, v_proj), got {type(model).__name__}")
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's ``apply_rotary_pos_emb`` for one tensor (rotate-half convention; partial rotary keeps the rest)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -203,19 +218,14 @@ def calibrate(model, ids: torch.Tensor, method: str = "int4", *, choose: str | N
                          f"for {method!r}")
     if not isinstance(queries, int) or isinstance(queries, bool) or queries <= 0:
         raise ValueError(f"queries must be a positive int, got {queries!r}")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.is_floating_point():
-        raise ValueError(f"ids must be a (1, T) tensor of token ids, got "
-                         f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    check_ids(ids)
     opts = METHODS[method].options(**options)  # validates the options, nothing built
     exact = opts.sink + opts.residual
     if ids.shape[1] < exact + max(opts.flush, 1) + queries:
         raise ValueError(f"ids: {ids.shape[1]} tokens are too few: calibrating {method} over the last {queries} "
                          f"queries needs at least {exact + max(opts.flush, 1) + queries} (sinks + window + one "
                          f"flush + queries)")
-    attn = getattr(getattr(getattr(model, "model", None), "layers", [None])[0], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "head_dim")):
-        raise ValueError(f"model: calibrate needs Llama-style attention (model.model.layers[i].self_attn with "
-                         f"q_proj, k_proj, v_proj), got {type(model).__name__}")
+    check_model(model, "calibrate")
     given = dict(options.get("per_layer") or {})
     if choose == "key_scales":
         return _calibrate_key_scales(model, ids, method, given, options)

@@ -127,6 +127,8 @@ def choose(rates: list[tuple[int, int]], threshold: float = THRESHOLD, min_event
 
 
 def _check(model, ids, queries, page, fraction, score) -> None:
+    from .calibration import check_ids, check_model
+
     if not isinstance(queries, int) or isinstance(queries, bool) or queries <= 0:
         raise ValueError(f"queries must be a positive int, got {queries!r}")
     if not isinstance(page, int) or isinstance(page, bool) or page < 16 or page & (page - 1):
@@ -135,15 +137,10 @@ def _check(model, ids, queries, page, fraction, score) -> None:
         raise ValueError(f"fraction must be in (0, 1] (the share of pages a step chooses), got {fraction!r}")
     if score not in SCORES:
         raise ValueError(f"score must be one of {list(SCORES)}, got {score!r}")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.is_floating_point():
-        raise ValueError(f"ids must be a (1, T) tensor of token ids, got "
-                         f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    check_ids(ids)
     need = SINKS + RECENT + MIN_PAGES * page + queries
     if ids.shape[1] < need:
         raise ValueError(f"ids: {ids.shape[1]} tokens are too few: {MIN_PAGES} candidate pages of {page} before "
                          f"the {queries} measured queries need at least {need} (e.g. 8,192 tokens of "
                          f"kvslim/data/botchan.txt)")
-    attn = getattr(getattr(getattr(model, "model", None), "layers", [None])[0], "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "head_dim")):
-        raise ValueError(f"model: calibrate_sparse needs Llama-style attention (model.model.layers[i].self_attn "
-                         f"with q_proj, k_proj, v_proj), got {type(model).__name__}")
+    check_model(model, "calibrate_sparse")
