@@ -121,12 +121,17 @@ def cache_makers(model, labels, tok=None) -> dict:
 
 def calibrated_layers(model, tok, tokens: int = 8192) -> list[int]:
     """``kvslim.calibrate_sparse`` on the first ``tokens`` tokens of the shipped Botchan (never the haystacks'
-    filler), kept in ``~/.cache/kvslim`` per model and library version (~75 s for Qwen2.5-Coder-0.5B)."""
+    filler), kept in ``~/.cache/kvslim`` per model (its type, layers and a fingerprint of its first key projection:
+    two models of one architecture do not share a file) and library version (~75 s for Qwen2.5-Coder-0.5B)."""
+    import hashlib
     from importlib.resources import files
 
     from kvslim import __version__, calibrate_sparse
 
-    path = Path.home() / ".cache" / "kvslim" / f"sparse-layers-{model.config.model_type}-{model.config.num_hidden_layers}-{__version__}.json"
+    weights = model.model.layers[0].self_attn.k_proj.weight.detach().float().contiguous()
+    mark = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:12]
+    name = f"sparse-layers-{model.config.model_type}-{model.config.num_hidden_layers}-{mark}-{__version__}.json"
+    path = Path.home() / ".cache" / "kvslim" / name
     if path.is_file():
         return json.loads(path.read_text())
     ids = tok((files("kvslim.data") / "botchan.txt").read_text(), return_tensors="pt").input_ids[:, :tokens]

@@ -61,14 +61,11 @@ def record_queries(model, tok, cache, question, by_token: bool = False) -> tuple
 
 def boxes(keys: torch.Tensor, page: int, score: str) -> torch.Tensor:
     """(H, T, D) fp32 keys -> (H, P, 2, D) [centre, radius] of the complete pages, as PageStats computes them
-    (before its fp16 rounding)."""
+    (before its int8 codes): ``kvslim.calibration_sparse.page_boxes`` (min/max for ``minmax`` and ``pca``)."""
+    from kvslim.calibration_sparse import page_boxes
+
     h, t, d = keys.shape
-    x = keys[:, : t // page * page].reshape(h, t // page, page, d)
-    if score in ("minmax", "pca"):
-        lo, hi = x.amin(2), x.amax(2)
-        return torch.stack(((lo + hi) / 2, (hi - lo) / 2), dim=2)
-    c = x.mean(2)
-    return torch.stack((c, (x.pow(2).mean(2) - c * c).clamp_min(0).sqrt()), dim=2)
+    return page_boxes(keys, page, "minmax" if score in ("minmax", "pca") else "meanstd").view(h, t // page, 2, d)
 
 
 def principal_axes(x: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,12 @@ from ._version import __version__
 
 #: public name -> the module defining it
 _EXPORTS = {"apply": "api", "get_plan": "api", "make_cache": "api", "plan_config": "api", "restore": "api",
-            "calibrate": "calibration", "calibrate_sparse": "calibration_sparse", "load_per_layer": "per_layer_file", "save_per_layer": "per_layer_file",
+            "calibrate": "calibration", "calibrate_sparse": "calibration_sparse", "load_per_layer": "per_layer_file",
+            "save_per_layer": "per_layer_file",
             "load_cache": "prompt_cache", "save_cache": "prompt_cache", "KVSlimCache": "caches", "METHODS": "methods", "LayerPlan": "plan", "Plan": "plan"}
 
-__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "calibrate_sparse", "get_plan",
-           "load_cache", "load_per_layer", "make_cache", "plan_config", "restore", "save_cache", "save_per_layer"]
+__all__ = ["METHODS", "KVSlimCache", "LayerPlan", "Plan", "__version__", "apply", "calibrate", "calibrate_sparse",
+           "get_plan", "load_cache", "load_per_layer", "make_cache", "plan_config", "restore", "save_cache", "save_per_layer"]
 
 if TYPE_CHECKING:
     from .api import apply, get_plan, make_cache, plan_config, restore

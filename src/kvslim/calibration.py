@@ -21,7 +21,8 @@ import torch
 def capture_qkv(model, ids: torch.Tensor, each=None) -> list:
     """Per decoder layer, the prefill's (q, k, v) as (B, H, S, D), (B, Hk, S, D), (B, Hk, S, D) in fp32, RoPE
     applied to q and k (Llama-style attention: ``q_proj``/``k_proj``/``v_proj`` and ``position_embeddings``; a
-    layer's ``q_norm``/``k_norm`` first where it has them, as Qwen3 and Gemma 3). With ``each``: ``each(layer, q, k, v)``'s result per layer instead (nothing kept: long texts, large models)."""
+    layer's ``q_norm``/``k_norm`` first where it has them, as Qwen3 and Gemma 3). With ``each``: the results of
+    ``each(layer, q, k, v)`` instead (nothing kept: long texts, large models)."""
     layers = model.model.layers
     got: dict[int, object] = {}
 

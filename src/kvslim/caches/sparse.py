@@ -43,9 +43,9 @@ AUTO_FRACTION = 0.125
 #: many times the pages it would choose, per format, at batch 1 and at larger batches: where choosing cost more than
 #: reading all. The crossovers measured on one mha-100m layer (12 KV heads × 64, fp32), budget 2,048, caches cold,
 #: 2 threads (docs/sparse.md "Where sparse starts to pay"): int4 ~9.7k tokens at batch 1 (candidates ~5.0× its 60
-#: pages), ~4.7k at batch 8 (2.4×); dense fp32 ~5.8k / ~5.5k (3.0× / 2.8×); turbo3 just above 4k at batch 1 (2×), below 4k at
-#: batch 8 (sparse 1.28× the full read there: only what fits the budget is read whole). int8/int3/int2 take int4's
-#: (not measured apart).
+#: pages), ~4.7k at batch 8 (2.4×); dense fp32 ~5.8k / ~5.5k (3.0× / 2.8×); turbo3 just above 4k at batch 1 (2×),
+#: below 4k at batch 8 (sparse 1.28× the full read there: only what fits the budget is read whole). int8/int3/int2
+#: take int4's (not measured apart).
 FULL_READ = {"int": (5.0, 2.4), "dense": (3.0, 2.8), "turbo": (2.0, 1.0)}
 
 

@@ -12,7 +12,8 @@ turbo methods: key channel scales in every layer). ``kvslim eval / demo / bench 
 ``kvslim calibrate --model PATH_OR_NAME --sparse [--tokens 8192] [--out FILE.json]``: ``kvslim.calibrate_sparse``
 instead (docs/sparse.md, "Layers the bound cannot rank"): per layer, how often the page rule missed the page a head
 attends to, the layers to read in full, and the ``--option METHOD.sparse_dense_layers=[...]`` that runs with them
-(``--option`` may set ``sparse_page`` / ``sparse_score``, with ``sparse_budget``); ``--out`` (optional) writes them as JSON.
+(``--option`` may set ``sparse_page`` / ``sparse_score``, with ``sparse_budget``); ``--out`` (optional) writes them
+as JSON.
 """
 
 from __future__ import annotations
