@@ -180,3 +180,35 @@ def test_every_instruction_set_chooses_the_same_pages(isa, dtype):
         torch.ops.kvslim.sparse_select_set_isa(previous)
     with pytest.raises(ValueError, match="isa must be one of"):
         torch.ops.kvslim.sparse_select_set_isa("sse9")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("pages,k", [(128, 1), (128, 127), (300, 17), (1020, 60), (1020, 124), (4000, 3), (777, 500)])
+def test_top_pages_of_any_scores_match_a_sort(isa, pages, k):
+    """The k best of arbitrary scores — few distinct values (ties cut by k), ±inf, NaN — through the radix select
+    (AVX2 cap) and the AVX-512 pivot-and-compress select: the pages a sort by (score descending, NaN last, page)
+    takes, ascending. G = 1 with a one-hot query makes each page's score its box's first centre exactly."""
+    if not ss.available():
+        pytest.skip("C++ op not built")
+    gen = torch.Generator().manual_seed(pages * 7 + k)
+    vals = torch.tensor([-3.0, -0.5, 0.0, 0.25, 0.25, 1.5, 2.0])[torch.randint(0, 7, (2, 2, pages), generator=gen)]
+    vals += torch.randn(2, 2, pages, generator=gen) * (torch.rand(2, 2, pages, generator=gen) < 0.3)
+    specials = torch.randint(0, pages, (2, 2, 6), generator=gen)
+    vals.scatter_(2, specials[..., :2], float("nan"))
+    vals.scatter_(2, specials[..., 2:4], float("inf"))
+    vals.scatter_(2, specials[..., 4:], float("-inf"))
+    d = 16
+    boxes = torch.zeros(2, 2, pages, 2 * d)
+    boxes[..., 0] = vals
+    q = torch.zeros(2, 2, 1, d)
+    q[..., 0] = 1.0
+    previous = torch.ops.kvslim.sparse_select_set_isa(isa)
+    try:
+        got = torch.ops.kvslim.sparse_select(q, boxes, pages, k, 1.0, False, 0)
+    finally:
+        torch.ops.kvslim.sparse_select_set_isa(previous)
+    for b in range(2):
+        for h in range(2):
+            row = vals[b, h].tolist()
+            order = sorted(range(pages), key=lambda p: (row[p] != row[p], -row[p] if row[p] == row[p] else 0, p))
+            assert got[b, h].tolist() == sorted(order[:k]), (b, h)
