@@ -150,3 +150,29 @@ def test_generate_reuses_the_files_prefix_of_an_edited_document(tmp_path, capsys
     assert 0.6 * held < reused < held, err
     assert main(["generate", "--model", "tiny-mha", "--text", str(original), "--prompt", "Who?"]) == 2
     assert "--text" in capsys.readouterr().err
+
+
+def test_generate_takes_method_options_and_refuses_bad_ones_before_loading(capsys, monkeypatch):
+    """``--option METHOD.NAME=VALUE`` reaches ``apply`` without a prompt cache; a misspelt name, another method's option or one beside a prompt
+    cache file is refused by name before any model loads."""
+    from kvslim import api
+
+    seen = {}
+    real = api.apply
+
+    def spy(model, method, **options):
+        seen.update(method=method, options=options)
+        return real(model, method, **options)
+
+    monkeypatch.setattr(api, "apply", spy)
+    assert main(["generate", "--model", "tiny-mha", "--prompt", "It was a long day at the school, and the master "
+                 "said to me that", "--method", "int8", "--option", "int8.sparse_budget=2048", "--option",
+                 "int8.group_size=32", "--max-new-tokens", "3"]) == 0
+    assert seen == {"method": "int8", "options": {"sparse_budget": 2048, "group_size": 32}}
+    assert "3 answer tokens" in capsys.readouterr().err
+    for bad, says in [(["--option", "int4.sparse_budgett=8"], "sparse_budgett"),
+                      (["--method", "int8", "--option", "int4.group_size=32"], "int4"),
+                      (["--prompt-cache", "x.kvslim", "--option", "int4.group_size=32"], "carries its method")]:
+        seen.clear()
+        assert main(["generate", "--model", "tiny-mha", "--prompt", "Who?", *bad]) == 2
+        assert says in capsys.readouterr().err and not seen, bad

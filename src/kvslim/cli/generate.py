@@ -5,7 +5,8 @@ file's tokens (``kvslim cache-prompt``) are the prefix, the question is appended
 chat template, as the file was made) and answered greedily; the file is only read, so the same question gives the
 same answer every time. ``--text DOC`` (the document as given to ``cache-prompt``, edited or not): the file's
 tokens are reused up to the first that differs from DOC's, the rest of DOC and the question prefilled, and the count
-reported. Without ``--prompt-cache``: ``--prompt`` alone through ``--method`` (default int4).
+reported. Without ``--prompt-cache``: ``--prompt`` alone through ``--method`` (default int4) with its
+``--option METHOD.NAME=VALUE`` (e.g. ``int4.sparse_budget=2048``; a prompt cache file carries its own options).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "as given to kvslim cache-prompt --text; the file's tokens are reused up to the first one that "
                    "differs (an edited document) and the rest prefilled (default: the file's own tokens)")
     p.add_argument("--method", default=None, help="without --prompt-cache: the kvslim method (default int4)")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.NAME=VALUE",
+                   help="without --prompt-cache: an apply() option of --method (repeatable), e.g. "
+                   "int4.sparse_budget=2048 (a prompt cache file carries its own)")
     p.add_argument("--chat", action="store_true", help="ask in the tokenizer's chat template (the prompt cache must "
                    "have been made with --chat)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer tokens at most (default 128)")
@@ -62,6 +66,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--prompt: empty; give the question (or the prompt) to answer")
     if args.prompt_cache and args.method:
         raise ValueError("--method: the prompt cache's method is used with --prompt-cache (give one or the other)")
+    if args.prompt_cache and args.option:
+        raise ValueError("--option: a prompt cache file carries its method's options (give them to kvslim "
+                         "cache-prompt --option)")
+    method = args.method or "int4"
+    from .method_options import parse_method_options
+
+    options = parse_method_options(args.option, [method], among="--method").get(method, {})  # before the model loads
     if args.text and not args.prompt_cache:
         raise ValueError("--text: the document whose cached prefix to reuse goes with --prompt-cache FILE")
     document = None
@@ -103,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         if limit is not None and q.shape[1] + args.max_new_tokens > limit:
             raise ValueError(f"--max-new-tokens: {q.shape[1]} prompt tokens + {args.max_new_tokens} exceed the model's "
                              f"max_position_embeddings ({limit}): at most {max(0, limit - q.shape[1])} fit")
-        api.apply(model, args.method or "int4")
+        api.apply(model, method, **options)
         ids, cache = q, api.make_cache(model)
     t1 = time.perf_counter()
     eos = tok.eos_token_id
