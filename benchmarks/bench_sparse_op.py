@@ -75,7 +75,10 @@ def point(method: str, context: int, batch: int, budget, page, rounds: int, reps
     k_full, v_full = layer.update(one, one.clone())
     layer.sparse_attention = True
     k_sp, v_sp = layer.update(one, one.clone())
-    assert getattr(k_sp, "_kvslim_sparse", None) is not None, "not a sparse step"
+    reads_all = getattr(k_sp, "_kvslim_sparse", None) is None
+    # a fixed budget must make a sparse step here; "auto" reads everything below its format's crossover
+    # (caches.sparse.FULL_READ): that point times the full read against itself, marked reads_all
+    assert not reads_all or budget == "auto", "not a sparse step"
     module = types.SimpleNamespace(num_key_value_groups=1)
     q = torch.randn(batch, CFG["num_attention_heads"], 1, d, generator=g)
 
@@ -109,7 +112,7 @@ def point(method: str, context: int, batch: int, budget, page, rounds: int, reps
         sparse.append(run(k_sp, v_sp))
     f, s = statistics.median(full), statistics.median(sparse)
     rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": layer.sparse.page,
-           "padded": padded, "cold": cold,
+           "padded": padded, "cold": cold, "reads_all": reads_all,
            "full_ms": round(f, 3), "sparse_ms": round(s, 3), "speedup": round(f / s, 2),
            "full_ms_rounds": [round(x, 3) for x in full], "sparse_ms_rounds": [round(x, 3) for x in sparse],
            "stats_bytes": layer.page_stats.nbytes(), "cache_bytes": layer.nbytes}
