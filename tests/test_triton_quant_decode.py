@@ -158,7 +158,7 @@ def test_page_list_reads_rows_in_place(bits, asym, kcg, page):
                                     values="exact")
     assert_close(ref, oracle[0], F32, "twin over the gathered rows vs float64")
     args = _dev(q, kc, ksc, kz, vc, vs, vz, bits, 32, kcg, n, None, kt, vt, None, d ** -0.5)
-    assert_page_list(tq.launch, kernel.quant_decode, args, pages, page, ref, ref_lse)
+    assert_page_list(tq.launch, kernel.quant_decode, args, pages, page, ref, ref_lse, stored // page)
 
 
 @pytest.mark.parametrize("bits,d,g", [(4, 64, 4), (8, 128, 1)])

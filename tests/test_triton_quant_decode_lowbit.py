@@ -237,7 +237,7 @@ def test_page_list_reads_rows_in_place(kb, vb, kivi, page):
     gathered = [paged_rows(t, pages, page) for t in codes]
     ref, ref_lse = kernel.reference(q, *gathered, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5)
     args = _to((q, *codes, kb, vb, gs, kivi, n, None, kt, vt, None, d ** -0.5))
-    assert_page_list(tq.launch, kernel.quant_decode_lowbit, args, pages, page, ref, ref_lse)
+    assert_page_list(tq.launch, kernel.quant_decode_lowbit, args, pages, page, ref, ref_lse, stored // page)
 
 
 AOT = r'''

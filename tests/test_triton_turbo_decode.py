@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_turbo_decode import _format, _oracle, _oracle_lengths, lengths_case  # noqa: E402
-from triton_aot import compile_for_sm90, kernel_device  # noqa: E402
+from triton_aot import assert_ids_clamped, compile_for_sm90, kernel_device  # noqa: E402
 
 from kvslim.caches import StoreSpec  # noqa: E402
 from kvslim.kernels import turbo_decode as kernel  # noqa: E402
@@ -131,6 +131,9 @@ def test_page_list_reads_rows_in_place(spec, page):
                                  None, 0.125, move(bias[0]), move(bias[1]), None, move(pages), page)
     for a, r in zip(got, ref):
         torch.testing.assert_close(a.cpu(), r, rtol=1e-4, atol=1e-5)
+    assert_ids_clamped(lambda ids, _: tt.turbo_decode_triton(
+        *(move(t) for t in (q, *codes)), *bits, kernel.levels(DEVICE), n, move(kt), move(vt), None, 0.125,
+        move(bias[0]), move(bias[1]), None, move(ids), page), pages, stored // page)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVSLIM_BACKEND", "triton")
         out, _ = kernel.turbo_decode(*(move(t) for t in (q, *codes)), *bits, n, move(kt), move(vt), None, 0.125,

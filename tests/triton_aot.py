@@ -70,7 +70,7 @@ def kernel_device(cuda_only: bool = False) -> torch.device:
 
 
 def assert_page_list(launch, dispatch, args: tuple, pages: torch.Tensor, page: int, ref: torch.Tensor,
-                     ref_lse: torch.Tensor) -> None:
+                     ref_lse: torch.Tensor, stored_pages: int | None = None) -> None:
     """A Triton launcher with a page list (forced 1 and 3 splits) and the family's dispatch under
     ``KVSLIM_BACKEND=triton`` equal the twin's ``(ref, ref_lse)`` over the gathered rows; a page list too short for
     ``n``, a float one and a page size that is no power of two are refused by name. ``args``: the launcher's
@@ -86,9 +86,25 @@ def assert_page_list(launch, dispatch, args: tuple, pages: torch.Tensor, page: i
         mp.setenv("KVSLIM_BACKEND", "triton")
         out, _ = dispatch(*args, pages=listed, page=page)
     assert_close(out.cpu(), ref, torch.float32, "dispatch with a page list")
+    if stored_pages is not None:  # ids outside the buffers' pages read the nearest page, never outside memory
+        assert_ids_clamped(lambda ids, s: launch(*args, splits=s, pages=ids, page=page), listed, stored_pages)
     with pytest.raises(ValueError, match="pages must be"):
         launch(*args, pages=listed[:, :, :2], page=page)
     with pytest.raises(ValueError, match="pages must be"):
         launch(*args, pages=listed.float(), page=page)
     with pytest.raises(ValueError, match="page must be a power of two"):
         launch(*args, pages=listed, page=page + 1)
+
+
+def assert_ids_clamped(run, listed: torch.Tensor, stored_pages: int) -> None:
+    """``run(ids, splits)`` with page ids below 0 and past the ``stored_pages`` the buffers hold equals ``run`` with
+    those ids clamped into [0, stored_pages): the kernels keep every read in bounds without checking the list on the
+    host (a device sync)."""
+    wild = listed.clone()
+    wild[0, 0, 0] = -7
+    wild[-1, -1, 1] = stored_pages + 100
+    tame = wild.clamp(0, stored_pages - 1)
+    for splits in (1, 3):
+        got, want = run(wild, splits), run(tame, splits)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b.cpu()), f"out-of-range page ids (splits={splits})"

@@ -106,6 +106,15 @@ def unit_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
+def stored_pages(pages: torch.Tensor | None, page: int, *buffers: torch.Tensor) -> int:
+    """The pages the ``buffers`` (B, H, rows, ·) hold whole, the bound a kernel clamps each listed page id to (no id
+    reads memory outside them, whatever the list holds: the ids are not checked on the host, which would sync the
+    device); 1 without a list (unused)."""
+    if pages is None:
+        return 1
+    return max(1, min(int(t.shape[2]) for t in buffers) // int(page))
+
+
 def check_pages(name: str, pages: torch.Tensor | None, page: int, b: int, hk: int, n: int, multiple: int = 1,
                 least: int = 1) -> int:
     """A launcher's page list (sparse decode): ``None``, or an integer (B, Hk, ≥ ⌈n / page⌉) tensor with ``page`` a

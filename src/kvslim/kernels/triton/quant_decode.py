@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
-from .merge import check_dot, check_pages, finish, mm, softmax_step, unit_last
+from .merge import check_dot, check_pages, finish, mm, softmax_step, stored_pages, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -68,7 +68,7 @@ def _dequant(C, S, Z, t, c, ok, sc_t, ss_t, BITS: tl.constexpr, ASYM: tl.constex
 @triton.jit
 def _quant_stage1(
     Q, KC, KS, KZ, VC, VS, VZ, KT, VT, MASK, LENGTHS, PO, PL, PAGES,
-    n, r, G, tokens_per_split, slots, scaling, sp_b, sp_h,
+    n, r, G, tokens_per_split, slots, scaling, sp_b, sp_h, npg,
     sq_b, sq_h, sq_g,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,
@@ -116,6 +116,7 @@ def _quant_stage1(
         else:
             if PAGE > 0:  # a page list (sparse decode): logical slot t is stored row pages[t // PAGE]·PAGE + t % PAGE
                 listed = tl.load(PAGES + b * sp_b + h * sp_h + t // PAGE, mask=live, other=0).to(tl.int64)
+                listed = tl.minimum(tl.maximum(listed, 0), npg - 1)  # in bounds whatever the ids (no host check)
                 row = listed * PAGE + t % PAGE
             else:
                 row = t
@@ -332,7 +333,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
                   PAGE=int(page) if pages is not None else 0, num_warps=warps)
     sp = (pg.stride(0), pg.stride(1)) if pages is not None else (0, 0)
     args = (q, k_codes, k_scale, kz, v_codes, v_scale, vz, kt, vt, m, lens, po, pl, pg, n, r, g, per, slots,
-            float(scaling), *sp, q.stride(0), q.stride(1), q.stride(2),
+            float(scaling), *sp, stored_pages(pages, page, k_codes, v_codes), q.stride(0), q.stride(1), q.stride(2),
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             k_scale.stride(2), v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0),
             v_scale.stride(1), v_scale.stride(2), kt.stride(0), kt.stride(1), kt.stride(2), sm_b)

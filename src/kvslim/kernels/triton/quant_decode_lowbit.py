@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import interpreter_scalars
 from .merge import DOT_CHOICES as DOT_CHOICES  # re-exported: the variants a launcher takes
-from .merge import check_dot, check_pages, finish, merge_splits, mm, softmax_step, unit_last
+from .merge import check_dot, check_pages, finish, merge_splits, mm, softmax_step, stored_pages, unit_last
 
 #: the largest head dim the kernel takes (a (BLOCK_N, D) fp32 tile of keys and of values lives in registers)
 MAX_HEAD_DIM = 256
@@ -87,7 +87,7 @@ def _lowbit_stage1(
     s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_kzb, s_kzh, s_kzt,
     s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst, s_vzb, s_vzh, s_vzt,
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb,
-    Hk, G, n, r, chunk, scaling,
+    Hk, G, n, r, chunk, scaling, npg,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KB: tl.constexpr, VB: tl.constexpr, GS: tl.constexpr, GS_POW2: tl.constexpr, KIVI: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
@@ -135,7 +135,8 @@ def _lowbit_stage1(
         t = t0 + toks
         t_ok = t < end  # never a slot at or past lengths[b] or n
         if PAGE > 0:  # a page list (sparse decode): the block lies in one listed page, read where it is stored
-            p0 = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE
+            listed = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64)
+            p0 = tl.minimum(tl.maximum(listed, 0), npg - 1) * PAGE + t0 % PAGE  # in bounds whatever the ids
             ts = p0 + toks
         else:
             p0 = t0
@@ -325,7 +326,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero
         *q.stride()[:3], *(pg.stride()[:2] if pg is not None else (0, 0)),
         *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:3], *vz.stride()[:3],
         *st_k, *st_v, s_mb,
-        hk, g, n, r, chunk, float(scaling),
+        hk, g, n, r, chunk, float(scaling), stored_pages(pages, page, kc, vc),
         D=d, D_PAD=d_pad, G_PAD=g_pad, BLOCK_N=block, KB=int(k_bits), VB=int(v_bits), GS=int(group_size),
         GS_POW2=group_size & (group_size - 1) == 0, KIVI=int(key_channel_group), HAS_LENGTHS=lengths is not None, HAS_TAIL=kt is not None and r > 0,
         HAS_MASK=mask is not None, DOT=dot, PAGE=int(page) if pages is not None else 0, num_warps=8)

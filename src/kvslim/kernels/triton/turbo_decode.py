@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..backend import check_lengths
 from . import interpreter_scalars
-from .merge import check_pages, finish, softmax_step, unit_last
+from .merge import check_pages, finish, softmax_step, stored_pages, unit_last
 
 MAX_HEAD_DIM = 256
 
@@ -61,7 +61,7 @@ def _turbo_decode(
     Q, KC, KS, VC, VS, LEV, KT, VT, MASK, BAB, BROWS, LENGTHS, OUT, LSE, PAGES,
     s_qb, s_qh, s_qg, s_pb, s_ph, s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kst, s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst,
     s_ktb, s_kth, s_ktt, s_vtb, s_vth, s_vtt, s_mb, s_bb, s_bh, s_bg, s_br, W,
-    Hk, G, n, r, scaling,
+    Hk, G, n, r, scaling, npg,
     D: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     KOUT: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, KBYTES: tl.constexpr, VBYTES: tl.constexpr,
     KPARTS: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -97,7 +97,8 @@ def _turbo_decode(
         t = t0 + toks
         t_ok = t < length
         if PAGE > 0:  # a page list (sparse decode): the block lies in one listed page, read where it is stored
-            ts = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64) * PAGE + t0 % PAGE + toks
+            listed = tl.load(PAGES + b64 * s_pb + h64 * s_ph + t0 // PAGE).to(tl.int64)
+            ts = tl.minimum(tl.maximum(listed, 0), npg - 1) * PAGE + t0 % PAGE + toks  # in bounds whatever the ids
         else:
             ts = t
         k = _rows(kc, ts, s_kct, s_kst, ks, LEV, t_ok, cols, col_ok, KOUT, KB, KBYTES, KPARTS)
@@ -220,7 +221,7 @@ def launch(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_code
         q.stride(0), q.stride(1), q.stride(2), *((0, 0) if pg is None else pg.stride()[:2]),
         *k_codes.stride()[:3], *k_scale.stride()[:3], *v_codes.stride()[:3], *v_scale.stride()[:3],
         *kt.stride()[:3], *vt.stride()[:3], s_mb, *ab.stride()[:3], brows.stride(0), w,
-        hk, g, n, r, scaling,
+        hk, g, n, r, scaling, stored_pages(pg, page, k_codes, v_codes),
         D=d, D_PAD=d_pad, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=32 if pg is None else min(32, page),
         KOUT=k_out, KB=k_bits, VB=v_bits,
         KBYTES=kbytes, VBYTES=d * v_bits // 8, KPARTS=2 if k_out else 1, HAS_TAIL=has_tail,
