@@ -3,7 +3,9 @@
 ``mha-100m`` shapes (12 KV heads, head dim 64, fp32), one cache layer of each kind filled with random keys through
 its own ``update`` (statistics included), then the attention of one decode step (kvslim's SDPA entry point:
 dense → SDPA, int4 → the fused op; sparse → selection + the same math over the chosen rows) timed A B A B ... for
-``--rounds`` rounds of ``--reps`` calls each; median per call. Writes one JSON record naming its commit.
+``--rounds`` rounds of ``--reps`` calls each; median per call. Where the paths call kvslim's C++ ops (int4, turbo3),
+the same calls are replayed alone in the same rounds (``op_*``: the op without the Python entry point around it).
+Writes one JSON record naming its commit.
 
     python benchmarks/bench_sparse_op.py --contexts 4096 8192 16384 32768 --batches 1 8
 """
@@ -61,6 +63,42 @@ def flush_caches() -> None:
     _FLUSH[0].sum()
 
 
+#: the C++ ops a step's attention calls (sparse_select: a left-padded step's choice before its decode op)
+OPS = ("sparse_select", "quant_decode", "quant_decode_lowbit", "turbo_decode")
+
+
+def op_calls(fn) -> list:
+    """The kvslim C++ op calls ``fn()`` makes, as ``(op, args, kwargs)``: replayed by :func:`replay`, they time the
+    op alone (the issue's "attention op alone"), without the Python entry point around it. Empty where the path
+    calls none (dense: SDPA)."""
+    from kvslim.kernels.build import load_ops
+
+    calls, ns, saved = [], torch.ops.kvslim, {}
+    for name in OPS:
+        load_ops(name)
+        op = getattr(ns, name, None)
+        if op is None:
+            continue
+        saved[name] = op
+
+        def spy(*a, _op=op, **k):
+            calls.append((_op, a, k))
+            return _op(*a, **k)
+
+        ns.__dict__[name] = spy
+    try:
+        fn()
+    finally:
+        for name, op in saved.items():
+            ns.__dict__[name] = op
+    return calls
+
+
+def replay(calls) -> None:
+    for op, a, k in calls:
+        op(*a, **k)
+
+
 def point(method: str, context: int, batch: int, budget, page, rounds: int, reps: int, padded: bool = False,
           cold: bool = False) -> dict:
     layer = layer_for(method, budget, page, context + 2)  # the prefill and the two steps below
@@ -90,32 +128,50 @@ def point(method: str, context: int, batch: int, budget, page, rounds: int, reps
             mask[i, ..., :context * i // (2 * batch)] = False
         return mask
 
-    def run(k, v):
-        mask = mask_for(k)
+    def timed(fn):
         if cold:  # each call timed alone, after the caches were flushed
             total = 0.0
             for _ in range(reps):
                 flush_caches()
                 t = time.perf_counter()
-                packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
+                fn()
                 total += time.perf_counter() - t
             return total / reps * 1e3
         t = time.perf_counter()
         for _ in range(reps):
-            packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
+            fn()
         return (time.perf_counter() - t) / reps * 1e3
 
+    def call(k, v, mask):
+        return packed_gqa_sdpa_forward(module, q, k, v, mask, scaling=d ** -0.5)
+
+    def run(k, v):
+        mask = mask_for(k)
+        return timed(lambda: call(k, v, mask))
+
     run(k_full, v_full), run(k_sp, v_sp)  # warm-up
-    full, sparse = [], []
+    calls_full = op_calls(lambda: call(k_full, v_full, mask_for(k_full)))  # one call each
+    calls_sp = op_calls(lambda: call(k_sp, v_sp, mask_for(k_sp)))
+    raw = bool(calls_full) and bool(calls_sp)
+    full, sparse, op_full, op_sparse = [], [], [], []
     for _ in range(rounds):
         full.append(run(k_full, v_full))
         sparse.append(run(k_sp, v_sp))
+        if raw:
+            op_full.append(timed(lambda: replay(calls_full)))
+            op_sparse.append(timed(lambda: replay(calls_sp)))
     f, s = statistics.median(full), statistics.median(sparse)
     rec = {"method": method, "context": context, "batch": batch, "budget": budget, "page": layer.sparse.page,
            "padded": padded, "cold": cold, "reads_all": reads_all,
            "full_ms": round(f, 3), "sparse_ms": round(s, 3), "speedup": round(f / s, 2),
            "full_ms_rounds": [round(x, 3) for x in full], "sparse_ms_rounds": [round(x, 3) for x in sparse],
            "stats_bytes": layer.page_stats.nbytes(), "cache_bytes": layer.nbytes}
+    if raw:  # the C++ calls alone, replayed (no Python entry point): the op's own ratio
+        of, os_ = statistics.median(op_full), statistics.median(op_sparse)
+        rec.update(op_full_ms=round(of, 3), op_sparse_ms=round(os_, 3), op_speedup=round(of / os_, 2),
+                   op_calls=[getattr(c[0], "_qualified_op_name", str(c[0])) for c in calls_sp],
+                   op_full_ms_rounds=[round(x, 3) for x in op_full],
+                   op_sparse_ms_rounds=[round(x, 3) for x in op_sparse])
     print(json.dumps({k: v for k, v in rec.items() if not k.endswith("rounds")}), flush=True)
     return rec
 
