@@ -114,8 +114,9 @@ def test_cli_prints_and_writes_the_layers(capsys, tmp_path):
     assert (got["tokens"], got["page"], got["queries"]) == (1300, 16, 16) and len(got["rates"]) == 30
     assert got["sparse_dense_layers"] == choose([tuple(r) for r in got["rates"]])
     printed = capsys.readouterr().out
-    assert (f"--option int4.sparse_budget=auto --option int4.sparse_page=16 --option int4.sparse_dense_layers="
-            f"{json.dumps(got['sparse_dense_layers']).replace(' ', '')}") in printed
+    line = (f"--option int4.sparse_budget=auto --option int4.sparse_page=16 --option 'int4.sparse_dense_layers="
+            f"{json.dumps(got['sparse_dense_layers']).replace(' ', '')}'")  # quoted: a shell globs [..] otherwise
+    assert line in printed
     for argv, words in ((["--sparse", "--option", "int4.residual=32"], "--sparse takes sparse_budget"),
                         ([], "--out is required")):
         assert main(["calibrate", "--model", "smollm2", *argv]) == 2  # refused before the model is loaded

@@ -161,7 +161,7 @@ def _run_sparse(args: argparse.Namespace, options: dict, model, ids) -> int:
     given = "".join(f" --option {args.method}.{k}={options[k]}" for k in ("sparse_page", "sparse_score")
                     if k in options)
     print(f"run with: --option {args.method}.sparse_budget={options.get('sparse_budget', 'auto')}{given} "
-          f"--option {args.method}.sparse_dense_layers={json.dumps(layers).replace(' ', '')}")
+          f"--option '{args.method}.sparse_dense_layers={json.dumps(layers).replace(' ', '')}'")  # [..] quoted
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "text": args.text, "tokens": int(ids.shape[1]),
                                               "page": page, "score": score, "queries": args.queries,
