@@ -236,6 +236,11 @@ inline void top_pages_radix(const float* score, int64_t n, int64_t kk, int64_t* 
     if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
 }
 
+// the lanes of pages [p, min(p + 16, n)) in a 16-lane mask
+inline __mmask16 lanes16(int64_t p, int64_t n) {
+  return p + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - p)) - 1);
+}
+
 // top_pages_radix's choice, AVX-512 (n ≥ 128, kk < n): the keys sixteen at a time; a pivot from a sorted sample of
 // 64 keys, lowered until at least kk keys reach it (a compare and a popcount per sixteen pages); the keys at or above
 // it (~1.5-3 kk) compressed out and cut exactly (nth_element: the kk-th best key T, how many equal to T are taken);
@@ -248,7 +253,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline vo
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   int64_t p = 0;
   for (; p < n; p += 16) {  // order_key, sixteen at a time (the tail masked)
-    const __mmask16 live = p + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - p)) - 1);
+    const __mmask16 live = lanes16(p, n);
     const __m512 f = _mm512_maskz_loadu_ps(live, score + p);
     __m512i u = _mm512_castps_si512(f);
     u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_EQ_OQ), _mm512_setzero_si512());
@@ -274,7 +279,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline vo
     const __m512i pv = _mm512_set1_epi32(static_cast<int>(pivot));
     count = 0;
     for (p = 0; p < n; p += 16) {
-      const __mmask16 live = p + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - p)) - 1);
+      const __mmask16 live = lanes16(p, n);
       count += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(live, _mm512_loadu_si512(key.data() + p), pv));
     }
     if (count >= kk) break;
@@ -285,7 +290,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline vo
   const __m512i pv = _mm512_set1_epi32(static_cast<int>(pivot));
   int64_t c = 0;
   for (p = 0; p < n; p += 16) {
-    const __mmask16 live = p + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - p)) - 1);
+    const __mmask16 live = lanes16(p, n);
     const __m512i kv = _mm512_loadu_si512(key.data() + p);
     const __mmask16 m = _mm512_mask_cmpge_epu32_mask(live, kv, pv);
     _mm512_mask_compressstoreu_epi32(cand.data() + c, m, kv);
@@ -300,7 +305,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline vo
   int64_t o = 0;
   alignas(64) int32_t got[16];
   for (p = 0; p < n && o < kk; p += 16) {
-    const __mmask16 live = p + 16 <= n ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - p)) - 1);
+    const __mmask16 live = lanes16(p, n);
     const __m512i kv = _mm512_loadu_si512(key.data() + p);
     __mmask16 m = _mm512_mask_cmpgt_epu32_mask(live, kv, tv);
     __mmask16 eq = _mm512_mask_cmpeq_epu32_mask(live, kv, tv);
