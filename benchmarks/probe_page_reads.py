@@ -19,6 +19,7 @@ Needs g++ with OpenMP; compiles into a temporary directory. Run it alone:
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -123,6 +124,7 @@ int main(int argc, char** argv) {
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: --help only
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "probe.cpp"), os.path.join(d, "probe")
         with open(src, "w") as f:
