@@ -234,6 +234,30 @@ def test_padded_batch_step_matches_oracle_without_reading_everything(model, meth
     torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["dense", "int4", "turbo3"])
+def test_padded_batch_step_on_the_triton_backend(model, method, monkeypatch):
+    """The same left-padded step under ``KVSLIM_BACKEND=triton`` (``TRITON_INTERPRET=1``: what runs on CUDA): the
+    page scores come from the Triton kernel, padding pages masked in it, and the step matches the float64 oracle."""
+    pytest.importorskip("triton")
+    from kvslim.kernels.triton import sparse_select as ts
+
+    monkeypatch.setenv("KVSLIM_BACKEND", "triton")
+    calls = []
+    real = ts.page_scores
+    monkeypatch.setattr(ts, "page_scores", lambda *a, **kw: calls.append(a[5] if len(a) > 5 else kw.get("first"))
+                        or real(*a, **kw))
+    layer = _layer(model, method, sparse_budget=256, sparse_dense_layers=0)
+    written, h = _fill(layer, 2, 2, 16, prompt=700)
+    full_k, full_v = h.fused.materialize() if h.fused is not None else (h.keys, h.values)
+    visible = torch.ones(2, 701, dtype=torch.bool)
+    visible[1, :150] = False
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    out = attn.decode(h, q, visible[:, None, None, :], 0.25)
+    assert len(calls) == 1 and calls[0] is not None  # the kernel, with each row's first visible page
+    ref = _masked_oracle(h, written, full_k, full_v, q, 0.25, visible)
+    torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method, page", [("dense", 32), ("int8", 32), ("int4", 32), ("turbo3", 32), ("turbo2", 32),
                                           ("int3", 64), ("int2", 64)])
 def test_default_page_is_32_or_the_key_groups(method, page):

@@ -50,7 +50,7 @@ def test_scores_match_the_twin_and_the_pages_a_float64_ranking(dtype, shape):
 @pytest.mark.parametrize("force_first", [True, False])
 def test_backend_triton_routes_the_choice_through_the_kernel(monkeypatch, force_first):
     """Under ``KVSLIM_BACKEND=triton`` the choice (page 0 forced or not, the region's rest listed) comes from the
-    kernel's scores and equals the twin's; a left-padded batch (``first``) stays with the twin."""
+    kernel's scores and equals the twin's, a left-padded batch's (``first`` / ``force``) too."""
     monkeypatch.setenv("KVSLIM_BACKEND", "triton")
     q, boxes, scales = _case((2, 2, 7, 64, 200), "int8", seed=3)
     calls = []
@@ -61,9 +61,31 @@ def test_backend_triton_routes_the_choice_through_the_kernel(monkeypatch, force_
     assert torch.equal(got, ss.reference(q, boxes, 200, 30, 0.125, force_first, 4, scales=scales))
     first = torch.tensor([0, 50], device=DEVICE)
     force = torch.tensor([False, True], device=DEVICE)
-    padded = ss.sparse_select(q, boxes, 200, 30, 0.125, False, 0, first, force, scales)
-    assert calls == [1]  # the twin's
-    assert torch.equal(padded, ss.reference(q, boxes, 200, 30, 0.125, False, 0, first, force, scales))
+    padded = ss.sparse_select(q, boxes, 200, 30, 0.125, False, 3, first, force, scales)
+    assert calls == [1, 1]
+    assert torch.equal(padded, ss.reference(q, boxes, 200, 30, 0.125, False, 3, first, force, scales))
+    assert (padded[1, :, 0] == 50).all() and (padded[1, :, :30] >= 50).all()  # forced; no padding page chosen
+    with pytest.raises(ValueError, match="first and force"):
+        ss.sparse_select(q, boxes, 200, 30, 0.125, False, 0, first, None, scales)
+    with pytest.raises(ValueError, match="first must be int64"):
+        ss.sparse_select(q, boxes, 200, 30, 0.125, False, 0, first.int(), force, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, "int8"])
+def test_left_padded_scores_match_the_twin(dtype):
+    """With ``first`` (a left-padded batch) the kernel's scores are the twin's before its forced page: each row's
+    pages before ``first[b]`` ``-inf``, the log-softmax over the rest (rows at 0, mid-block and past a block)."""
+    q, boxes, scales = _case((3, 2, 7, 64, 150), dtype, seed=5)
+    first = torch.tensor([0, 17, 64], device=DEVICE)
+    got = ts.page_scores(q, boxes, 150, 0.125, scales, first)
+    b = q.shape[0]
+    pad = torch.arange(150, device=DEVICE)[None, :] < first[:, None]
+    bound = torch.cat((q, q.abs()), -1) @ ss.values(boxes[:, :, :150], scales).transpose(-1, -2)
+    want = torch.log_softmax((bound * 0.125).masked_fill(pad[:, None, None], float("-inf")), -1).logsumexp(2)
+    assert torch.isneginf(got[pad[:, None].expand(b, 2, 150)]).all()
+    mag = float((torch.cat((q, q.abs()), -1).abs() @ ss.values(boxes[:, :, :150], scales).abs().transpose(-1, -2))
+                .max()) * 0.125
+    torch.testing.assert_close(got, want, atol=1e-6 * mag, rtol=0)  # as the unpadded scores above
 
 
 def test_triton_path_refuses_bad_input(monkeypatch):
@@ -82,9 +104,11 @@ def test_triton_path_refuses_bad_input(monkeypatch):
 def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import sparse_select as ts
-types = dict(Q="*fp32", OUT="*fp32", scaling="fp32", SC="*fp16")
+types = dict(Q="*fp32", OUT="*fp32", scaling="fp32", SC="*fp16", FIRST="*i64")
 for box, coded in (("*i8", True), ("*fp16", False), ("*fp32", False)):
     for g, d in ((1, 64), (7, 64), (8, 128), (4, 24)):
-        build(ts._page_scores, {**types, "BOX": box}, dict(G=g, G_PAD=triton.next_power_of_2(g), D=d,
-              D_PAD=triton.next_power_of_2(d), GROUP=16 if d % 16 == 0 else d, CODED=coded, BLOCK_P=32), 4)
+        for padded in (False, True):
+            build(ts._page_scores, {**types, "BOX": box}, dict(G=g, G_PAD=triton.next_power_of_2(g), D=d,
+                  D_PAD=triton.next_power_of_2(d), GROUP=16 if d % 16 == 0 else d, CODED=coded, HAS_FIRST=padded,
+                  BLOCK_P=32), 4)
 ''')

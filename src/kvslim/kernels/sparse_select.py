@@ -82,9 +82,16 @@ def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scalin
         bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes[:, :, :n_pages], scales).transpose(-1, -2))
         bound = (bound * scaling).masked_fill(pad[:, None, None], float("-inf"))
         s = torch.log_softmax(bound, dim=-1).logsumexp(dim=2)  # (B, H, P), padding pages -inf
-        hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
-        s.scatter_(2, hit, torch.where(force.view(b, 1, 1), float("inf"), s.gather(2, hit)))
+        force_first_visible(s, first, force)
     return top_pages(s, k, n_pages, rest)
+
+
+def force_first_visible(s: torch.Tensor, first: torch.Tensor, force: torch.Tensor) -> None:
+    """Scores (B, H, P) of a left-padded step: page ``first[b]`` set to ``+inf`` (always chosen) where
+    ``force[b]``, in place."""
+    b = s.shape[0]
+    hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
+    s.scatter_(2, hit, torch.where(force.view(b, 1, 1), float("inf"), s.gather(2, hit)))
 
 
 def top_pages(s: torch.Tensor, k: int, n_pages: int, rest: int) -> torch.Tensor:
@@ -110,17 +117,21 @@ def sparse_select(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, sc
                   scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`reference` through the C++ op where it applies (:func:`applies`); on CUDA (and under
     ``KVSLIM_BACKEND=triton`` with ``TRITON_INTERPRET=1``) the scores from one Triton kernel
-    (``kernels/triton/sparse_select.py``), then the twin's ``topk``; else through the twin."""
+    (``kernels/triton/sparse_select.py``; a left-padded batch's ``first`` / ``force`` included), then the twin's
+    ``topk``; else through the twin."""
     if backend.forced() != "triton" and applies(q, boxes, scales):
         return torch.ops.kvslim.sparse_select(q.contiguous(), boxes, int(n_pages), int(k), float(scaling),
                                               bool(force_first), int(rest), first, force, scales)
-    if first is None and _triton_scores(q, boxes, scales):
+    if _triton_scores(q, boxes, scales):
         from .triton.sparse_select import page_scores  # imports Triton: only when a call takes this path
 
         _check_shapes(q, boxes, n_pages, k, rest)
         check_scales(boxes, scales)
-        s = page_scores(q, boxes, n_pages, scaling, scales)
-        if force_first and n_pages:
+        _check_padding(q, first, force)
+        s = page_scores(q, boxes, n_pages, scaling, scales, first)
+        if first is not None:
+            force_first_visible(s, first, force)
+        elif force_first and n_pages:
             s[..., 0] = float("inf")
         return top_pages(s, k, n_pages, rest)
     return reference(q, boxes, n_pages, k, scaling, force_first, rest, first, force, scales)
@@ -139,6 +150,18 @@ def _check_shapes(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, re
     if not 0 <= n_pages <= boxes.shape[2] or k < 1 or rest < 0:
         raise ValueError(f"sparse_select: n_pages={n_pages} must lie in [0, {boxes.shape[2]}] (the boxes' pages), "
                          f"k={k} >= 1 and rest={rest} >= 0")
+
+
+def _check_padding(q: torch.Tensor, first: torch.Tensor | None, force: torch.Tensor | None) -> None:
+    """``ValueError`` (the op's checks, less the one on ``first``'s values, which would wait for the device) unless
+    ``first`` (B,) int64 and ``force`` (B,) bool come together."""
+    if (first is None) != (force is None):
+        raise ValueError("sparse_select: first and force come together")
+    b = q.shape[0]
+    if first is not None and (first.dtype != torch.int64 or tuple(first.shape) != (b,) or force.dtype != torch.bool
+                              or tuple(force.shape) != (b,)):
+        raise ValueError(f"sparse_select: first must be int64 (B={b},) and force bool (B,), got "
+                         f"{tuple(first.shape)} {first.dtype} and {tuple(force.shape)} {force.dtype}")
 
 
 def _triton_scores(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None) -> bool:

@@ -8,7 +8,9 @@ Per sequence b and KV head h (one program each), with the group's G query heads 
     score = logsumexp_g (s_gp − logsumexp_p' s_gp')          the log of the group's summed estimated attentions
 
 in fp32, two passes over the pages (the first keeps each head's running max and sum, the second writes the scores):
-the torch twin's dozen small kernels (conversion, products, log-softmax, log-sum-exp) in one launch.
+the torch twin's dozen small kernels (conversion, products, log-softmax, log-sum-exp) in one launch. With ``first``
+(B,) int64 (a left-padded batch) only sequence b's pages from ``first[b]`` on are candidates: the log-softmax runs
+over them, the pages before score ``-inf``.
 ``sparse_select.reference`` is the twin; its ``topk`` / ``sort`` / concatenation follow the kernel unchanged.
 """
 
@@ -37,9 +39,9 @@ def _bounds(Q_ROWS, QA_ROWS, BOX, SC, base, sbase, p, p_ok, d, d_ok, bx_p, sc_p,
 
 
 @triton.jit
-def _page_scores(Q, BOX, SC, OUT, n_pages, scaling, H, bx_b, bx_h, bx_p, sc_b, sc_h, sc_p,
+def _page_scores(Q, BOX, SC, FIRST, OUT, n_pages, scaling, H, bx_b, bx_h, bx_p, sc_b, sc_h, sc_p,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
-                 CODED: tl.constexpr, BLOCK_P: tl.constexpr):
+                 CODED: tl.constexpr, HAS_FIRST: tl.constexpr, BLOCK_P: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -51,11 +53,16 @@ def _page_scores(Q, BOX, SC, OUT, n_pages, scaling, H, bx_b, bx_h, bx_p, sc_b, s
     qa = tl.abs(q)
     base = b * bx_b + h * bx_h
     sbase = b * sc_b + h * sc_h
+    lo = 0
+    if HAS_FIRST:  # a left-padded row: its candidates start at its first visible page
+        lo = tl.load(FIRST + b)
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
     s_sum = tl.zeros((G_PAD,), tl.float32)
-    for p0 in range(0, n_pages, BLOCK_P):  # pass 1: each head's log-sum-exp over the pages
+    # pass 1: each head's log-sum-exp over the candidate pages (from the block holding `lo`: a block of padding
+    # pages alone would make the running max -inf and the sum NaN)
+    for p0 in range(lo // BLOCK_P * BLOCK_P, n_pages, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        p_ok = p < n_pages
+        p_ok = (p < n_pages) & (p >= lo)
         s = _bounds(q, qa, BOX, SC, base, sbase, p, p_ok, d, d_ok, bx_p, sc_p, D, GROUP, CODED) * scaling
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -68,14 +75,17 @@ def _page_scores(Q, BOX, SC, OUT, n_pages, scaling, H, bx_b, bx_h, bx_p, sc_b, s
         t = _bounds(q, qa, BOX, SC, base, sbase, p, p_ok, d, d_ok, bx_p, sc_p, D, GROUP, CODED) * scaling
         t = tl.where(g_ok[:, None], t - lse[:, None], float("-inf"))
         mx = tl.max(t, 0)
-        score = mx + tl.log(tl.sum(tl.exp(t - mx[None, :]), 0))
+        score = tl.where(p >= lo, mx + tl.log(tl.sum(tl.exp(t - mx[None, :]), 0)), float("-inf"))
         tl.store(OUT + bh * n_pages + p, score, mask=p_ok)
 
 
 def page_scores(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, scaling: float,
-                scales: torch.Tensor | None = None, block_pages: int = 32) -> torch.Tensor:
+                scales: torch.Tensor | None = None, first: torch.Tensor | None = None, block_pages: int = 32
+                ) -> torch.Tensor:
     """(B, H, G, D) fp32 queries, (B, H, ≥ n_pages, 2D) boxes (fp16/fp32, or int8 with ``scales``
-    (B, H, ≥ n_pages, 2D / group) fp16) -> (B, H, n_pages) fp32 scores (``sparse_select.scores``' contract)."""
+    (B, H, ≥ n_pages, 2D / group) fp16) -> (B, H, n_pages) fp32 scores (``sparse_select.scores``' contract; with
+    ``first`` (B,) int64, ``sparse_select.reference``'s before its forced page: the pages before ``first[b]``
+    ``-inf``, the log-softmax over the rest)."""
     interpreter_scalars()
     b, h, g, d = q.shape
     out = torch.empty(b, h, n_pages, dtype=torch.float32, device=q.device)
@@ -85,8 +95,9 @@ def page_scores(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, scaling: flo
     coded = scales is not None
     group = (2 * d) // scales.shape[-1] if coded else 1
     sc = scales if coded else boxes  # a pointer the kernel never reads without scales
-    _page_scores[(b * h,)](q, boxes, sc, out, int(n_pages), float(scaling), h, boxes.stride(0), boxes.stride(1),
+    lo = out if first is None else first.to(device=q.device, dtype=torch.int64).contiguous()  # (likewise)
+    _page_scores[(b * h,)](q, boxes, sc, lo, out, int(n_pages), float(scaling), h, boxes.stride(0), boxes.stride(1),
                            boxes.stride(2), sc.stride(0), sc.stride(1), sc.stride(2), G=g,
                            G_PAD=triton.next_power_of_2(g), D=d, D_PAD=triton.next_power_of_2(d), GROUP=group,
-                           CODED=coded, BLOCK_P=block_pages, num_warps=4)
+                           CODED=coded, HAS_FIRST=first is not None, BLOCK_P=block_pages, num_warps=4)
     return out
