@@ -77,7 +77,6 @@ def reference(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, k: int, scalin
         if force_first and n_pages:
             s[..., 0] = float("inf")
     else:
-        b = q.shape[0]
         pad = torch.arange(n_pages, device=q.device)[None, :] < first[:, None]  # (B, P)
         bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(boxes[:, :, :n_pages], scales).transpose(-1, -2))
         bound = (bound * scaling).masked_fill(pad[:, None, None], float("-inf"))
