@@ -78,11 +78,12 @@ class KVSlimCache(Cache):
         update)."""
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable must be True or False, got {capturable!r}")
-        sparse = [i for i, layer in enumerate(self.layers) if getattr(layer, "sparse", None) is not None]
-        if capturable and sparse:
-            raise ValueError(f"capturable=True: layers {sparse} decode sparsely (sparse_budget=...), whose page "
-                             "selection runs on the eager path only so far (docs/sparse.md); build the cache without "
-                             "capturable=True, or apply the method without sparse_budget")
+        kept = [i for i, layer in enumerate(self.layers)
+                if getattr(layer, "sparse", None) is not None and layer.sparse.select == "prompt"]
+        if capturable and kept:
+            raise ValueError(f"capturable=True: layers {kept} keep the pages chosen after the prompt "
+                             "(sparse_select='prompt'), a choice held on the host; take sparse_select='step' (the "
+                             "default) with capturable=True, or build the cache without it")
         able = [layer for layer in self.layers if hasattr(layer, "can_capture") and layer.can_capture()]
         if capturable and not able:
             raise ValueError("capturable=True: no layer of this cache can be captured (it needs max_length and "

@@ -40,6 +40,7 @@ import torch
 
 from . import fused
 from .capture_residual import StaticResidualStore, supported
+from .sparse import SparseKV, sparse_markers
 from .storage import QuantizedStore
 
 
@@ -73,6 +74,10 @@ def init_static_state(layer) -> None:
             held.append(store.nonfinite)
         if isinstance(store, StaticResidualStore):
             held += store.device_state()
+    st = getattr(layer, "page_stats", None)
+    if st is not None:  # sparse decode's boxes for the whole capacity, written in place by graph steps
+        pages = -(-(layer.max_length - st.offset) // st.spec.page) + 1
+        held += st.allocate(b, layer.k_store.data.shape[1], layer.k_store.dim, pages, layer.device)
     if not torch.compiler.is_compiling():
         for t in held:
             torch._dynamo.mark_static_address(t)
@@ -146,6 +151,8 @@ class CapturableMixin:
             for store in self._stores():
                 if isinstance(store, StaticResidualStore):
                     store.sync_host(self.cumulative_length)
+            if getattr(self, "page_stats", None) is not None:
+                self.page_stats.sync(self.cumulative_length)
             self.refused = bool(self.overflow)
         if getattr(self, "refused", False):
             raise overflow_error(self.max_length)
@@ -174,17 +181,55 @@ class CapturableMixin:
                              "residual window (int4/int3/int2 defaults) takes one token per sequence; run multi-token "
                              "updates (a prefill) eagerly")
         old, pos, keep = self._claim(s, in_graph)
+        self._static_stats(pos, key_states, keep, in_graph)
         if residual:
             return self._static_residual(key_states, value_states, old, pos, keep, in_graph)
         for store, x in ((self.k_store, key_states), (self.v_store, value_states)):
             store.write_at(pos, x, keep)
         reads = functools.partial(self._static_reads, pos, key_states, value_states)
+        if s == 1 and not self.spec.bits:  # a dense layer's sparse step reads its buffers in place
+            sparse = self._static_sparse(None, self.length_t)
+            if sparse is not None:
+                return sparse_markers(sparse, key_states)
         if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
                 and fused.fusable(self.v_store):
             h = fused.FusedKV(self.k_store, self.v_store, self.max_length, key_states, value_states, reads,
                               visible=self.max_length, lengths=old, static=True)
-            return fused.markers(h, key_states)
+            sparse = self._static_sparse(h, old)
+            return sparse_markers(sparse, key_states) if sparse is not None else fused.markers(h, key_states)
         return reads()
+
+    def _static_stats(self, pos: torch.Tensor, keys: torch.Tensor, keep: torch.Tensor | None, in_graph: bool) -> None:
+        """Sparse decode's page boxes for a static write at slots ``pos``: one token on the device
+        (:meth:`PageStats.write_static`, eager steps too, the host length kept after them), a multi-token eager call
+        as an eager layer writes them, a multi-token graph call token by token."""
+        st = getattr(self, "page_stats", None)
+        if st is None:
+            return
+        s = keys.shape[2]
+        if s > 1 and not in_graph:
+            st.write(self.cumulative_length - s, keys)
+            return
+        for i in range(s):
+            st.write_static(pos[i:i + 1], keys[:, :, i:i + 1], None if keep is None else ~keep)
+        if not in_graph:
+            st.sync(self.cumulative_length)
+
+    def _static_sparse(self, h, stored: torch.Tensor):
+        """A static sparse step's handle (``attention/sparse.decode_static``) over ``h`` (a coded layer's static
+        handle; ``None``: a dense layer's buffers), ``stored`` (B,) the region rows the stores hold; ``None`` when
+        the step reads everything (no sparse decode here, kvslim's attention off, autograd, statistics lost)."""
+        st, sp = getattr(self, "page_stats", None), getattr(self, "sparse", None)
+        if st is None or not getattr(self, "sparse_attention", False) or torch.is_grad_enabled() or st.broken:
+            return None
+        pages = st.boxes.shape[2]
+        k = min(pages, sp.step_pages(self.max_length) if sp.fraction else sp.pages)
+        b = self.length_t.shape[0]
+        if h is None:
+            n = self.max_length
+            return SparseKV(st, n, pages, keys=self.k_store.data[:, :, :n], values=self.v_store.data[:, :, :n],
+                            read=k, static=True, length=self.length_t, stored=stored.expand(b))
+        return SparseKV(st, h.n, pages, fused=h, read=k, static=True, length=self.length_t, stored=stored.expand(b))
 
     def _claim(self, s: int, in_graph: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The slots of an ``s``-token static write: ``(old, pos, keep)``, the device length before it (a copy), the
@@ -241,7 +286,8 @@ class CapturableMixin:
             h = fused.FusedKV(k.inner, v.inner, k.capacity, kt, vt, reads, columns=k.columns(self.length_t[0]),
                               visible=self.max_length, lengths=k.flushed_t.expand(b).clone(),
                               k_tail_rotated=k_coded, v_tail_rotated=v_coded)
-            return fused.markers(h, key_states)
+            sparse = self._static_sparse(h, k.flushed_t)
+            return sparse_markers(sparse, key_states) if sparse is not None else fused.markers(h, key_states)
         return reads()
 
     def _static_residual_reads(self, pos: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor

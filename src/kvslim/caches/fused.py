@@ -73,6 +73,9 @@ class FusedKV:
     #: a multi-token call (:func:`history_handle`): the call's own keys and values (B, H, S, D) exactly as given,
     #: after everything above (the history); attention merges their causal block with the op's output
     own: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: the op's mask as built (B|1, n + r), HF's mask not consulted: a static sparse step's listed rows
+    #: (``attention/sparse.decode_static``), whose columns differ per head
+    listed_mask: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -87,6 +90,8 @@ class FusedKV:
     def kernel_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """HF's additive mask over the visible tokens in temporal order (B|1, tokens) -> the kernel's mask over
         slots ``[0, n)`` then the tail (B|1, n + r); ``None`` when nothing is masked."""
+        if self.listed_mask is not None:
+            return self.listed_mask
         # every index below is built on the codes' device: no host read, no device mix
         device = (self.k_tail if self.k_tail is not None else self.k.data).device
         if self.static:  # mask over the n slots, then the tail (the step's own token: attended)

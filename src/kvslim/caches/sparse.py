@@ -297,6 +297,44 @@ class PageStats:
                 self._finish(pos // p - 1)
         self.length = hi
 
+    def allocate(self, b: int, h: int, d: int, pages: int, device: torch.device) -> list[torch.Tensor]:
+        """Buffers for ``pages`` pages allocated now and kept (a layer whose ``max_length`` fixes its capacity; the
+        static path of ``caches/capture.py`` writes them in place), ``μ`` zeroed until the first page sets it.
+        Returns them (their addresses are marked static for CUDA graphs)."""
+        self._grow(b, h, d, pages, device)
+        if self.mu is None:
+            self.mu = torch.zeros(b, h, d, dtype=torch.float32, device=device)
+        return [self.boxes, self.scales, self.acc, self.mu]
+
+    def write_static(self, pos: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        """One token ``keys`` (B, H, 1, D) at position ``pos`` (a one-element int64 device tensor): the running sums
+        of its page and that page's box updated on the device with :meth:`write`'s arithmetic, no host integer read
+        (the static path of a capturable layer, ``caches/capture.py``; needs :meth:`allocate`). The box of a page
+        not yet complete is written too (no step chooses it before its last token: :func:`candidate_pages`), so the
+        last token of a page leaves the box :meth:`write` leaves. ``ok`` (one-element bool): where false nothing
+        changes (a refused graph step). The host ``length`` is the caller's to keep (:meth:`sync`)."""
+        p = self.spec.page
+        r = pos.reshape(1) - self.offset
+        valid = r >= 0 if ok is None else (r >= 0) & ok.reshape(1)
+        idx = r.clamp_min(0) // p
+        first = r % p == 0
+        x = keys[:, :, 0].float()
+        lo, hi = self.acc[:, :, 0], self.acc[:, :, 1]
+        if self.spec.score == "minmax":
+            a, b = torch.where(first, x, torch.minimum(lo, x)), torch.where(first, x, torch.maximum(hi, x))
+        else:
+            a, b = torch.where(first, x, lo + x), torch.where(first, x * x, hi + x * x)
+        self.acc.copy_(torch.where(valid, torch.stack((a, b), dim=2), self.acc))
+        c, rad = self._box(a, b)
+        self.mu.copy_(torch.where(valid & (idx == 0), c, self.mu))  # the first page's centre, as _finish sets it
+        codes, scales = encode_box(self.mu, c, rad, box_group(c.shape[-1]))
+        for buf, new in ((self.boxes, codes), (self.scales, scales)):
+            buf.index_copy_(2, idx, torch.where(valid, new[:, :, None], buf.index_select(2, idx)))
+
+    def sync(self, tokens: int) -> None:
+        """The host ``length`` after static writes: ``tokens`` of the layer written (in order, from token 0)."""
+        self.length = max(0, tokens - self.offset)
+
     def _accumulate(self, part: torch.Tensor, first: bool) -> None:
         if self.spec.score == "minmax":
             mn, mx = part.amin(dim=2), part.amax(dim=2)
@@ -313,17 +351,21 @@ class PageStats:
             self.acc[:, :, 0] += s
             self.acc[:, :, 1] += s2
 
-    def _finish(self, index: int) -> None:
-        a, b = self.acc[:, :, 0], self.acc[:, :, 1]
+    def _box(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A complete page's fp32 centre and radius (B, H, D) from its running sums (min and max, or Σk and Σk²)."""
         if self.spec.score == "minmax":
             c, r = (a + b) * 0.5, (b - a) * 0.5
-            r = torch.maximum(r, torch.maximum(b - c, c - a))  # the fp32 midpoint's rounding
-        else:
-            n = self.spec.page
-            c = a / n
-            r = (b / n - c * c).clamp_min(0).sqrt()
-        if index == 0 or self.mu is None:  # the reference every later page's centre is coded against
+            return c, torch.maximum(r, torch.maximum(b - c, c - a))  # the fp32 midpoint's rounding
+        n = self.spec.page
+        c = a / n
+        return c, (b / n - c * c).clamp_min(0).sqrt()
+
+    def _finish(self, index: int) -> None:
+        c, r = self._box(self.acc[:, :, 0], self.acc[:, :, 1])
+        if self.mu is None:  # the reference every later page's centre is coded against
             self.mu = c.clone()
+        elif index == 0:
+            self.mu.copy_(c)  # in place: a static layer's buffer keeps its address
         codes, scales = encode_box(self.mu, c, r, box_group(c.shape[-1]))
         self.boxes[:, :, index] = codes
         self.scales[:, :, index] = scales
@@ -366,6 +408,12 @@ class SparseKV:
     kept: torch.Tensor | None = None  # select="prompt": the chosen pages (B, H, k), to read or to write
     choose: bool = True  # choose the pages (and write them into ``kept`` when it is given)
     read: int = 0  # pages to choose at this step (SparseSpec.step_pages); 0: the spec's floor
+    #: the static path of a capturable layer (``caches/capture.py``, ``attention/sparse.decode_static``): ``n`` and
+    #: ``pages`` are the whole buffer's slots and pages, ``length`` (B,) the tokens visible at this step (its own
+    #: included) and ``stored`` (B,) the region rows held in ``fused``'s stores (or dense ``keys``), on the device
+    static: bool = False
+    length: torch.Tensor | None = None
+    stored: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
