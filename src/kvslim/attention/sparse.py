@@ -152,7 +152,8 @@ def decode_static(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor
         logical = logical.masked_fill(torch.arange(n, device=q.device)[None] >= rows[:, None], float("-inf"))
     g = dataclasses.replace(f, n=n, pages=table, page=p, lengths=None if turbo else rows, columns=None,
                             static=False, listed_mask=torch.cat((logical, tail), dim=1))
-    out = quant.decode(g, query, None, scaling)
+    whole = f.k.data.shape[2] % p == 0 and f.v.data.shape[2] % p == 0  # the ops read whole pages
+    out = quant.decode(g, query, None, scaling) if whole else None
     return out if out is not None else static_reference(h, query, attention_mask, scaling, (table, rows))
 
 
@@ -206,7 +207,7 @@ def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float):
     j = torch.arange(k + extra, device=dev)
     table = torch.where(j < n_valid, F.pad(chosen, (0, extra)), n_cand.view(b, 1, 1) + (j - n_valid))
     slots = h.fused.k.data.shape[2] if h.fused is not None else h.keys.shape[2]
-    table = table.clamp(0, slots // p - 1)
+    table = table.clamp(0, -(-slots // p) - 1)  # a last page cut by the buffer: read by the twin (decode_static)
     rows = n_valid.view(b) * p + (h.stored - n_cand * p).clamp_min(0)
     return table, rows, first, mask
 
@@ -218,8 +219,8 @@ def _static_positions(h: SparseKV, table: torch.Tensor, rows: torch.Tensor) -> t
     p, off = h.stats.spec.page, h.stats.offset
     b, hk, m = table.shape
     j = torch.arange(m * p, device=table.device)
-    pos = off + table.repeat_interleave(p, dim=-1) * p + j % p
     live = (j[None] < rows[:, None])[:, None].expand(b, hk, m * p)
+    pos = (off + table.repeat_interleave(p, dim=-1) * p + j % p).clamp(max=h.tokens - 1)  # (past it: never live)
     f = h.fused
     if f is None:
         return pos, live

@@ -227,7 +227,7 @@ class CapturableMixin:
         b = self.length_t.shape[0]
         if h is None:
             n = self.max_length
-            return SparseKV(st, n, pages, keys=self.k_store.data[:, :, :n], values=self.v_store.data[:, :, :n],
+            return SparseKV(st, n, pages, keys=self.k_store.data, values=self.v_store.data,
                             read=k, static=True, length=self.length_t, stored=stored.expand(b))
         return SparseKV(st, h.n, pages, fused=h, read=k, static=True, length=self.length_t, stored=stored.expand(b))
 

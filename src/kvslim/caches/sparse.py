@@ -422,7 +422,11 @@ class SparseKV:
 
     @property
     def tokens(self) -> int:
-        return self.fused.tokens if self.fused is not None else self.keys.shape[2]
+        """HF's key length: the visible tokens (a static dense step: ``n``, its ``max_length``; its ``keys`` are the
+        whole buffers)."""
+        if self.fused is not None:
+            return self.fused.tokens
+        return self.n if self.static else self.keys.shape[2]
 
 
 SPARSE_ATTR = "_kvslim_sparse"
