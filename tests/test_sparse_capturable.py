@@ -43,7 +43,7 @@ def _spy_tables(monkeypatch) -> list:
 
     def spy(h, *a, **k):
         out = real(h, *a, **k)
-        seen.append((out[1].clone(), h.length.clone()))
+        seen.append((out.rows.clone(), h.length.clone()))
         return out
 
     monkeypatch.setattr(attn, "static_table", spy)
@@ -117,6 +117,36 @@ def test_static_step_equals_its_twin(method, opts):
     assert_rel_close(out, ref, torch.float32, f"{method} {opts}")
 
 
+@pytest.mark.parametrize("method, opts", [("int4", {}), ("int8", {}), ("turbo3", {})])
+def test_a_mask_with_holes_is_honoured(method, opts):
+    """A mask that hides rows inside the candidate pages and inside the region's rest (not what ``generate``
+    builds, but a mask a caller may pass): a partly hidden page is never chosen, the rest's hidden rows are masked
+    in the op's one-row-per-sequence mask, so the op equals the twin (which applies the whole mask by position);
+    no hidden row is read."""
+    model = _model(method, **opts)
+    cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
+    cache.enable_sparse_decode()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        cache.update(torch.randn(2, 2, PROMPT, 16, generator=g), torch.randn(2, 2, PROMPT, 16, generator=g), 0)
+        k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
+        h = sparse_of(k)
+        mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
+        mask[:, ..., PROMPT + 1:] = False  # the future
+        mask[0, ..., 100:110] = False  # inside candidate pages
+        mask[1, ..., 380:386] = False  # inside the region's rest
+        q = torch.randn(2, 4, 1, 16, generator=g)
+        t = attn.static_table(h, q.reshape(2, 2, 2, 16), mask, 0.25)
+        pos, live = attn._static_positions(h, t.table, t.rows)
+        hidden = ~mask[:, 0, 0][:, None].expand(2, 2, -1).gather(2, pos)
+        assert (hidden & live).any()  # the rest's hidden rows are listed (masked), and
+        chosen = t.table[:, :, :int(t.valid.min())]
+        assert not ((chosen >= (100 - h.stats.offset) // 16) & (chosen <= (109 - h.stats.offset) // 16))[0].any()
+        out = attn.decode(h, q, mask, 0.25)
+        ref = attn.static_reference(h, q, mask, 0.25)
+    assert_rel_close(out, ref, torch.float32, method)
+
+
 @pytest.mark.parametrize("method, opts", [("int4", {}), ("int8", {}), ("int2", dict(sparse_page=64)),
                                           ("turbo3", {})])
 def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
@@ -157,7 +187,7 @@ def test_hf_compile_path_one_graph_for_every_sparse_step(method):
         k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
         h = sparse_of(k)
         assert h is not None and h.static
-        _, rows, _, _ = attn.static_table(h, torch.randn(2, 2, 2, 16, generator=g), None, 0.25)
+        rows = attn.static_table(h, torch.randn(2, 2, 2, 16, generator=g), None, 0.25).rows
     assert bool((rows < h.length - 150).all()) and int(h.length[0]) == PROMPT + 24
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +126,8 @@ def decode_static(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor
     hk = h.stats.boxes.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
     scaling = d ** -0.5 if scaling is None else float(scaling)
-    table, rows, first, mask = static_table(h, q, attention_mask, scaling)
+    t = static_table(h, q, attention_mask, scaling)
+    table, rows, mask = t.table, t.rows, t.mask
     p, off = h.stats.spec.page, h.stats.offset
     n = table.shape[-1] * p
     if h.fused is None:
@@ -137,9 +139,16 @@ def decode_static(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor
         return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous()
     f = h.fused
     logical = torch.zeros(b, n, dtype=torch.float32, device=q.device)
-    if mask is not None:  # the first listed page: a left-padded row's first visible page (the only one partly padding)
-        cols = (off + first[:, None] * p + torch.arange(p, device=q.device)).clamp(max=mask.shape[-1] - 1)
-        logical[:, :p] = mask.expand(b, mask.shape[-1]).gather(1, cols)
+    if mask is not None:  # one row per sequence: the op's mask is (B, rows), the same for every head
+        full = mask.expand(b, mask.shape[-1])
+        j = torch.arange(n, device=q.device)
+        start = (t.valid * p)[:, None]  # the region's rest: the same positions in every head
+        rest = (off + t.cand[:, None] * p + j[None] - start).clamp(0, full.shape[-1] - 1)
+        logical = torch.where(j[None] >= start, full.gather(1, rest), logical)
+        # the chosen pages other than a forced first one are whole visible pages (static_table): zeros; a forced
+        # first visible page (a left-padded row's sinks) is first in every head's list: its own columns
+        cols = (off + t.first[:, None] * p + torch.arange(p, device=q.device)).clamp(max=full.shape[-1] - 1)
+        logical[:, :p] = torch.where(t.forced[:, None], full.gather(1, cols), logical[:, :p])
     tail = torch.zeros(b, f.k_tail.shape[2], dtype=torch.float32, device=q.device)
     if f.columns is not None:  # the sinks and the ring window (caches/capture_residual.py): their own columns
         tcols = f.columns[f.n:]
@@ -157,19 +166,35 @@ def decode_static(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor
     return out if out is not None else static_reference(h, query, attention_mask, scaling, (table, rows))
 
 
-def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float):
-    """A static step's page table: ``(table (B, H, k + E) int64, rows (B,) int64, first (B,) int64, mask)``.
+class StaticTable(NamedTuple):
+    """:func:`static_table`'s result: ``table`` (B, H, k + E) page ids, ``rows`` (B,) logical rows to read,
+    ``first`` (B,) each sequence's first visible page, ``forced`` (B,) whether it is forced (first in every head's
+    list), ``valid`` (B,) chosen pages (``min(candidates, k)``), ``cand`` (B,) candidate pages (the region's rest
+    starts after them), ``mask`` HF's mask as additive (B|1, tokens) or ``None``."""
+
+    table: torch.Tensor
+    rows: torch.Tensor
+    first: torch.Tensor
+    forced: torch.Tensor
+    valid: torch.Tensor
+    cand: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float) -> StaticTable:
+    """A static step's page table (:class:`StaticTable`).
 
     With ``L`` the tokens visible at this step, the candidates are the complete pages of :func:`~kvslim.caches.
-    sparse.candidate_pages` (``min((L − offset) // page, (L − window) // page)``), less the pages with no visible row
-    under the mask; every page of the capacity is scored (the non-candidates' bounds ``−inf`` before each head's
-    log-softmax, so the candidates' scores are :func:`decode`'s), the first visible page forced where the sinks are
-    in the pages or a row is left-padded, and the ``k`` best kept (``k`` fixed by the budget at ``max_length``).
-    The table: the chosen pages ascending, then the pages after the candidates (the region's rest, ``E`` entries:
-    enough for the window and a page), then anything (clamped into the buffer); ``rows``: the logical rows to read
-    per sequence, ``min(candidates, k)·page`` + the region's rows after the candidates. When the candidates fit
-    ``k`` that is every stored row (the full read's rows, not bitwise its sums). ``mask``: HF's mask as additive
-    (B|1, tokens) or ``None``."""
+    sparse.candidate_pages` (``min((L − offset) // page, (L − window) // page)``); under a mask only whole visible
+    pages, and a sequence's first visible page where it is forced (the sinks are in the pages, or the row is
+    left-padded: its first visible page stands in for them), so that every chosen page but a forced first one is
+    attended whole (a left-padded batch chooses among the same pages as :func:`decode`). Every page of the capacity
+    is scored (the non-candidates' bounds ``−inf`` before each head's log-softmax, so the candidates' scores are
+    :func:`decode`'s) and the ``k`` best kept (``k`` fixed by the budget at ``max_length``). The table: the chosen
+    pages ascending, then the pages after the candidates (the region's rest, ``E`` entries: enough for the window
+    and a page), then anything (clamped into the buffer); ``rows``: the logical rows to read per sequence,
+    ``min(candidates, k)·page`` + the region's rows after the candidates. When the candidates fit ``k`` that is
+    every stored row (the full read's rows, not bitwise its sums)."""
     from ..kernels.sparse_select import values
 
     st, spec = h.stats, h.stats.spec
@@ -189,27 +214,31 @@ def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float):
     if mask is not None:
         full = mask.expand(b, total)
         region = F.pad(full[:, off:], (0, npg * p - (total - off)), value=float("-inf"))
-        seen = torch.isfinite(region).reshape(b, npg, p).any(-1)
-        cand = cand & seen
+        visible = torch.isfinite(region).reshape(b, npg, p)
+        seen = visible.any(-1)
         first = seen.to(torch.int64).argmax(-1)
-        if off:  # a row whose own sinks are padding: its first visible page stands in for them
+        if off:  # a row whose own sinks are padding
             force = force | ~torch.isfinite(full[:, 0])
+        forced = force & (cand & seen).gather(1, first[:, None])[:, 0]
+        cand = cand & (visible.all(-1) | ((idx[None] == first[:, None]) & forced[:, None]))
+    else:
+        forced = force & cand[:, 0]
     bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(st.boxes, st.scales).transpose(-1, -2))
     bound = (bound * scaling).masked_fill(~cand[:, None, None], float("-inf"))
     s = torch.where(cand[:, None], torch.log_softmax(bound, dim=-1).logsumexp(dim=2), float("-inf"))  # (B, H, P)
     hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
-    forced = (force & cand.gather(1, first[:, None])[:, 0]).view(b, 1, 1)
-    s = s.scatter(2, hit, torch.where(forced, float("inf"), s.gather(2, hit)))
+    s = s.scatter(2, hit, torch.where(forced.view(b, 1, 1), float("inf"), s.gather(2, hit)))
     top = s.topk(k, dim=-1)
     chosen = torch.where(torch.isneginf(top.values), top.indices + npg, top.indices).sort(dim=-1).values
     extra = -(-(spec.window + p) // p) + 1
-    n_valid = cand.sum(-1).clamp(max=k).view(b, 1, 1)
+    valid = cand.sum(-1).clamp(max=k)
+    nv = valid.view(b, 1, 1)
     j = torch.arange(k + extra, device=dev)
-    table = torch.where(j < n_valid, F.pad(chosen, (0, extra)), n_cand.view(b, 1, 1) + (j - n_valid))
+    table = torch.where(j < nv, F.pad(chosen, (0, extra)), n_cand.view(b, 1, 1) + (j - nv))
     slots = h.fused.k.data.shape[2] if h.fused is not None else h.keys.shape[2]
     table = table.clamp(0, -(-slots // p) - 1)  # a last page cut by the buffer: read by the twin (decode_static)
-    rows = n_valid.view(b) * p + (h.stored - n_cand * p).clamp_min(0)
-    return table, rows, first, mask
+    rows = valid * p + (h.stored - n_cand * p).clamp_min(0)
+    return StaticTable(table, rows, first, forced, valid, n_cand, mask)
 
 
 def _static_positions(h: SparseKV, table: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +282,8 @@ def static_reference(h: SparseKV, query: torch.Tensor, attention_mask, scaling: 
     scaling = d ** -0.5 if scaling is None else float(scaling)
     mask = quant.additive_mask(attention_mask, h.tokens)
     if listed is None:
-        table, rows, _, mask = static_table(h, q, attention_mask, scaling)
+        t = static_table(h, q, attention_mask, scaling)
+        table, rows, mask = t.table, t.rows, t.mask
     else:
         table, rows = listed
     pos, live = _static_positions(h, table, rows)
