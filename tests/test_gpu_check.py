@@ -51,10 +51,13 @@ def test_quick_runs_every_stage_on_cpu(tmp_path, monkeypatch):
     assert {c["kind"] for c in stages["llama3-8b"]["capacity"]} == {"kvslim-dense", "kvslim-int4"}
     assert stages["encdec-mla"]["whisper"]["tokens_equal"] and stages["encdec-mla"]["mla"]["speedup"] > 0
     sparse = {r["kind"]: r for r in stages["sparse"]["records"]}  # tiny GQA at 4k x 1: past the 2,048 budget
-    assert set(sparse) == {"hf-static", "kvslim-int4", "kvslim-int4-sparse"}
+    kinds = {"hf-static", "kvslim-int4", "kvslim-int4-sparse"}
+    assert set(sparse) == kinds | {f"{k}+compiled" for k in kinds}
     assert all("error" not in r for r in sparse.values()), sparse
     # every layer keeps page statistics: the sparse cache is the larger (its steps are sparse)
     assert sparse["kvslim-int4-sparse"]["cache_bytes"] > sparse["kvslim-int4"]["cache_bytes"]
+    captured = sparse["kvslim-int4-sparse+compiled"]  # a capturable sparse cache: one graph for every step
+    assert captured["capturable"] is True and captured["compile_counts"]["unique_graphs"] == 1, captured
     variants = stages["variants"]["variants"]
     assert all("max_abs_err_vs_float64" in r for r in variants)
     # the one tiny Triton variant (the interpreter: tests/conftest.py sets TRITON_INTERPRET=1) and the twin agree with

@@ -286,7 +286,7 @@ def measure_kind(model, kind: str, batch: int, context: int, s: Settings, copy_g
     try:
         cache = fill(model, kind, batch, context, room)
         # compiled rows of a capturable method: a cache of its own, built capturable=True (filled the same way)
-        own = len(variants) > 1 and kind.removeprefix("kvslim-") in CAPTURABLE and kind.startswith("kvslim-")
+        own = len(variants) > 1 and kind.startswith("kvslim-") and method_of(kind, context)[0] in CAPTURABLE
         caches = {kind: cache, f"{kind}+compiled": fill(model, kind, batch, context, room, True) if own else cache}
     except Exception as e:  # noqa: BLE001 - a kind that cannot be built is a record, not the end of the run
         api.restore(model)

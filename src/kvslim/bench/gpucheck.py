@@ -44,10 +44,10 @@ from .hostinfo import host
 
 STAGES = ("correctness", "mha-1b", "llama3-8b", "encdec-mla", "variants", "sparse")
 #: seconds per stage on an H100 with cold caches (compiles included): the arithmetic is in docs/gpu.md §gpu_check
-ESTIMATE_S = {"correctness": 170, "mha-1b": 150, "llama3-8b": 120, "encdec-mla": 90, "variants": 30, "sparse": 150}
+ESTIMATE_S = {"correctness": 170, "mha-1b": 150, "llama3-8b": 120, "encdec-mla": 90, "variants": 30, "sparse": 240}
 #: ``--quick`` (tiny shapes, CPU)
 QUICK_ESTIMATE_S = {"correctness": 40, "mha-1b": 20, "llama3-8b": 15, "encdec-mla": 15, "variants": 10,
-                    "sparse": 10}
+                    "sparse": 20}
 DEFAULT_BUDGET = 450.0
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: src/kvslim/bench/gpucheck.py
 

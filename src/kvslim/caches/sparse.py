@@ -341,8 +341,8 @@ class PageStats:
             if first:
                 self.acc[:, :, 0], self.acc[:, :, 1] = mn, mx
             else:
-                torch.minimum(self.acc[:, :, 0], mn, out=self.acc[:, :, 0])
-                torch.maximum(self.acc[:, :, 1], mx, out=self.acc[:, :, 1])
+                self.acc[:, :, 0] = torch.minimum(self.acc[:, :, 0], mn)  # (no out= into a strided slice: dynamo
+                self.acc[:, :, 1] = torch.maximum(self.acc[:, :, 1], mx)  # refuses it in a traced step)
             return
         s, s2 = part.sum(dim=2), (part * part).sum(dim=2)
         if first:
