@@ -123,7 +123,7 @@ export KVSLIM_NO_KERNELS=${KVSLIM_NO_KERNELS:-1}
 COMPILE_FILES=(tests/test_cuda_graphs.py tests/test_capturable.py tests/test_capturable_all.py
                tests/test_capturable_mla.py tests/test_capturable_residual.py tests/test_capturable_ring.py
                tests/test_capturable_slim.py tests/test_capturable_turbo.py tests/test_sync_free.py
-               tests/test_triton_capturable.py tests/test_torch_floor.py)
+               tests/test_triton_capturable.py tests/test_torch_floor.py tests/test_sparse_capturable.py)
 STAGE1_FILES=$("$PY" -c 'from kvslim.bench.gpucheck_stages import PYTEST_GROUPS as G
 print(" ".join(sorted({n.split("::")[0] for _, ns in G for n in ns if "triton" in n})))')
 failed=()
