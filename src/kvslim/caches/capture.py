@@ -191,13 +191,20 @@ class CapturableMixin:
             sparse = self._static_sparse(None, self.length_t)
             if sparse is not None:
                 return sparse_markers(sparse, key_states)
-        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(self.k_store) \
-                and fused.fusable(self.v_store):
+        # a sparse step hands the codes whether or not the op is built (its twin reads the table as it does)
+        if s == 1 and (self.fused_decode or self._sparse_on()) and not torch.is_grad_enabled() \
+                and fused.fusable(self.k_store) and fused.fusable(self.v_store):
             h = fused.FusedKV(self.k_store, self.v_store, self.max_length, key_states, value_states, reads,
                               visible=self.max_length, lengths=old, static=True)
             sparse = self._static_sparse(h, old)
-            return sparse_markers(sparse, key_states) if sparse is not None else fused.markers(h, key_states)
+            if sparse is not None:
+                return sparse_markers(sparse, key_states)
+            if self.fused_decode:
+                return fused.markers(h, key_states)
         return reads()
+
+    def _sparse_on(self) -> bool:
+        return getattr(self, "page_stats", None) is not None and getattr(self, "sparse_attention", False)
 
     def _static_stats(self, pos: torch.Tensor, keys: torch.Tensor, keep: torch.Tensor | None, in_graph: bool) -> None:
         """Sparse decode's page boxes for a static write at slots ``pos``: one token on the device
@@ -279,15 +286,18 @@ class CapturableMixin:
             else:
                 store.append(int(self.cumulative_length) - s, x)
         reads = functools.partial(self._static_residual_reads, pos, key_states, value_states)
-        if s == 1 and self.fused_decode and not torch.is_grad_enabled() and fused.fusable(k.inner) \
-                and fused.fusable(v.inner) and k.fitted:
+        if s == 1 and (self.fused_decode or self._sparse_on()) and not torch.is_grad_enabled() \
+                and fused.fusable(k.inner) and fused.fusable(v.inner) and k.fitted:
             b = key_states.shape[0]
             (kt, k_coded), (vt, v_coded) = k.fused_tail(), v.fused_tail()
             h = fused.FusedKV(k.inner, v.inner, k.capacity, kt, vt, reads, columns=k.columns(self.length_t[0]),
                               visible=self.max_length, lengths=k.flushed_t.expand(b).clone(),
                               k_tail_rotated=k_coded, v_tail_rotated=v_coded)
             sparse = self._static_sparse(h, k.flushed_t)
-            return sparse_markers(sparse, key_states) if sparse is not None else fused.markers(h, key_states)
+            if sparse is not None:
+                return sparse_markers(sparse, key_states)
+            if self.fused_decode:
+                return fused.markers(h, key_states)
         return reads()
 
     def _static_residual_reads(self, pos: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
