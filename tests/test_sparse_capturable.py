@@ -150,10 +150,16 @@ def test_a_mask_with_holes_is_honoured(method, opts):
 @pytest.mark.parametrize("method, opts", [("int4", {}), ("int8", {}), ("int2", dict(sparse_page=64)),
                                           ("turbo3", {})])
 def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
-    """The same static step under ``KVSLIM_BACKEND=triton`` (``TRITON_INTERPRET=1``: the kernels a GPU runs, reading
-    the table in place, rows cut by ``lengths`` or, turbo, by the mask) equals the twin."""
+    """The same static step under ``KVSLIM_BACKEND=triton`` (``TRITON_INTERPRET=1``: the kernels a GPU runs: the page
+    scores from one kernel over each row's candidate range, a count it reads on the device; the decode kernels
+    reading the table in place, rows cut by ``lengths`` or, turbo, by the mask) equals the twin, which scores in
+    torch: the same table, unmasked and left-padded."""
     pytest.importorskip("triton")
+    from kvslim.kernels.triton import sparse_select as ts
+
     monkeypatch.setenv("KVSLIM_BACKEND", "triton")
+    scored, real_scores = [], ts.page_scores
+    monkeypatch.setattr(ts, "page_scores", lambda *a, **kw: scored.append(a[6]) or real_scores(*a, **kw))
     model = _model(method, **opts)
     cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
     cache.enable_sparse_decode()
@@ -165,18 +171,26 @@ def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
         q = torch.randn(2, 4, 1, 16, generator=g)
         real, twin = attn.static_reference, []
         monkeypatch.setattr(attn, "static_reference", lambda *a, **kw: twin.append(1) or real(*a, **kw))
-        out = attn.decode(h, q, None, 0.25)
-        assert not twin  # the kernels took it
+        mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
+        mask[..., PROMPT + 1:] = False
+        mask[1, ..., :70] = False  # row 1 left-padded over four pages and a half
+        outs = [attn.decode(h, q, m, 0.25) for m in (None, mask)]
+        assert not twin and len(scored) == 2 and all(last is not None for last in scored)  # the kernels took it
         monkeypatch.setenv("KVSLIM_BACKEND", "torch")
-        ref = real(h, q, None, 0.25)
-    assert_rel_close(out, ref, torch.float32, f"{method} {opts}")
+        refs = [real(h, q, m, 0.25) for m in (None, mask)]
+    for out, ref in zip(outs, refs):
+        assert_rel_close(out, ref, torch.float32, f"{method} {opts}")
 
 
-@pytest.mark.parametrize("method", ["int4", "dense"])
-def test_hf_compile_path_one_graph_for_every_sparse_step(method):
+@pytest.mark.parametrize("method, backend", [("int4", None), ("dense", None), ("int4", "triton")])
+def test_hf_compile_path_one_graph_for_every_sparse_step(method, backend, monkeypatch):
     """``model.generate`` through HF's compile path with a capturable sparse cache: one graph for all 23 compiled
     steps (page ends crossed, the table's contents changing), the tokens eager sparse decode gives; the cache's
-    steps are static sparse steps reading about half the context (one more step, eagerly, after them)."""
+    steps are static sparse steps reading about half the context (one more step, eagerly, after them). Under
+    ``KVSLIM_BACKEND=triton`` the graph holds the Triton page scores and decode kernels (custom ops), as on a GPU."""
+    if backend:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("KVSLIM_BACKEND", backend)
     model = _model(method)
     ids = torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     eager, got, graphs, cache = generate_eager_and_compiled(model, ids, 24, PROMPT + 32)

@@ -83,6 +83,12 @@ def test_left_padded_scores_match_the_twin(dtype):
     bound = torch.cat((q, q.abs()), -1) @ ss.values(boxes[:, :, :150], scales).transpose(-1, -2)
     want = torch.log_softmax((bound * 0.125).masked_fill(pad[:, None, None], float("-inf")), -1).logsumexp(2)
     assert torch.isneginf(got[pad[:, None].expand(b, 2, 150)]).all()
+    last = torch.tensor([150, 100, 64], device=DEVICE)  # a static step's candidate counts (the last: none)
+    cut = ts.page_scores(q, boxes, 150, 0.125, scales, first, last)
+    live = ~pad & (torch.arange(150, device=DEVICE)[None] < last[:, None])
+    want_cut = torch.log_softmax((bound * 0.125).masked_fill(~live[:, None, None], float("-inf")), -1).logsumexp(2)
+    assert torch.isneginf(cut[~live[:, None].expand(b, 2, 150)]).all()
+    torch.testing.assert_close(cut[:2], want_cut[:2], atol=1e-6 * float(bound.abs().max()) * 0.125, rtol=0)
     mag = float((torch.cat((q, q.abs()), -1).abs() @ ss.values(boxes[:, :, :150], scales).abs().transpose(-1, -2))
                 .max()) * 0.125
     torch.testing.assert_close(got, want, atol=1e-6 * mag, rtol=0)  # as the unpadded scores above
@@ -104,11 +110,11 @@ def test_triton_path_refuses_bad_input(monkeypatch):
 def test_kernel_compiles_for_sm90():
     compile_for_sm90('''
 from kvslim.kernels.triton import sparse_select as ts
-types = dict(Q="*fp32", OUT="*fp32", scaling="fp32", SC="*fp16", FIRST="*i64")
+types = dict(Q="*fp32", OUT="*fp32", scaling="fp32", SC="*fp16", FIRST="*i64", LAST="*i64")
 for box, coded in (("*i8", True), ("*fp16", False), ("*fp32", False)):
     for g, d in ((1, 64), (7, 64), (8, 128), (4, 24)):
-        for padded in (False, True):
+        for padded, static in ((False, False), (True, False), (True, True)):
             build(ts._page_scores, {**types, "BOX": box}, dict(G=g, G_PAD=triton.next_power_of_2(g), D=d,
                   D_PAD=triton.next_power_of_2(d), GROUP=16 if d % 16 == 0 else d, CODED=coded, HAS_FIRST=padded,
-                  BLOCK_P=32), 4)
+                  HAS_LAST=static, BLOCK_P=32), 4)
 ''')

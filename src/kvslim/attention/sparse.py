@@ -223,9 +223,19 @@ def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float) -
         cand = cand & (visible.all(-1) | ((idx[None] == first[:, None]) & forced[:, None]))
     else:
         forced = force & cand[:, 0]
-    bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(st.boxes, st.scales).transpose(-1, -2))
-    bound = (bound * scaling).masked_fill(~cand[:, None, None], float("-inf"))
-    s = torch.where(cand[:, None], torch.log_softmax(bound, dim=-1).logsumexp(dim=2), float("-inf"))  # (B, H, P)
+    if _static_triton(q, st.boxes, st.scales):
+        # one kernel over [first, candidates) (the int8 boxes converted as loaded: no fp32 copy of the whole
+        # capacity's boxes), then the candidates' mask: under a mask with holes (not a left padding) a page inside
+        # that range but hidden in part counts in its heads' log-softmax, unlike the eager step; never chosen
+        from ..kernels.triton import sparse_select as ts
+
+        lo = first if mask is not None else None
+        s = ts.op()(q.contiguous(), st.boxes, npg, scaling, st.scales, lo, n_cand)
+        s = torch.where(cand[:, None], s, float("-inf"))
+    else:
+        bound = torch.matmul(torch.cat((q, q.abs()), dim=-1), values(st.boxes, st.scales).transpose(-1, -2))
+        bound = (bound * scaling).masked_fill(~cand[:, None, None], float("-inf"))
+        s = torch.where(cand[:, None], torch.log_softmax(bound, dim=-1).logsumexp(dim=2), float("-inf"))  # (B, H, P)
     hit = first.view(b, 1, 1).expand(b, s.shape[1], 1)
     s = s.scatter(2, hit, torch.where(forced.view(b, 1, 1), float("inf"), s.gather(2, hit)))
     top = s.topk(k, dim=-1)
@@ -239,6 +249,15 @@ def static_table(h: SparseKV, q: torch.Tensor, attention_mask, scaling: float) -
     table = table.clamp(0, -(-slots // p) - 1)  # a last page cut by the buffer: read by the twin (decode_static)
     rows = valid * p + (h.stored - n_cand * p).clamp_min(0)
     return StaticTable(table, rows, first, forced, valid, n_cand, mask)
+
+
+def _static_triton(q: torch.Tensor, boxes: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether a static step scores its pages with the Triton kernel: the queries' device runs Triton (CUDA, or
+    ``KVSLIM_BACKEND=triton`` under the interpreter), unit last strides."""
+    from ..kernels import backend
+
+    return (backend.pick(q.device, False) == "triton" and boxes.stride(-1) == 1
+            and (scales is None or scales.stride(-1) == 1))
 
 
 def _static_positions(h: SparseKV, table: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
