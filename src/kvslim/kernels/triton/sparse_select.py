@@ -71,7 +71,8 @@ def _page_scores(Q, BOX, SC, FIRST, LAST, OUT, n_pages, scaling, H, bx_b, bx_h, 
         m_new = tl.maximum(m, tl.max(s, 1))
         s_sum = s_sum * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m = m_new
-    lse = m + tl.log(s_sum)
+    # a row with no candidate (a static step early on): a finite stand-in, its pages all written -inf below
+    lse = tl.where(m > float("-inf"), m, 0.0) + tl.log(tl.maximum(s_sum, 1e-30))
     for p0 in range(0, n_pages, BLOCK_P):  # pass 2: the group's log of summed estimated attentions
         p = p0 + tl.arange(0, BLOCK_P)
         p_ok = p < n_pages
