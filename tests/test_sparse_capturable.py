@@ -50,6 +50,21 @@ def _spy_tables(monkeypatch) -> list:
     return seen
 
 
+def _static_step(method: str, opts: dict, seed: int):
+    """A capturable cache of ``method`` after a PROMPT-token prefill and one step of random keys: (its static sparse
+    handle, a step query (2, 4, 1, 16))."""
+    model = _model(method, **opts)
+    cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
+    cache.enable_sparse_decode()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        cache.update(torch.randn(2, 2, PROMPT, 16, generator=g), torch.randn(2, 2, PROMPT, 16, generator=g), 0)
+        k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
+    h = sparse_of(k)
+    assert h is not None and h.static
+    return h, torch.randn(2, 4, 1, 16, generator=g)
+
+
 @pytest.mark.parametrize("score", ["minmax", "meanstd"])
 @pytest.mark.parametrize("method", ["dense", "int4"])
 def test_static_steps_write_the_eager_layers_boxes(method, score):
@@ -96,16 +111,8 @@ def test_static_step_equals_its_twin(method, opts):
     """One static step through the ops (pages read in place, rows cut per sequence) equals
     ``static_reference`` (the layer's full static reads, the same rows gathered, fp32 softmax); a store the op
     declines (int4 with 8-bit keys) goes through the twin."""
-    model = _model(method, **opts)
-    cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
-    cache.enable_sparse_decode()
-    g = torch.Generator().manual_seed(6)
+    h, q = _static_step(method, opts, 6)
     with torch.no_grad():
-        cache.update(torch.randn(2, 2, PROMPT, 16, generator=g), torch.randn(2, 2, PROMPT, 16, generator=g), 0)
-        k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
-        h = sparse_of(k)
-        assert h is not None and h.static
-        q = torch.randn(2, 4, 1, 16, generator=g)
         real, twin = attn.static_reference, []
         attn.static_reference = lambda *a, **kw: twin.append(1) or real(*a, **kw)
         try:
@@ -123,19 +130,12 @@ def test_a_mask_with_holes_is_honoured(method, opts):
     builds, but a mask a caller may pass): a partly hidden page is never chosen, the rest's hidden rows are masked
     in the op's one-row-per-sequence mask, so the op equals the twin (which applies the whole mask by position);
     no hidden row is read."""
-    model = _model(method, **opts)
-    cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
-    cache.enable_sparse_decode()
-    g = torch.Generator().manual_seed(8)
+    h, q = _static_step(method, opts, 8)
     with torch.no_grad():
-        cache.update(torch.randn(2, 2, PROMPT, 16, generator=g), torch.randn(2, 2, PROMPT, 16, generator=g), 0)
-        k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
-        h = sparse_of(k)
         mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
         mask[:, ..., PROMPT + 1:] = False  # the future
         mask[0, ..., 100:110] = False  # inside candidate pages
         mask[1, ..., 380:386] = False  # inside the region's rest
-        q = torch.randn(2, 4, 1, 16, generator=g)
         t = attn.static_table(h, q.reshape(2, 2, 2, 16), mask, 0.25)
         pos, live = attn._static_positions(h, t.table, t.rows)
         hidden = ~mask[:, 0, 0][:, None].expand(2, 2, -1).gather(2, pos)
@@ -160,15 +160,8 @@ def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
     monkeypatch.setenv("KVSLIM_BACKEND", "triton")
     scored, real_scores = [], ts.page_scores
     monkeypatch.setattr(ts, "page_scores", lambda *a, **kw: scored.append(a[6]) or real_scores(*a, **kw))
-    model = _model(method, **opts)
-    cache = kvslim.make_cache(model, max_length=PROMPT + 8, capturable=True)
-    cache.enable_sparse_decode()
-    g = torch.Generator().manual_seed(7)
+    h, q = _static_step(method, opts, 7)
     with torch.no_grad():
-        cache.update(torch.randn(2, 2, PROMPT, 16, generator=g), torch.randn(2, 2, PROMPT, 16, generator=g), 0)
-        k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
-        h = sparse_of(k)
-        q = torch.randn(2, 4, 1, 16, generator=g)
         real, twin = attn.static_reference, []
         monkeypatch.setattr(attn, "static_reference", lambda *a, **kw: twin.append(1) or real(*a, **kw))
         mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
