@@ -24,6 +24,11 @@ takes the static path only when made ``capturable`` before its first update: its
 :class:`~kvslim.caches.capture_residual.StaticResidualStore` s (sinks + a ring window, flushes decided on the device);
 otherwise it keeps today's path (``is_compileable`` ``False``).
 
+Sparse decode (``sparse_budget``, docs/sparse.md "Captured steps"): a single-token static step writes its page's
+box on the device (``PageStats.write_static``) and hands attention a static :class:`~kvslim.caches.sparse.SparseKV`
+(the device length, the rows the stores hold), whose page table ``attention/sparse.decode_static`` decides on the
+device; the box buffers cover the whole capacity from the first update.
+
 Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
 step writes nothing (the last slot is rewritten with what it holds, the length stays; that step's output is void)
 and sets a device flag (a CUDA graph cannot raise); the next eager call of the layer after graph steps
