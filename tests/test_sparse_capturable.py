@@ -106,6 +106,24 @@ def test_capturable_sparse_decode_matches_eager_sparse(method, opts, monkeypatch
     assert_rel_close(logits, want_logits, torch.float32, f"{method} {opts}")
 
 
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_auto_budget_and_group_sizes(kv_heads, monkeypatch):
+    """``sparse_budget="auto"`` on a capturable cache takes its pages from the budget at ``max_length`` (here more
+    than the context: every row read, as the eager step's full read reads them) — eager's tokens and logits; MQA
+    (one KV head for four query heads) and MHA."""
+    model = tiny_model("llama", kv_heads=kv_heads, num_hidden_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kvslim.apply(model, "int8", sparse_budget="auto", sparse_page=16, sparse_dense_layers=0)
+    want_tokens, want_logits = decode_greedy(model, model, kvslim.make_cache(model), PROMPT, STEPS, batch=1)
+    tables = _spy_tables(monkeypatch)
+    cache = kvslim.make_cache(model, max_length=PROMPT + STEPS + 1, capturable=True)
+    tokens, logits = decode_greedy(model, model, cache, PROMPT, STEPS, batch=1)
+    assert len(tables) == 2 * STEPS and all(bool((rows == length - 1).all()) for rows, length in tables)
+    assert torch.equal(tokens, want_tokens)
+    assert_rel_close(logits, want_logits, torch.float32, f"auto, {kv_heads} KV heads")
+
+
 @pytest.mark.parametrize("method, opts", METHODS + [("int4", dict(key_bits=8))])
 def test_static_step_equals_its_twin(method, opts):
     """One static step through the ops (pages read in place, rows cut per sequence) equals
