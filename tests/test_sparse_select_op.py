@@ -183,11 +183,13 @@ def test_every_instruction_set_chooses_the_same_pages(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-@pytest.mark.parametrize("pages,k", [(128, 1), (128, 127), (300, 17), (1020, 60), (1020, 124), (4000, 3), (777, 500)])
+@pytest.mark.parametrize("pages,k", [(7, 1), (40, 39), (124, 60), (128, 1), (128, 127), (300, 17), (511, 200),
+                                     (1020, 60), (1020, 124), (4000, 3), (777, 500)])
 def test_top_pages_of_any_scores_match_a_sort(isa, pages, k):
-    """The k best of arbitrary scores — few distinct values (ties cut by k), ±inf, NaN — through the radix select
-    (AVX2 cap) and the AVX-512 pivot-and-compress select: the pages a sort by (score descending, NaN last, page)
-    takes, ascending. G = 1 with a one-hot query makes each page's score its box's first centre exactly."""
+    """The k best of arbitrary scores — few distinct values (ties cut by k), ±inf, NaN — through the select for few
+    pages (under 512, and under 128 at AVX-512), the radix select (AVX2 cap, 512 pages and more) and the AVX-512
+    pivot-and-compress select: the pages a sort by (score descending, NaN last, page) takes, ascending. G = 1 with a
+    one-hot query makes each page's score its box's first centre exactly."""
     if not ss.available():
         pytest.skip("C++ op not built")
     gen = torch.Generator().manual_seed(pages * 7 + k)
