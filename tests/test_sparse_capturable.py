@@ -1,6 +1,6 @@
 """Sparse decode on a capturable cache (``kvslim.make_cache(model, max_length=N, capturable=True)``; issue 48 item 3):
 page boxes written on the device by static steps (``PageStats.write_static``), the page table and the rows each
-sequence reads decided on the device (``attention/sparse.static_table``), the ops reading the table in place
+sequence reads decided on the device (``attention/sparse_static.static_table``), the ops reading the table in place
 (``decode_static``). Against the eager layer's boxes bit for bit, against eager sparse decode end to end (the same
 pages: logits to fp32 reordering, the same tokens), against its own twin (``static_reference``), under HF's compile
 path (one graph for every step) and with a left-padded batch."""
@@ -17,6 +17,7 @@ from tolerances import assert_rel_close
 import kvslim
 from kvslim.adapters.compat import CACHE_KW
 from kvslim.attention import sparse as attn
+from kvslim.attention import sparse_static as static
 from kvslim.caches.sparse import sparse_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,14 +40,14 @@ def _model(method: str, **opts):
 def _spy_tables(monkeypatch) -> list:
     """Every static step's (rows read per sequence, tokens visible) as ``static_table`` computes them."""
     seen = []
-    real = attn.static_table
+    real = static.static_table
 
     def spy(h, *a, **k):
         out = real(h, *a, **k)
         seen.append((out.rows.clone(), h.length.clone()))
         return out
 
-    monkeypatch.setattr(attn, "static_table", spy)
+    monkeypatch.setattr(static, "static_table", spy)
     return seen
 
 
@@ -131,12 +132,12 @@ def test_static_step_equals_its_twin(method, opts):
     declines (int4 with 8-bit keys) goes through the twin."""
     h, q = _static_step(method, opts, 6)
     with torch.no_grad():
-        real, twin = attn.static_reference, []
-        attn.static_reference = lambda *a, **kw: twin.append(1) or real(*a, **kw)
+        real, twin = static.static_reference, []
+        static.static_reference = lambda *a, **kw: twin.append(1) or real(*a, **kw)
         try:
             out = attn.decode(h, q, None, 0.25)
         finally:
-            attn.static_reference = real
+            static.static_reference = real
         ref = real(h, q, None, 0.25)
     assert len(twin) == ("key_bits" in opts)  # the ops read the table, but for the store they decline
     assert_rel_close(out, ref, torch.float32, f"{method} {opts}")
@@ -154,14 +155,14 @@ def test_a_mask_with_holes_is_honoured(method, opts):
         mask[:, ..., PROMPT + 1:] = False  # the future
         mask[0, ..., 100:110] = False  # inside candidate pages
         mask[1, ..., 380:386] = False  # inside the region's rest
-        t = attn.static_table(h, q.reshape(2, 2, 2, 16), mask, 0.25)
-        pos, live = attn._static_positions(h, t.table, t.rows)
+        t = static.static_table(h, q.reshape(2, 2, 2, 16), mask, 0.25)
+        pos, live = static._static_positions(h, t.table, t.rows)
         hidden = ~mask[:, 0, 0][:, None].expand(2, 2, -1).gather(2, pos)
         assert (hidden & live).any()  # the rest's hidden rows are listed (masked), and
         chosen = t.table[:, :, :int(t.valid.min())]
         assert not ((chosen >= (100 - h.stats.offset) // 16) & (chosen <= (109 - h.stats.offset) // 16))[0].any()
         out = attn.decode(h, q, mask, 0.25)
-        ref = attn.static_reference(h, q, mask, 0.25)
+        ref = static.static_reference(h, q, mask, 0.25)
     assert_rel_close(out, ref, torch.float32, method)
 
 
@@ -180,8 +181,8 @@ def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
     monkeypatch.setattr(ts, "page_scores", lambda *a, **kw: scored.append(a[6]) or real_scores(*a, **kw))
     h, q = _static_step(method, opts, 7)
     with torch.no_grad():
-        real, twin = attn.static_reference, []
-        monkeypatch.setattr(attn, "static_reference", lambda *a, **kw: twin.append(1) or real(*a, **kw))
+        real, twin = static.static_reference, []
+        monkeypatch.setattr(static, "static_reference", lambda *a, **kw: twin.append(1) or real(*a, **kw))
         mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
         mask[..., PROMPT + 1:] = False
         mask[1, ..., :70] = False  # row 1 left-padded over four pages and a half
@@ -212,7 +213,7 @@ def test_hf_compile_path_one_graph_for_every_sparse_step(method, backend, monkey
         k, _ = cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
         h = sparse_of(k)
         assert h is not None and h.static
-        rows = attn.static_table(h, torch.randn(2, 2, 2, 16, generator=g), None, 0.25).rows
+        rows = static.static_table(h, torch.randn(2, 2, 2, 16, generator=g), None, 0.25).rows
     assert bool((rows < h.length - 150).all()) and int(h.length[0]) == PROMPT + 24
 
 

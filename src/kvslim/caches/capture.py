@@ -26,7 +26,7 @@ otherwise it keeps today's path (``is_compileable`` ``False``).
 
 Sparse decode (``sparse_budget``, docs/sparse.md "Captured steps"): a single-token static step writes its page's
 box on the device (``PageStats.write_static``) and hands attention a static :class:`~kvslim.caches.sparse.SparseKV`
-(the device length, the rows the stores hold), whose page table ``attention/sparse.decode_static`` decides on the
+(the device length, the rows the stores hold), whose page table ``attention/sparse_static.decode_static`` decides on the
 device; the box buffers cover the whole capacity from the first update.
 
 Past ``max_length``: an eager step outside the static path grows the buffers as before (tokens unchanged). A graph
@@ -228,7 +228,7 @@ class CapturableMixin:
             st.sync(self.cumulative_length)
 
     def _static_sparse(self, h, stored: torch.Tensor):
-        """A static sparse step's handle (``attention/sparse.decode_static``) over ``h`` (a coded layer's static
+        """A static sparse step's handle (``attention/sparse_static.decode_static``) over ``h`` (a coded layer's static
         handle; ``None``: a dense layer's buffers), ``stored`` (B,) the region rows the stores hold; ``None`` when
         the step reads everything (no sparse decode here, kvslim's attention off, autograd, statistics lost)."""
         st, sp = getattr(self, "page_stats", None), getattr(self, "sparse", None)

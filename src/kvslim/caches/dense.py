@@ -22,7 +22,7 @@ class AppendLayer(CapturableMixin, KVStoreLayer):
     step traced by dynamo or captured by a CUDA graph (or any step of a ``capturable`` cache) takes the static path
     of :mod:`kvslim.caches.capture`. ``sparse``: query-aware sparse decode (:mod:`kvslim.caches.sparse`): page
     statistics are kept as tokens are written, and a single-token step past the budget reads only chosen pages
-    (the static path too: ``attention/sparse.decode_static``)."""
+    (the static path too: ``attention/sparse_static.decode_static``)."""
 
     is_croppable = True
 

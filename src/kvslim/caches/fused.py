@@ -74,7 +74,7 @@ class FusedKV:
     #: after everything above (the history); attention merges their causal block with the op's output
     own: tuple[torch.Tensor, torch.Tensor] | None = None
     #: the op's mask as built (B|1, n + r), HF's mask not consulted: a static sparse step's listed rows
-    #: (``attention/sparse.decode_static``), whose columns differ per head
+    #: (``attention/sparse_static.decode_static``), whose columns differ per head
     listed_mask: torch.Tensor | None = None
 
     @property

@@ -408,7 +408,7 @@ class SparseKV:
     kept: torch.Tensor | None = None  # select="prompt": the chosen pages (B, H, k), to read or to write
     choose: bool = True  # choose the pages (and write them into ``kept`` when it is given)
     read: int = 0  # pages to choose at this step (SparseSpec.step_pages); 0: the spec's floor
-    #: the static path of a capturable layer (``caches/capture.py``, ``attention/sparse.decode_static``): ``n`` and
+    #: the static path of a capturable layer (``caches/capture.py``, ``attention/sparse_static.decode_static``): ``n`` and
     #: ``pages`` are the whole buffer's slots and pages, ``length`` (B,) the tokens visible at this step (its own
     #: included) and ``stored`` (B,) the region rows held in ``fused``'s stores (or dense ``keys``), on the device
     static: bool = False

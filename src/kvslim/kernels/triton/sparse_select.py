@@ -90,7 +90,7 @@ def page_scores(q: torch.Tensor, boxes: torch.Tensor, n_pages: int, scaling: flo
     (B, H, ≥ n_pages, 2D / group) fp16) -> (B, H, n_pages) fp32 scores (``sparse_select.scores``' contract; with
     ``first`` (B,) int64, ``sparse_select.reference``'s before its forced page: the pages before ``first[b]``
     ``-inf``, the log-softmax over the rest; with ``last`` (B,) int64 likewise the pages from ``last[b]`` on, a
-    count the host never reads: a static step's candidates, ``attention/sparse.static_table``)."""
+    count the host never reads: a static step's candidates, ``attention/sparse_static.static_table``)."""
     interpreter_scalars()
     b, h, g, d = q.shape
     out = torch.empty(b, h, n_pages, dtype=torch.float32, device=q.device)
