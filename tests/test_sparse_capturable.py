@@ -16,7 +16,6 @@ from tolerances import assert_rel_close
 
 import kvslim
 from kvslim.adapters.compat import CACHE_KW
-from kvslim.attention import sparse as attn
 from kvslim.attention import sparse_static as static
 from kvslim.caches.sparse import sparse_of
 
@@ -135,7 +134,7 @@ def test_static_step_equals_its_twin(method, opts):
         real, twin = static.static_reference, []
         static.static_reference = lambda *a, **kw: twin.append(1) or real(*a, **kw)
         try:
-            out = attn.decode(h, q, None, 0.25)
+            out = static.decode_static(h, q, None, 0.25)
         finally:
             static.static_reference = real
         ref = real(h, q, None, 0.25)
@@ -161,7 +160,7 @@ def test_a_mask_with_holes_is_honoured(method, opts):
         assert (hidden & live).any()  # the rest's hidden rows are listed (masked), and
         chosen = t.table[:, :, :int(t.valid.min())]
         assert not ((chosen >= (100 - h.stats.offset) // 16) & (chosen <= (109 - h.stats.offset) // 16))[0].any()
-        out = attn.decode(h, q, mask, 0.25)
+        out = static.decode_static(h, q, mask, 0.25)
         ref = static.static_reference(h, q, mask, 0.25)
     assert_rel_close(out, ref, torch.float32, method)
 
@@ -186,7 +185,7 @@ def test_static_step_on_the_triton_backend(method, opts, monkeypatch):
         mask = torch.ones(2, 1, 1, h.tokens, dtype=torch.bool)
         mask[..., PROMPT + 1:] = False
         mask[1, ..., :70] = False  # row 1 left-padded over four pages and a half
-        outs = [attn.decode(h, q, m, 0.25) for m in (None, mask)]
+        outs = [static.decode_static(h, q, m, 0.25) for m in (None, mask)]
         assert not twin and len(scored) == 2 and all(last is not None for last in scored)  # the kernels took it
         monkeypatch.setenv("KVSLIM_BACKEND", "torch")
         refs = [real(h, q, m, 0.25) for m in (None, mask)]

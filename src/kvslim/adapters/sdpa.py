@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention import quant, sparse
+from ..attention import quant, sparse, sparse_static
 from ..caches.capture_ring import ring_columns, ring_mask
 from ..caches.fused import fused_of
 from ..caches.sparse import sparse_of
@@ -56,9 +56,10 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, **kwar
     picked = sparse_of(key)
     if picked is not None:  # a sparse decode step (caches/sparse.py): the chosen pages only
         if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None:
-            return sparse.decode(picked, query, attention_mask, scaling), None
-        if picked.fused is None:
-            key, value = picked.keys, picked.values
+            decode = sparse_static.decode_static if picked.static else sparse.decode  # a capturable layer's step
+            return decode(picked, query, attention_mask, scaling), None
+        if picked.fused is None:  # (a static step's buffers run past its max_length visible slots)
+            key, value = picked.keys[:, :, :picked.tokens], picked.values[:, :, :picked.tokens]
         else:
             key, value = picked.fused.materialize()
     fused = fused_of(key)

@@ -84,10 +84,8 @@ def rows_of(h: SparseKV, idx: torch.Tensor) -> torch.Tensor:
 def decode(h: SparseKV, query: torch.Tensor, attention_mask: torch.Tensor | None,
            scaling: float | None) -> torch.Tensor:
     """Attention output (B, 1, H, D) in the query's dtype for a step's query (B, H, 1, D)."""
-    if h.static:  # a capturable layer's step (attention/sparse_static.py)
-        from .sparse_static import decode_static
-
-        return decode_static(h, query, attention_mask, scaling)
+    if h.static:
+        raise ValueError("a capturable layer's sparse step: attention/sparse_static.decode_static reads it")
     b, heads, _, d = query.shape
     hk = h.fused.k.data.shape[1] if h.fused is not None else h.keys.shape[1]
     q = query.float().reshape(b, hk, heads // hk, d)
