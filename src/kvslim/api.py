@@ -130,7 +130,9 @@ def make_cache(model: torch.nn.Module, max_length: int | None = None, capturable
             ``StaticCache`` (HF's ``generate`` compile path); needs ``max_length``. The int4/int3/int2 and turbo
             defaults (sinks, residual window, KIVI keys, turbo codes) are capturable only so: their window becomes a
             ring flushed on the device, what the first coded write fits (turbo channel means and outlier channels,
-            smoothed keys' factors) is fitted by the eager prefill (``caches/capture_residual.py``).
+            smoothed keys' factors) is fitted by the eager prefill (``caches/capture_residual.py``). Sparse decode
+            (``sparse_budget``) runs there too, its page choice made on the device (docs/sparse.md, "Captured
+            steps"); ``sparse_select="prompt"`` is refused with it.
     """
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
                                    or max_length <= 0):
