@@ -191,6 +191,13 @@ inline uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// the pages of keys above t, then the `need` lowest pages at t, into idx in page order (both selects' last pass)
+inline void take_top(const uint32_t* key, int64_t n, uint32_t t, int64_t need, int64_t* idx) {
+  int64_t o = 0;
+  for (int64_t p = 0; p < n; ++p)
+    if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
+}
+
 // the kk best of score[0, n) (the larger first, ties to the lower page) into idx, ascending: a radix select on the
 // scores' order-preserving bits (digits of 11, 11 and 10 bits, each pass over the candidates the last one left:
 // after the first, the few pages in the bucket that holds the kk-th), which fixes the kk-th best key T and how many
@@ -231,9 +238,7 @@ inline void top_pages_radix(const float* score, int64_t n, int64_t kk, int64_t* 
     }
     nc = m;
   }
-  int64_t o = 0;
-  for (int64_t p = 0; p < n; ++p)
-    if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
+  take_top(key.data(), n, t, need, idx);
 }
 
 // top_pages_radix's choice for few pages (n < kSmallPages, where the radix select's three 2,048-bucket histograms
@@ -248,9 +253,7 @@ inline void top_pages_small(const float* score, int64_t n, int64_t kk, int64_t* 
   const uint32_t t = buf[kk - 1];
   int64_t need = kk;
   for (int64_t p = 0; p < n; ++p) need -= key[p] > t;  // the pages at T to take
-  int64_t o = 0;
-  for (int64_t p = 0; p < n; ++p)
-    if (key[p] > t || (key[p] == t && need-- > 0)) idx[o++] = p;
+  take_top(key, n, t, need, idx);
 }
 
 // the lanes of pages [p, min(p + 16, n)) in a 16-lane mask
